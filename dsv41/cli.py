@@ -1,0 +1,138 @@
+"""`dsv41` command line: `dsv41 run` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+__all__ = ["main", "build_model", "compile_model", "BACKENDS"]
+
+#: Backends `dsv41 run --backend` accepts.
+BACKENDS = ("dsv41", "eager", "inductor", "inductor-cudagraphs")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def build_model(preset: str, device: str, weight_mode: str = "checkpoint", dtype: str | None = None, seed: int = 0):
+    """Build preset `preset` with seeded random weights generated directly on `device`.
+
+    Returns the eval-mode `DeepseekV41Flash`. dtype defaults to fp32 on CPU and bf16 on CUDA.
+    Raises: ValueError for an unknown preset, weight mode or dtype.
+    """
+    from .model import DeepseekV41Flash, ModelConfig
+    cfg = ModelConfig.preset(preset)
+    if dtype is None:
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    model = DeepseekV41Flash(cfg, weight_mode=weight_mode, dtype=_DTYPES[dtype], device=device)
+    return model.init_random(seed).eval()
+
+
+def compile_model(model, backend: str, options: dict | None = None):
+    """Wrap `model` for `backend` (one of `BACKENDS`); `eager` returns the model itself.
+
+    Raises: ValueError for an unknown backend.
+    """
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model)
+    if backend == "inductor-cudagraphs":
+        return torch.compile(model, mode="reduce-overhead")
+    if backend == "dsv41":
+        return torch.compile(model, backend="dsv41", options=options or {})
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _cmd_run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .model import benchmark_prompt, generate
+    from .model.budget import budget
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = args.preset or ("small" if device.startswith("cuda") else "tiny")
+    prompt_len = args.prompt_len or (4096 if device.startswith("cuda") else 32)
+    new_tokens = args.new_tokens or (64 if device.startswith("cuda") else 16)
+    console = Console(stderr=True)
+    torch.manual_seed(args.seed)
+    with console.status(f"building {preset} ({args.weight_mode}) on {device}"):
+        model = build_model(preset, device, args.weight_mode, args.dtype, args.seed)
+    prompt = benchmark_prompt(model.config, prompt_len, device=device)
+    result = {"preset": preset, "backend": args.backend, "device": device, "weight_mode": args.weight_mode,
+              "dtype": str(model.dtype).replace("torch.", ""), "prompt_len": prompt_len, "new_tokens": new_tokens}
+
+    ref = None
+    if args.backend != "eager" and args.check:
+        with console.status("eager reference run"):
+            ref = generate(model, prompt, new_tokens)
+    runner = compile_model(model, args.backend)
+    t0 = time.perf_counter()
+    with console.status(f"{args.backend}: compile + warm-up run"):
+        generate(runner, prompt, new_tokens)
+    result["compile_and_warmup_s"] = time.perf_counter() - t0
+    with console.status(f"{args.backend}: measured run"):
+        out = generate(runner, prompt, new_tokens)
+    if device.startswith("cuda"):
+        result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    b = budget(model.config, max_seq_len=prompt_len + new_tokens)
+    result.update(tokens=out.tokens[0].tolist(), prefill_tok_s=out.prefill_tok_s, decode_tok_s=out.decode_tok_s,
+                  kv_bytes_per_token=b.kv_bytes_per_token, kv_bytes_per_token_allocated=b.kv_bytes_per_token_allocated,
+                  tokens_match_eager=None if ref is None else bool(torch.equal(ref.tokens, out.tokens)))
+    if args.backend == "dsv41":
+        import dsv41
+        rep = dsv41.last_report()
+        if rep is not None:
+            result["report"] = rep.to_dict()
+
+    table = Table(title=f"dsv41 run: {preset} ({args.weight_mode}, {result['dtype']}) on {device}")
+    for col in ("backend", "prefill tok/s", "decode tok/s", "tokens", "KV B/token (logical / allocated)",
+                "matches eager"):
+        table.add_column(col)
+    table.add_row(args.backend, f"{out.prefill_tok_s:,.1f}", f"{out.decode_tok_s:,.2f}", str(new_tokens),
+                  f"{b.kv_bytes_per_token:g} / {b.kv_bytes_per_token_allocated:.1f}",
+                  "-" if ref is None else ("yes" if result["tokens_match_eager"] else "NO"))
+    out_console = Console()
+    if "report" in result:
+        fams = result["report"].get("families", {})
+        summary = ", ".join(f"{k}: {v.get('matches', 0)}" for k, v in fams.items())
+        out_console.print(f"fusion report: {summary}")
+    out_console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if ref is not None and not result["tokens_match_eager"]:
+        console.print("[red]greedy tokens differ from eager[/red]")
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point of the `dsv41` console script (also `python -m dsv41`)."""
+    p = argparse.ArgumentParser(prog="dsv41", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="build a preset with random weights, compile, generate, print the table")
+    r.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
+                   help="default: small on a GPU, tiny on CPU")
+    r.add_argument("--prompt-len", type=int, default=None, help="default 4096 on GPU, 32 on CPU")
+    r.add_argument("--new-tokens", type=int, default=None, help="default 64 on GPU, 16 on CPU")
+    r.add_argument("--backend", choices=BACKENDS, default="eager")
+    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    r.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
+    r.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-check", dest="check", action="store_false", help="skip the eager token check")
+    r.add_argument("--json", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return _cmd_run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Greedy generation with the BENCHMARK.md workload (random prompt, seed 42, EOS ignored)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+from .config import ModelConfig
+
+__all__ = ["GenerateResult", "generate", "benchmark_prompt"]
+
+
+def benchmark_prompt(config: ModelConfig, length: int, batch_size: int = 1, seed: int = 42,
+                     device=None) -> torch.Tensor:
+    """Random prompt ids [batch_size, length] int64, uniform over the vocabulary minus special tokens.
+
+    Special tokens excluded: bos, eos, pad and the DSpark noise token. Drawn from a CPU `torch.Generator`
+    seeded with `seed`, so every backend and device gets the very same ids (BENCHMARK.md "Workload").
+    Raises: ValueError for a non-positive length or batch size.
+    """
+    if length < 1 or batch_size < 1:
+        raise ValueError(f"prompt length and batch size must be positive, got {length}, {batch_size}")
+    special = sorted({config.bos_token_id, config.eos_token_id, config.pad_token_id, config.dspark_noise_token_id})
+    allowed = torch.ones(config.vocab_size, dtype=torch.bool)
+    allowed[[s for s in special if s < config.vocab_size]] = False
+    ids = torch.nonzero(allowed).flatten()
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, ids.numel(), (batch_size, length), generator=g)
+    return ids[pick].to(device)
+
+
+@dataclass
+class GenerateResult:
+    """Output of `generate`.
+
+    tokens: int64 [B, N] generated ids (N = max_new_tokens; the first comes from the prefill logits).
+    timestamps: seconds from the start of prefill to each generated token, len N.
+    prompt_len: prompt tokens per sequence.
+    """
+
+    tokens: torch.Tensor
+    timestamps: List[float] = field(default_factory=list)
+    prompt_len: int = 0
+
+    @property
+    def prefill_s(self) -> float:
+        """Time to first token (prefill), seconds."""
+        return self.timestamps[0]
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens per second (all sequences)."""
+        return self.prompt_len * self.tokens.shape[0] / self.timestamps[0]
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first / (last - first timestamp), per sequence (BENCHMARK.md "Metric")."""
+        if len(self.timestamps) < 2:
+            return float("nan")
+        return (len(self.timestamps) - 1) / (self.timestamps[-1] - self.timestamps[0])
+
+
+def _base(model):
+    return getattr(model, "_orig_mod", model)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> GenerateResult:
+    """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
+
+    Args:
+        model: a `DeepseekV41Flash` or a `torch.compile` wrapper of one (prefill and decode both go through
+            it). Caches are reset in place when big enough, else (re)allocated with `setup_cache`.
+        prompt_ids: int64 [P] or [B, P].
+        max_new_tokens: tokens to produce (>= 1). EOS is ignored.
+    Returns:
+        `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
+    Raises:
+        ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings.
+    """
+    base = _base(model)
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    b, p = prompt_ids.shape
+    if p < 1 or max_new_tokens < 1:
+        raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got {p}, {max_new_tokens}")
+    need = p + max_new_tokens
+    if base.max_seq_len >= need and base.batch_size == b:
+        base.reset_cache()
+    else:
+        base.setup_cache(b, need)
+    dev = base.embed.weight.device
+    ids = prompt_ids.to(dev)
+    cuda = dev.type == "cuda"
+    marks = []
+
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            marks.append(e)
+        else:
+            marks.append(time.perf_counter())
+
+    out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=dev)
+    mark()
+    pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
+    logits = model(ids, pos, last_only=True)
+    tok = logits[:, -1].argmax(-1)
+    out[:, 0] = tok
+    mark()
+    pos = torch.full((b, 1), p, dtype=torch.int64, device=dev)
+    for i in range(1, max_new_tokens):
+        logits = model(tok[:, None], pos)
+        tok = logits[:, -1].argmax(-1)
+        out[:, i] = tok
+        pos += 1
+        mark()
+    if cuda:
+        torch.cuda.synchronize()
+        ts = [marks[0].elapsed_time(e) / 1e3 for e in marks[1:]]
+    else:
+        ts = [m - marks[0] for m in marks[1:]]
+    return GenerateResult(tokens=out.cpu(), timestamps=ts, prompt_len=p)

@@ -1,0 +1,249 @@
+"""DeepSeek-V4.1 Flash: blocks with single-pass mHC, and the top-level model (MODEL.md §2.3, §3).
+
+Static caches in the gpt-fast manner: `setup_cache(batch_size, max_seq_len)` preallocates every cache,
+and `model(input_ids, positions)` runs prefill (many positions per sequence) or a decode step (one
+position) with static shapes, no host synchronisation and no data-dependent Python control flow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .formats import dequantize_fp8_block, quantize_fp8_block
+from .engram import Engram, EngramHash, engram_lookback, engram_row_ids
+from .linear import Linear
+from .mhc import mhc_collapse, mhc_expand, mhc_mixes
+from .moe import MoE
+from .norm import RMSNorm
+
+__all__ = ["Block", "DeepseekV41Flash", "WEIGHT_MODES"]
+
+WEIGHT_MODES = ("checkpoint", "bf16")
+
+
+class Block(nn.Module):
+    """One backbone layer: [Engram] -> mHC attention sublayer -> mHC FFN (MoE) sublayer, V4.1 ordering.
+
+    V4.1 "single pass" (MODEL.md §2.3): the layer receives (H, pre_mix); `mixes_attn(H)` gives
+    (a_pre, a_post, a_comb); the attention input is `attn_norm(collapse(H, pre_mix))`; then
+    `mixes_ffn(H')` gives (f_pre, f_post, f_comb) and the FFN input is `ffn_norm(collapse(H', a_pre))`.
+    Returns (H'', f_pre): a sublayer's pre-mix is computed one sublayer earlier.
+
+    Parameters (checkpoint names): `attn_norm.weight`, `ffn_norm.weight`, `hc_{attn,ffn}_{fn,base,scale}`
+    (FP32 [24, 4d], [24], [3]), `attn.*`, `ffn.*`, and `engram.*` on Engram layers.
+    Shapes: H [B, T, 4, d] model dtype, pre_mix [B, T, 4] FP32.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, weight_mode: str, dtype: torch.dtype, device=None):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.norm_eps, self.hc_eps, self.hc_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
+        n, d = c.hc_mult, c.hidden_size
+        m = (2 + n) * n
+        f32 = dict(dtype=torch.float32, device=device)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros(m, n * d, **f32), requires_grad=False))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros(m, **f32), requires_grad=False))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3, **f32), requires_grad=False))
+        self.attn_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
+        self.ffn_norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
+        self.attn = Attention(c, layer_id, weight_mode, dtype, device)
+        self.ffn = MoE(c, weight_mode, dtype, device)
+        self.engram = Engram(c, layer_id, weight_mode, dtype, device) if layer_id in c.engram_layer_ids else None
+
+    def mixes(self, site: str, H: torch.Tensor):
+        """(pre, post, comb) of sublayer `site` ('attn' or 'ffn') from the residual H."""
+        return mhc_mixes(H, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                         getattr(self, f"hc_{site}_scale"), self.norm_eps, self.hc_eps, self.hc_iters)
+
+    def forward(self, H: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor, shared: dict,
+                engram_rows: torch.Tensor | None = None):
+        if self.engram is not None:
+            H = self.engram(H, engram_rows)
+        a_pre, a_post, a_comb = self.mixes("attn", H)
+        y = self.attn(self.attn_norm(mhc_collapse(H, pre_mix)), positions, shared)
+        H = mhc_expand(y, H, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mixes("ffn", H)
+        y = self.ffn(self.ffn_norm(mhc_collapse(H, a_pre)))
+        H = mhc_expand(y, H, f_post, f_comb)
+        return H, f_pre
+
+
+class DeepseekV41Flash(nn.Module):
+    """DeepSeek-V4.1 Flash backbone (no DSpark drafts yet) in eager PyTorch.
+
+    Args:
+        config: a `ModelConfig` (e.g. `ModelConfig.preset("tiny")`).
+        weight_mode: `checkpoint` (dense FP8 E4M3 32x32 UE8M0, routed experts FP4 E2M1 1x32 UE8M0, explicit
+            dequantise before each matmul, FP8 1x32 activation fake-quant) or `bf16` (all weights dense).
+        dtype: activation / dense-weight dtype (bf16 on GPU; fp32 for CPU numerics tests).
+        device: where parameters are allocated (weights are uninitialised until `init_random` or loading).
+        token_map: optional int64 [vocab] tokenizer-derived Engram compressed ids; default identity (requires
+            `engram_compressed_vocab_size == vocab_size`).
+    Forward:
+        `forward(input_ids [B, T] int64, positions [B, T] int64, last_only=False) -> logits FP32 [B, T, V]`
+        (or [B, 1, V] with `last_only`). Positions must be contiguous per sequence and continue the cache.
+    Raises:
+        ValueError: unknown weight mode; Engram layers with a non-identity vocab and no `token_map`.
+        RuntimeError: forward before `setup_cache`.
+    Source: MODEL.md §3 (decode-step data flow), [R41] `Transformer`.
+    """
+
+    def __init__(self, config: ModelConfig, weight_mode: str = "checkpoint", dtype: torch.dtype = torch.bfloat16,
+                 device=None, token_map: torch.Tensor | None = None):
+        super().__init__()
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"unknown weight_mode {weight_mode!r}; expected one of {WEIGHT_MODES}")
+        c = self.config = config
+        self.weight_mode, self.dtype = weight_mode, dtype
+        d = c.hidden_size
+        self.embed = nn.Embedding(c.vocab_size, d, dtype=dtype, device=device)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(c, i, weight_mode, dtype, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
+        self.head = Linear(d, c.vocab_size, "dense", dtype, device)
+        self.engram_layers = [i for i in c.engram_layer_ids]
+        if self.engram_layers:
+            if token_map is None and c.engram_compressed_vocab_size != c.vocab_size:
+                raise ValueError(
+                    f"config {c.name!r} has Engram layers with engram_compressed_vocab_size="
+                    f"{c.engram_compressed_vocab_size} != vocab_size={c.vocab_size}: pass the tokenizer's "
+                    "token_map (the identity map only fits configs whose compressed vocab equals the vocab)")
+            self.hash = EngramHash(c)
+            tm = token_map if token_map is not None else torch.arange(c.vocab_size)
+            self.register_buffer("token_map", tm.to(torch.int64).to(device), persistent=False)
+            self.pad_cid = int(tm[c.pad_token_id])
+            for i in self.engram_layers:
+                self.register_buffer(f"engram_mult_{i}", torch.tensor(self.hash.multipliers(i), dtype=torch.int64,
+                                                                      device=device), persistent=False)
+                self.register_buffer(f"engram_primes_{i}", torch.tensor(self.hash.primes(i), dtype=torch.int64,
+                                                                        device=device), persistent=False)
+                self.register_buffer(f"engram_offsets_{i}", torch.tensor(self.hash.offsets(i), dtype=torch.int64,
+                                                                         device=device), persistent=False)
+        self.register_buffer("engram_history", None, persistent=False)
+        self.max_seq_len = 0
+        self.batch_size = 0
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_random(self, seed: int = 0) -> "DeepseekV41Flash":
+        """Fill every weight with seeded random values (on the weights' device), quantising as stored.
+
+        Projections N(0, 1/fan_in); norms 1; embedding N(0, 1); mHC `fn` N(0, 1/(4d)), base N(0, 1), scale
+        U(0.5, 1.5); attention sinks N(0, 1). Deterministic for a given seed and device.
+        """
+        dev = self.embed.weight.device
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen, device=dev))
+        done: list = []
+        for name, mod in self.named_modules():
+            if mod is self or any(name == p or name.startswith(p + ".") for p in done):
+                continue
+            init = getattr(mod, "init_random", None)
+            if init is not None:
+                init(gen)
+                done.append(name)  # the module initialised its own children
+            if isinstance(mod, Block):
+                for site in ("attn", "ffn"):
+                    fn = getattr(mod, f"hc_{site}_fn")
+                    fn.copy_(torch.randn(fn.shape, generator=gen, device=dev) / math.sqrt(fn.shape[1]))
+                    base = getattr(mod, f"hc_{site}_base")
+                    base.copy_(torch.randn(base.shape, generator=gen, device=dev))
+                    sc = getattr(mod, f"hc_{site}_scale")
+                    sc.copy_(0.5 + torch.rand(sc.shape, generator=gen, device=dev))
+            if isinstance(mod, Attention):
+                mod.attn_sink.copy_(torch.randn(mod.attn_sink.shape, generator=gen, device=dev))
+                # wo_a lies on the FP8 32x32 grid, as after the checkpoint's dequantisation.
+                w = torch.randn(mod.wo_a.weight.shape, generator=gen, device=dev) / math.sqrt(mod.wo_a.in_features)
+                mod.wo_a.weight.copy_(dequantize_fp8_block(*quantize_fp8_block(w), mod.wo_a.weight.dtype))
+                done.append(name + ".wo_a")
+        return self
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, path: str) -> None:
+        """Write config.json + safetensors shards with the V4.1 tensor names (see `checkpoint.save_pretrained`)."""
+        from .checkpoint import save_pretrained
+        save_pretrained(self, path)
+
+    @classmethod
+    def from_pretrained(cls, path: str, weight_mode: str = "checkpoint", dtype: torch.dtype = torch.bfloat16,
+                        device=None, token_map: torch.Tensor | None = None) -> "DeepseekV41Flash":
+        """Load a checkpoint directory (see `checkpoint.from_pretrained` for the errors it raises)."""
+        from .checkpoint import from_pretrained
+        return from_pretrained(path, weight_mode, dtype, device, token_map)
+
+    # ------------------------------------------------------------------ caches
+    def setup_cache(self, batch_size: int, max_seq_len: int) -> None:
+        """Preallocate every cache for `batch_size` sequences of up to `max_seq_len` tokens.
+
+        Raises:
+            ValueError: non-positive sizes, or max_seq_len > config.max_position_embeddings.
+        """
+        if batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"batch_size and max_seq_len must be positive, got {batch_size}, {max_seq_len}")
+        if max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        dev = self.embed.weight.device
+        for layer in self.layers:
+            layer.attn.setup_cache(batch_size, max_seq_len, dev)
+        if self.engram_layers:
+            self.register_buffer("engram_history", torch.full((batch_size, max_seq_len), -1, dtype=torch.int64,
+                                                              device=dev), persistent=False)
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def reset_cache(self) -> None:
+        """Empty every cache in place (between benchmark runs); addresses stay the same."""
+        for layer in self.layers:
+            layer.attn.reset_cache()
+        if self.engram_history is not None:
+            self.engram_history.fill_(-1)
+
+    def cache_bytes(self) -> dict:
+        """Allocated cache bytes: `global` (bank + index keys), `window` (rings), `state` (compressor, history)."""
+        out = {"global": 0, "window": 0, "state": 0}
+        for layer in self.layers:
+            a = layer.attn
+            for name, kind in (("bank_codes", "global"), ("bank_scales", "global"), ("key_codes", "global"),
+                               ("key_scales", "global"), ("ring_codes", "window"), ("ring_scales", "window")):
+                t = getattr(a, name, None)
+                if t is not None:
+                    out[kind] += t.numel() * t.element_size()
+            if a.compressor is not None and a.compressor.kv_state is not None:
+                out["state"] += 2 * a.compressor.kv_state.numel() * 4
+        if self.engram_history is not None:
+            out["state"] += self.engram_history.numel() * 8
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
+        b, t = input_ids.shape
+        c = self.config
+        x = self.embed(input_ids)
+        H = x[:, :, None, :].expand(b, t, c.hc_mult, c.hidden_size).contiguous()
+        pre_mix = F.one_hot(torch.zeros(b, t, dtype=torch.int64, device=x.device), c.hc_mult).to(torch.float32)
+        rows = {}
+        if self.engram_layers:
+            bi = torch.arange(b, device=x.device)[:, None].expand(b, t)
+            self.engram_history.index_put_((bi, positions), self.token_map[input_ids])
+            u = engram_lookback(self.engram_history, positions, c.engram_max_ngram, self.pad_cid)
+            for i in self.engram_layers:
+                rows[i] = engram_row_ids(u, getattr(self, f"engram_mult_{i}"), getattr(self, f"engram_primes_{i}"),
+                                         getattr(self, f"engram_offsets_{i}"), c.engram_n_heads)
+        shared: dict = {}
+        for i, layer in enumerate(self.layers):
+            H, pre_mix = layer(H, pre_mix, positions, shared, rows.get(i))
+        if last_only:
+            H, pre_mix = H[:, -1:], pre_mix[:, -1:]
+        h = self.norm(mhc_collapse(H, pre_mix))
+        return self.head(h).float()
