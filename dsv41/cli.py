@@ -48,6 +48,30 @@ def compile_model(model, backend: str, options: dict | None = None):
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
+def environment(device: str) -> dict:
+    """Date, GPU name, driver, torch/Triton/CUDA versions for result JSONs (BENCHMARK.md "Recorded")."""
+    import datetime
+    import platform
+    env = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "host": platform.machine()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            import subprocess
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip().split("\n")[0]
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    else:
+        env["gpu"], env["driver"] = None, None
+    return env
+
+
 def _cmd_run(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -64,7 +88,7 @@ def _cmd_run(args) -> int:
     with console.status(f"building {preset} ({args.weight_mode}) on {device}"):
         model = build_model(preset, device, args.weight_mode, args.dtype, args.seed)
     prompt = benchmark_prompt(model.config, prompt_len, device=device)
-    result = {"preset": preset, "backend": args.backend, "device": device, "weight_mode": args.weight_mode,
+    result = {**environment(device), "preset": preset, "backend": args.backend, "device": device, "weight_mode": args.weight_mode,
               "dtype": str(model.dtype).replace("torch.", ""), "prompt_len": prompt_len, "new_tokens": new_tokens}
 
     ref = None
@@ -113,9 +137,14 @@ def _cmd_run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Entry point of the `dsv41` console script (also `python -m dsv41`)."""
+    """Entry point of the `dsv41` console script (also `python -m dsv41`): `run` and `bench`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="dsv41", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("bench", help="the decode benchmark (see `dsv41 bench --help`)")
     r = sub.add_parser("run", help="build a preset with random weights, compile, generate, print the table")
     r.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
                    help="default: small on a GPU, tiny on CPU")

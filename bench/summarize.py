@@ -1,0 +1,34 @@
+"""Print a short table of every result JSON in a folder (the last thing bench/run_gpu.sh prints)."""
+
+import glob
+import json
+import os
+import sys
+
+
+def main(folder: str) -> None:
+    """Print one line per `dsv41 run` / benchmark JSON found in `folder`."""
+    rows = []
+    for fn in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(fn) as f:
+            d = json.load(f)
+        name = os.path.basename(fn)
+        if "decode_tok_s" in d:
+            rows.append(f"{name:34s} {d.get('backend', ''):10s} prefill {d['prefill_tok_s']:10.1f} tok/s  "
+                        f"decode {d['decode_tok_s']:8.2f} tok/s  peak {d.get('peak_mem_gb', float('nan')):6.1f} GB  "
+                        f"match {d.get('tokens_match_eager')}")
+        elif "backends" in d:
+            for b, r in d["backends"].items():
+                dec = r.get("decode_tok_s") or {}
+                rows.append(f"{name:34s} {b:22s} decode {dec.get('median', float('nan')):8.2f} tok/s "
+                            f"(min {dec.get('min', float('nan')):.2f}, max {dec.get('max', float('nan')):.2f})  "
+                            f"match {r.get('tokens_match_eager')}")
+        elif "kernels" in d:
+            for k in d["kernels"]:
+                rows.append(f"{name:34s} {k.get('name', '')[:40]:40s} {k.get('us', float('nan')):9.2f} us  "
+                            f"{k.get('fraction_of_copy_bw', float('nan')):.2f} of copy BW")
+    print("\n".join(["=" * 100, "summary"] + rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/raw")
