@@ -68,12 +68,14 @@ def _base(model):
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> GenerateResult:
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False) -> GenerateResult:
     """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
 
     Args:
-        model: a `DeepseekV41Flash` or a `torch.compile` wrapper of one (prefill and decode both go through
-            it). Caches are reset in place when big enough, else (re)allocated with `setup_cache`.
+        model: a `DeepseekV41Flash` or a `torch.compile` wrapper of one. Decode steps go through `model`;
+            prefill runs on the eager module underneath unless `compiled_prefill` (gpt-fast style: only the
+            static-shape decode step is compiled, so a new prompt length never triggers a compile).
+            Caches are reset in place when big enough, else (re)allocated with `setup_cache`.
         prompt_ids: int64 [P] or [B, P].
         max_new_tokens: tokens to produce (>= 1). EOS is ignored.
     Returns:
@@ -108,7 +110,7 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> GenerateRe
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=dev)
     mark()
     pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
-    logits = model(ids, pos, last_only=True)
+    logits = (model if compiled_prefill else base)(ids, pos, last_only=True)
     tok = logits[:, -1].argmax(-1)
     out[:, 0] = tok
     mark()
