@@ -227,6 +227,7 @@ class DeepseekV41Flash(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
+        self._check_inputs(input_ids, positions)
         b, t = input_ids.shape
         c = self.config
         x = self.embed(input_ids)
@@ -246,4 +247,22 @@ class DeepseekV41Flash(nn.Module):
         if last_only:
             H, pre_mix = H[:, -1:], pre_mix[:, -1:]
         h = self.norm(mhc_collapse(H, pre_mix))
-        return self.head(h).float()
+        # Logits in FP32 (MODEL.md §3 step 3; the reference keeps the head in FP32).
+        return F.linear(h.float(), self.head.weight.float())
+
+    def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Shape/dtype checks always (free); value checks only in eager mode (one host sync, never traced)."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an int64 [batch, seq] tensor, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape or positions.dtype != torch.int64:
+            raise ValueError(f"positions must be int64 with the shape of input_ids {tuple(input_ids.shape)}, got "
+                             f"{positions.dtype} {tuple(positions.shape)}")
+        if input_ids.shape[0] > self.batch_size:
+            raise ValueError(f"batch of {input_ids.shape[0]} sequences exceeds the cache's batch_size="
+                             f"{self.batch_size} (setup_cache)")
+        if not torch.compiler.is_compiling():
+            lo, hi = torch.aminmax(positions)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= self.max_seq_len:
+                raise ValueError(f"positions must lie in [0, max_seq_len={self.max_seq_len}), got [{lo}, {hi}]")
