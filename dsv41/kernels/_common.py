@@ -1,0 +1,198 @@
+"""Shared plumbing of the dsv41 Triton kernels: PDL switch, interpreter detection, launch checks, and the
+bit-exact rounding helpers every kernel uses.
+
+Every kernel module in `dsv41/kernels/` follows ARCHITECTURE.md "Kernels": a `torch.library` op whose
+CPU implementation is the plain-PyTorch reference and whose CUDA implementation launches a Triton kernel.
+
+PDL (ARCHITECTURE.md "Pipeline stages" 3, "Known traps"): `set_pdl(True)` makes CUDA launches pass
+`USE_PDL=True` (the kernel then calls `gdc_wait()` before its first read of the previous kernel's output and
+`gdc_launch_dependents()` after its loads) and `launch_pdl=True`. Off by default: outside CUDA graphs the
+extended launch costs more than it saves. Never on under the interpreter (inline PTX raises there).
+
+Interpreter (how Triton 3.6-3.9 read TRITON_INTERPRET, checked in both): `@triton.jit` decides between the
+compiler and the interpreter when it decorates, and Triton's own `tl.sum`, `tl.max`, `tl.zeros` are
+decorated when `triton` is imported. The interpreter therefore works only in a process that had
+`TRITON_INTERPRET=1` before `import triton`; `triton_*` launchers raise a clear error on CPU tensors
+otherwise (`require_launchable`). Tests run their interpreter cases in such a child process.
+
+Interpreter numerics (Triton 3.9 `runtime/interpreter.py`), the reason for the integer-bit helpers below:
+fp32 -> bf16 `.to()` truncates there (the GPU rounds to nearest even), and fp32 -> float8e4nv rounds ties
+away from zero and drops the mantissa carry (1.9375 -> 1.0). `round_bf16` and `e4m3_round` give the
+IEEE round-to-nearest-even result on both. fp32 -> fp16 `.to()` is correct on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "set_pdl", "pdl_enabled", "launch_pdl_supported", "is_interpreted", "use_pdl_for", "require_launchable",
+    "check_tensor", "check_same_device", "next_power_of_2",
+    "round_bf16", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
+    "e2m1_value_scaled_down", "E2M1_HALF_SCALE",
+]
+
+_PDL = False
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turn Programmatic Dependent Launch on or off for every dsv41 kernel launched afterwards.
+
+    Raises TypeError if `enabled` is not a bool. See the module docstring for what PDL changes.
+    """
+    global _PDL
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_pdl expects a bool, got {type(enabled).__name__}")
+    _PDL = enabled
+
+
+def pdl_enabled() -> bool:
+    """The current `set_pdl` setting (default False)."""
+    return _PDL
+
+
+@functools.lru_cache(maxsize=None)
+def launch_pdl_supported() -> bool:
+    """Whether this Triton's CUDA backend accepts the `launch_pdl` launch option (present in 3.6 and 3.9)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions))
+
+
+def is_interpreted(kernel) -> bool:
+    """True when `kernel` (a `@triton.jit` object) was decorated under TRITON_INTERPRET=1."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernel, InterpretedFunction)
+
+
+def use_pdl_for(kernel, device: torch.device) -> bool:
+    """Whether a launch of `kernel` on `device` uses PDL: `set_pdl(True)`, compiled (not interpreted),
+    Triton support, and compute capability >= 9.0 (`griddepcontrol` PTX starts with Hopper)."""
+    if not _PDL or device.type != "cuda" or is_interpreted(kernel) or not launch_pdl_supported():
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def require_launchable(kernel, device: torch.device, name: str) -> None:
+    """Raise RuntimeError if `kernel` cannot run on `device`: CPU tensors need the interpreter, which needs
+    TRITON_INTERPRET=1 in the environment before `triton` is first imported."""
+    if device.type == "cuda" or is_interpreted(kernel):
+        return
+    raise RuntimeError(f"{name}: Triton kernels run on CUDA tensors; for {device.type} tensors set "
+                       "TRITON_INTERPRET=1 in the environment before triton is first imported")
+
+
+def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, ndim: int | None = None,
+                 min_ndim: int | None = None) -> None:
+    """Raise TypeError / ValueError naming `name` if `t` is not a tensor of an allowed dtype and rank."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {allowed}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Return the common device of the keyword tensors; ValueError naming them if they differ."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must be on one device: {listing}")
+    return first
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------------------- Triton helpers
+@triton.jit
+def round_bf16(v):
+    """fp32 -> fp32 value of the nearest bf16 (ties to even), computed on the bits (finite inputs)."""
+    b = v.to(tl.uint32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_round(a):
+    """Nearest FP8 E4M3 value (ties to even) of fp32 `a` with 0 <= a <= 448, as fp32.
+
+    Normals (a >= 2^-6) keep 3 mantissa bits (integer RNE on the bits); below 2^-6 the grid is 2^-9, where
+    adding and removing 2^14 (whose ulp is 2^-9) rounds to it. Needs FMA contraction to leave the add/sub
+    alone, which it does (no multiply involved).
+    """
+    b = a.to(tl.uint32, bitcast=True)
+    rn = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    rs = (a + 16384.0) - 16384.0
+    return tl.where(a < 0.015625, rs, rn)
+
+
+@triton.jit
+def ue8m0_exponent(ratio):
+    """UE8M0 byte (as int32) of 2^ceil(log2(ratio)) for positive normal fp32 `ratio`, from the IEEE bits:
+    exponent field + 1 if the mantissa is non-zero, clamped to [0, 254] (formats.ue8m0_exponent)."""
+    rb = ratio.to(tl.int32, bitcast=True)
+    e = ((rb >> 23) & 0xFF) + ((rb & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, 0), 254)
+
+
+@triton.jit
+def exp2_int(e):
+    """fp32 2^(e-127) for int32 e in [1, 254] built from the bits (e = 0 gives 0, as formats.ue8m0_to_float)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_magnitude(q):
+    """E2M1 magnitude code 0..7 (int32) of fp32 `q` clamped to [-6, 6], ties to the even code
+    (formats.e2m1_round: 0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 round up)."""
+    a = tl.abs(tl.minimum(tl.maximum(q, -6.0), 6.0))
+    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of a 4-bit E2M1 code (int32 0..15, bit 3 = sign) without a table: magnitude m >= 2 is the
+    normal number with FP32 bits (m + 252) << 22, m = 1 is 0.5 (bits 0x3F000000), m = 0 is 0."""
+    m = code & 7
+    bits = tl.where(m >= 2, (m + 252) << 22, m * 0x3F000000) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+#: `e2m1_value_scaled_down` returns the E2M1 value divided by this (2^14), exactly.
+E2M1_HALF_SCALE = tl.constexpr(16384.0)
+
+
+@triton.jit
+def e2m1_value_scaled_down(code):
+    """fp32 (E2M1 value of `code`) / 2^14 for int32 codes 0..15, in about four instructions.
+
+    The 3-bit magnitude placed at fp16 bits 9..11 (two exponent bits, one mantissa bit) and the sign at bit
+    15 is an fp16 number equal to the E2M1 value times 2^-14, subnormal codes included (fp16 subnormals are
+    exact and the fp16 -> fp32 conversion keeps them). Callers multiply by 2^14 once per block sum.
+    """
+    h = ((code & 7) << 9) | ((code & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -1,0 +1,207 @@
+"""GPU tests of the dsv41 Triton kernels at the h200 preset's real shapes (MODEL.md §4.3).
+
+Run standalone on a CUDA machine: `python -m pytest tests/test_kernels_gpu.py -q`. Skipped on CPU-only
+machines, and when TRITON_INTERPRET=1 is set (these tests are about the compiled kernels).
+References: the float64 models written in tests/test_kernels_quant_gemv.py and tests/test_kernels_rope_fp4.py
+(imported by path), evaluated on the GPU; tolerances as stated there (bit-exact for codes, scales and the
+fake-quantised activations; 2^-16 sum|terms| + half an output ulp for GEMV sums).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (compiled Triton kernels)", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
+
+import dsv41.kernels as kernels  # noqa: E402
+from dsv41.kernels import quant_gemv as qg  # noqa: E402
+from dsv41.kernels import rope_fp4 as rp  # noqa: E402
+
+
+def _load(name):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_dsv41_ref_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+G = _load("test_kernels_quant_gemv")
+R = _load("test_kernels_rope_fp4")
+DEV = torch.device("cuda")
+
+#: (name, fp4, N, K) of the h200 decode GEMVs.
+GEMV_SHAPES = [
+    ("wq_b", False, 32768, 1280), ("wo_b", False, 5120, 8192), ("wq_a", False, 1280, 5120),
+    ("shared_w1", False, 2304, 5120), ("shared_w2", False, 5120, 2304),
+    ("expert_w1", True, 2304, 5120), ("expert_w2", True, 5120, 2304), ("head", False, 129280, 5120),
+]
+
+
+def _weights(n, k, fp4, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w, s = G.make_weights(n, k, fp4, gen)
+    return w.to(DEV), s.to(DEV)
+
+
+def _check(y, x, w, s, act_quant, fp4):
+    """Compare with the float64 model evaluated on the GPU, in row chunks (the head is 129280 x 5120)."""
+    assert not torch.isnan(y).any()
+    xq = G.ref_fake_quant_fp8(x) if act_quant else x.double()
+    for n0 in range(0, w.shape[0], 16384):
+        n1 = min(w.shape[0], n0 + 16384)
+        if fp4:
+            wd = G.ref_dequant_fp4(w[n0:n1], s[n0:n1], x.dtype)
+        else:
+            wd = G.ref_dequant_fp8_block(w[n0:n1], s[n0 // 32:-(-n1 // 32)], x.dtype)
+        G.assert_close_to_ref(y[..., n0:n1], xq @ wd.T, xq.abs() @ wd.abs().T)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_references_on_device(monkeypatch):
+    # the float64 grids of the reference modules live on the CPU; move them next to the data
+    monkeypatch.setattr(G, "E4M3_GRID", G.E4M3_GRID.to(DEV))
+    monkeypatch.setattr(G, "E2M1_GRID", G.E2M1_GRID.to(DEV))
+    monkeypatch.setattr(R, "E4M3_GRID", R.E4M3_GRID.to(DEV))
+    monkeypatch.setattr(R, "E2M1_GRID", R.E2M1_GRID.to(DEV))
+    yield
+    kernels.set_pdl(False)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[s[0] for s in GEMV_SHAPES])
+def test_gemv_matches_float64_reference_at_h200_shapes(shape, m):
+    name, fp4, n, k = shape
+    w, s = _weights(n, k, fp4, seed=n + k)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 2
+    op = torch.ops.dsv41.linear_fp4 if fp4 else torch.ops.dsv41.linear_fp8_block
+    y = op(x, w, s, True)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, x, w, s, True, fp4)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gemv_other_dtypes_and_no_act_quant(fp4, dtype):
+    w, s = _weights(2304, 5120, fp4, seed=9)
+    x = (torch.randn(3, 5120, device=DEV) * 2).to(dtype)
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    for aq in (True, False):
+        _check(fn(x, w, s, aq), x, w, s, aq, fp4)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+def test_in_kernel_activation_quant_is_bit_exact_on_gpu(fp4):
+    k = 128
+    x = G.crafted_activation(torch.float32).to(DEV)
+    if fp4:
+        codes = torch.zeros(k, k, dtype=torch.uint8)
+        codes[torch.arange(k), torch.arange(k)] = 2
+        w = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(DEV)
+        s = torch.full((k, k // 32), 127, dtype=torch.uint8, device=DEV)
+    else:
+        w = torch.zeros(k, k, dtype=torch.uint8)
+        w[torch.arange(k), torch.arange(k)] = 0x38
+        w, s = w.to(DEV), torch.full((k // 32, k // 32), 127, dtype=torch.uint8, device=DEV)
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    for xx in (x, x.bfloat16()):
+        y = fn(xx, w, s, True, block_k=128)
+        assert torch.equal(y.double(), G.ref_fake_quant_fp8(xx))
+
+
+def test_split_k_is_deterministic_and_counters_reset():
+    w, s = _weights(1280, 5120, False, seed=3)
+    x = torch.randn(1, 5120, device=DEV, dtype=torch.bfloat16)
+    plan = qg.gemv_plan(1, 1280, 5120, False)
+    assert plan["SPLIT_K"] > 1
+    ys = [qg.triton_linear_fp8_block(x, w, s, True) for _ in range(5)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    counters = qg._COUNTERS[(x.device.index, torch.cuda.current_stream().cuda_stream)]
+    assert int(counters.abs().sum()) == 0
+    _check(ys[0], x, w, s, True, False)
+
+
+def test_cuda_dispatch_uses_cublas_fallback_above_eight_rows():
+    w, s = _weights(2304, 5120, False, seed=4)
+    x = torch.randn(16, 5120, device=DEV, dtype=torch.bfloat16)
+    y = torch.ops.dsv41.linear_fp8_block(x, w, s, True)
+    assert torch.equal(y, qg.reference_linear_fp8_block(x, w, s, True))
+    _check(qg.triton_linear_fp8_block(x, w, s, True), x, w, s, True, False)
+
+
+def test_pdl_launches_give_identical_results_also_in_a_cuda_graph():
+    w, s = _weights(1280, 5120, False, seed=5)
+    w4, s4 = _weights(2304, 5120, True, seed=6)
+    x = torch.randn(1, 5120, device=DEV, dtype=torch.bfloat16)
+    lat = torch.randn(1, 1, 512, device=DEV, dtype=torch.bfloat16)
+    ang = torch.rand(1, 1, 32, device=DEV) * 100
+    cos, sin = ang.cos(), ang.sin()
+
+    def step():
+        a = torch.ops.dsv41.linear_fp8_block(x, w, s, True)
+        b = torch.ops.dsv41.linear_fp4(x, w4, s4, True)
+        c, d = torch.ops.dsv41.rope_fp4_quant(lat, cos, sin, 16, True)
+        return a, b, c, d
+
+    kernels.set_pdl(False)
+    want = step()
+    kernels.set_pdl(True)
+    got = step()
+    assert all(torch.equal(p, q) for p, q in zip(want, got))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up (compile) outside capture, on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(want, out))
+
+
+ROPE_GPU = [
+    # (leading shape of x, leading shape of cos, D, R/2, mode)
+    ((1, 1), (1, 1), 512, 32, (16, True)),  # bank write, decode
+    ((2, 37), (2, 37), 512, 32, (16, True)),  # prefill
+    ((1, 1), (1, 1), 128, 32, (32, False)),  # index key
+    ((1, 1, 32), (1, 1, 1), 128, 32, (32, False)),  # index queries, cos broadcast over heads
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ROPE_GPU, ids=lambda c: f"{'x'.join(map(str, c[0]))}-D{c[2]}-b{c[4][0]}")
+def test_rope_fp4_ops_are_bit_exact_on_gpu(case, dtype):
+    lead, cos_lead, d, r_half, (block, e4m3) = case
+    torch.manual_seed(d + len(lead))
+    x = (torch.randn(*lead, d, device=DEV) * 3).to(dtype)
+    ang = torch.rand(*cos_lead, r_half, device=DEV) * 1000
+    cos, sin = ang.cos(), ang.sin()
+    wp, ws, wdeq = R.ref_fp4_quant(R.ref_rope(x, cos, sin), block, e4m3)
+    p, sc = torch.ops.dsv41.rope_fp4_quant(x, cos, sin, block, e4m3)
+    assert torch.equal(p, wp) and torch.equal(sc, ws)
+    y = torch.ops.dsv41.rope_fp4_fake_quant(x, cos, sin, block, e4m3)
+    assert torch.equal(y.double(), wdeq.to(dtype).double())
+    # and the model's own reference, on the GPU, agrees
+    rp_ref, rs_ref = rp.reference_rope_fp4_quant(x, cos, sin, block, e4m3)
+    assert torch.equal(p, rp_ref) and torch.equal(sc, rs_ref)
+    if len(lead) == 2:
+        b, t = lead
+        n_rows = 64
+        cc = torch.full((b, n_rows, d // 2), 0xAB, dtype=torch.uint8, device=DEV)
+        scc = torch.full((b, n_rows, d // block), 0xCD, dtype=torch.uint8, device=DEV)
+        rows = torch.stack([torch.randperm(n_rows, device=DEV)[:t] for _ in range(b)])
+        torch.ops.dsv41.rope_fp4_quant_store(x, cos, sin, block, e4m3, cc, scc, rows)
+        bi = torch.arange(b, device=DEV)[:, None].expand_as(rows)
+        assert torch.equal(cc[bi, rows], wp) and torch.equal(scc[bi, rows], ws)
+        untouched = torch.ones(b, n_rows, dtype=torch.bool, device=DEV)
+        untouched[bi, rows] = False
+        assert bool((cc[untouched] == 0xAB).all()) and bool((scc[untouched] == 0xCD).all())

@@ -1,0 +1,363 @@
+"""Tests of dsv41::linear_fp8_block / dsv41::linear_fp4 (dsv41/kernels/quant_gemv.py).
+
+Reference: an independent float64 model of MODEL.md §2.1 written here (E4M3 and E2M1 grids enumerated from
+their bit layouts, nearest-even by grid index, UE8M0 ceil from frexp), never the code under test.
+
+Interpreter tests (`@interpreted`): Triton chooses interpreter or compiler when `triton` is first imported
+and when `@triton.jit` decorates, so TRITON_INTERPRET=1 must be in the environment before `import triton`.
+Setting it from a test module would be too late if another module imported triton first, and would turn
+every later `@triton.jit` in the process into interpreted code. So, unless this process was started with
+TRITON_INTERPRET=1, the interpreter tests run once in a child `pytest` with the variable set, and each test
+here reports its child's outcome. Tolerances: bit-exact for the fake-quantised activations; for sums,
+|y - ref| <= 2^-16 * sum|terms| (FP32 accumulation in another order) + half an output ulp (2^-8 |ref| for
+bf16, 2^-10 for fp16).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+from dsv41.kernels import quant_gemv as qg  # noqa: E402  (after the environment check above)
+
+# ------------------------------------------------------------------------------------------- run in interpreter
+_INTERPRETED: list[str] = []
+_CHILD: dict = {}
+_NODE: dict = {}
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_results() -> dict:
+    """Run this file's interpreter tests once in a child pytest with TRITON_INTERPRET=1; parse its JUnit XML."""
+    if "results" in _CHILD:
+        return _CHILD["results"]
+    import tempfile
+    xml_path = os.path.join(tempfile.mkdtemp(prefix="dsv41_interp_"), "junit.xml")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
+           "-k", " or ".join(_INTERPRETED), f"--junitxml={xml_path}"]
+    proc = subprocess.run(cmd, env=env, cwd=_REPO, capture_output=True, text=True, timeout=1500)
+    results = {}
+    if os.path.exists(xml_path):
+        for case in ET.parse(xml_path).getroot().iter("testcase"):
+            outcome, text = "passed", ""
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    outcome = child.tag
+                    text = (child.get("message") or "") + "\n" + (child.text or "")
+            results[case.get("name")] = (outcome, text)
+    _CHILD["results"] = results
+    _CHILD["log"] = (proc.stdout[-4000:] + proc.stderr[-4000:])
+    return results
+
+
+def interpreted(fn):
+    """Mark a test that launches Triton on CPU tensors: run here under the interpreter, or in the child."""
+    _INTERPRETED.append(fn.__name__)
+    if IN_INTERPRETER:
+        return fn
+
+    @functools.wraps(fn)
+    def from_child(*args, **kwargs):
+        name = _NODE["name"]
+        outcome, text = _child_results().get(name, ("missing", _CHILD.get("log", "")))
+        if outcome == "skipped":
+            pytest.skip(text.strip().splitlines()[0] if text.strip() else "skipped in interpreter child")
+        if outcome != "passed":
+            pytest.fail(f"[TRITON_INTERPRET=1 child] {name}: {outcome}\n{text}", pytrace=False)
+
+    return from_child
+
+
+@pytest.fixture(autouse=True)
+def _record_node(request):
+    _NODE["name"] = request.node.name
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make every output/workspace the launcher allocates start as NaN (floats) or 0xAB (bytes)."""
+    def poisoned(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else 0xAB
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    monkeypatch.setattr(qg, "_empty", poisoned)
+
+
+# ------------------------------------------------------------------------------------------- float64 reference
+def e4m3_grid() -> torch.Tensor:
+    """The 127 non-negative finite E4M3 (fn) values, float64, indexed by their 7-bit code (increasing)."""
+    vals = []
+    for code in range(127):
+        e, m = code >> 3, code & 7
+        vals.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+E4M3_GRID = e4m3_grid()
+
+
+def round_to_grid(a: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the grid value nearest to float64 `a` >= 0 (a <= grid max); ties go to the even index,
+    which for E4M3 and E2M1 is the even mantissa (round-to-nearest-even)."""
+    hi = torch.searchsorted(grid, a).clamp(max=len(grid) - 1)
+    lo = (hi - 1).clamp(min=0)
+    dlo, dhi = a - grid[lo], grid[hi] - a
+    take_hi = (dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0))
+    return torch.where(take_hi, hi, lo)
+
+
+def ceil_log2_fp32(ratio32: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(r)) of positive FP32 values, exactly (frexp: r = m 2^e, m in [0.5, 1))."""
+    m, e = torch.frexp(ratio32.double())
+    return torch.where(m == 0.5, e - 1, e).long()
+
+
+def ref_fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 1x32 fake quantisation with a UE8M0 ceil scale; float64 of the values rounded to x.dtype."""
+    shp = x.shape
+    xb = x.double().reshape(*shp[:-1], shp[-1] // 32, 32)
+    amax32 = xb.abs().amax(-1).float().clamp(min=float(torch.tensor(1e-4, dtype=torch.float32)))
+    scale = torch.pow(2.0, ceil_log2_fp32(amax32 / 448.0).double())
+    q = (xb / scale[..., None]).clamp(-448.0, 448.0)
+    val = E4M3_GRID[round_to_grid(q.abs(), E4M3_GRID)] * torch.sign(q) * scale[..., None]
+    return val.reshape(shp).to(x.dtype).double()
+
+
+def e4m3_byte_values() -> torch.Tensor:
+    """float64 value of every E4M3 byte 0..255 (NaN bytes 0x7F, 0xFF -> nan)."""
+    pos = torch.cat([E4M3_GRID, torch.full((1,), float("nan"), dtype=torch.float64, device=E4M3_GRID.device)])
+    return torch.cat([pos, -pos])
+
+
+def ref_dequant_fp8_block(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 [N, K] of E4M3 bytes times 2^(e-127) per 32x32 tile, rounded to `dtype` like the model."""
+    n, k = w.shape
+    vals = e4m3_byte_values()[w.long()]
+    sc = torch.pow(2.0, s.double() - 127).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+    sc = sc.to(dtype).double()
+    return (vals * sc).to(dtype).double()
+
+
+def ref_dequant_fp4(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 [N, K] of packed E2M1 (low nibble = even k) times 2^(e-127) per 1x32, rounded to `dtype`."""
+    lo, hi = (w & 15).long(), (w >> 4).long()
+    codes = torch.stack((lo, hi), -1).reshape(w.shape[0], -1)
+    vals = E2M1_GRID[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    sc = torch.pow(2.0, s.double() - 127).to(dtype).double().repeat_interleave(32, 1)
+    return (vals * sc).to(dtype).double()
+
+
+def ref_linear(x, w, s, act_quant: bool, fp4: bool):
+    """(y64, abs_sum64): float64 result [..., N] and sum of |terms| for the tolerance."""
+    xq = ref_fake_quant_fp8(x) if act_quant else x.double()
+    wd = (ref_dequant_fp4 if fp4 else ref_dequant_fp8_block)(w, s, x.dtype)
+    return xq @ wd.T, xq.abs() @ wd.abs().T
+
+
+def assert_close_to_ref(y, y64, abs64):
+    """|y - y64| <= 2^-16 sum|terms| + half-ulp of the output dtype (see the module docstring)."""
+    rel = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}[y.dtype]
+    assert not torch.isnan(y).any(), "output has NaN (an element was never written)"
+    err = (y.double() - y64).abs()
+    tol = 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"max err/tol = {worst:.3g} (max err {err.max().item():.3g})"
+
+
+def make_weights(n, k, fp4: bool, gen: torch.Generator):
+    """Random quantised weight bytes and scales (all codes valid; scales 2^-10..2^-4)."""
+    if fp4:
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        s = torch.randint(117, 124, (n, k // 32), dtype=torch.uint8, generator=gen)
+    else:
+        w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+        w[(w & 0x7F) == 0x7F] = 0x38
+        s = torch.randint(117, 124, (-(-n // 32), k // 32), dtype=torch.uint8, generator=gen)
+    return w, s
+
+
+# ------------------------------------------------------------------------------------------- reference (CPU op)
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_op_matches_float64_model(fp4, dtype):
+    gen = torch.Generator().manual_seed(1)
+    w, s = make_weights(72, 96, fp4, gen)
+    x = (torch.randn(2, 3, 96, generator=gen) * 3).to(dtype)
+    op = torch.ops.dsv41.linear_fp4 if fp4 else torch.ops.dsv41.linear_fp8_block
+    y = op(x, w, s, True)
+    y64, abs64 = ref_linear(x, w, s, True, fp4)
+    assert y.shape == (2, 3, 72) and y.dtype == dtype
+    assert_close_to_ref(y, y64, abs64)
+
+
+# ------------------------------------------------------------------------------------------- Triton (interpreted)
+GEMV_CASES = [
+    # (leading shape, N, K, dtype, act_quant, overrides)
+    ((1,), 40, 64, torch.float32, True, {}),
+    ((1,), 96, 160, torch.bfloat16, True, {"block_k": 256}),  # one K tile
+    ((3,), 96, 160, torch.float32, True, {"block_k": 32}),  # five K tiles
+    ((3,), 40, 160, torch.bfloat16, False, {}),
+    ((8,), 40, 160, torch.bfloat16, True, {"block_k": 128}),  # half-empty last K tile
+    ((5,), 40, 64, torch.float32, True, {}),  # M not a power of two: masked rows
+    ((2, 3), 40, 64, torch.float16, True, {}),  # odd leading shape, fp16 roundings
+    ((12,), 40, 64, torch.bfloat16, True, {}),  # two m-tiles
+]
+
+
+@interpreted
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}x{c[2]}-"
+                         f"{str(c[3])[6:]}-aq{int(c[4])}-{'-'.join(f'{k}{v}' for k, v in c[5].items())}")
+def test_triton_gemv_matches_float64_reference(case, fp4, poisoned_outputs):
+    lead, n, k, dtype, act_quant, overrides = case
+    gen = torch.Generator().manual_seed(n * 131 + k)
+    w, s = make_weights(n, k, fp4, gen)
+    x = (torch.randn(*lead, k, generator=gen) * 2).to(dtype)
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    y = fn(x, w, s, act_quant, **overrides)
+    assert y.shape == (*lead, n) and y.dtype == dtype
+    y64, abs64 = ref_linear(x, w, s, act_quant, fp4)
+    assert_close_to_ref(y, y64, abs64)
+
+
+def crafted_activation(dtype: torch.dtype) -> torch.Tensor:
+    """x [1, 128] whose four 32-blocks hit the FP8 fake-quant edge cases.
+
+    Block 0: amax exactly 448 (scale 1, ratio a power of two: no +1) with E4M3 ties 1.0625 -> 1.0,
+    1.1875 -> 1.25, 1.9375 -> 2.0 (mantissa carry), subnormal ties 0.5, 4.5 and 7.5 (x 2^-9) -> 0, 4, 8.
+    Block 1: amax just above 56 (ratio just above 2^-3: scale 2^-2). Block 2: amax below the 1e-4 floor.
+    Block 3: large random values with both signs.
+    """
+    gen = torch.Generator().manual_seed(7)
+    b0 = torch.tensor([448.0, 1.0625, 1.1875, 1.9375, -1.0625, 0.5 * 2 ** -9, 4.5 * 2 ** -9, 7.5 * 2 ** -9,
+                       -7.5 * 2 ** -9, 432.0, 447.0, 3.0, -0.0, 0.0, 17.0, 0.3],
+                      dtype=torch.float64)
+    b0 = torch.cat([b0, torch.linspace(-5, 5, 16, dtype=torch.float64)])
+    b1 = torch.randn(32, generator=gen, dtype=torch.float64) * 10
+    b1[5] = 56.0 * (1 + 2.0 ** -20)
+    b2 = torch.randn(32, generator=gen, dtype=torch.float64) * 1e-6
+    b3 = torch.randn(32, generator=gen, dtype=torch.float64) * 3e4
+    return torch.cat([b0, b1, b2, b3])[None].to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_kernel_activation_quant_is_bit_exact(fp4, dtype, poisoned_outputs):
+    """With an identity weight y = fq(x) exactly, so the kernel's fake quant is checked bit for bit."""
+    k = 128
+    x = crafted_activation(dtype)
+    if fp4:
+        codes = torch.zeros(k, k, dtype=torch.uint8)
+        codes[torch.arange(k), torch.arange(k)] = 2  # E2M1 code 2 = 1.0
+        w = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        s = torch.full((k, k // 32), 127, dtype=torch.uint8)
+    else:
+        w = torch.zeros(k, k, dtype=torch.uint8)
+        w[torch.arange(k), torch.arange(k)] = 0x38  # E4M3 1.0
+        s = torch.full((k // 32, k // 32), 127, dtype=torch.uint8)
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    y = fn(x, w, s, True, block_k=128)
+    want = ref_fake_quant_fp8(x)
+    assert torch.equal(y.double(), want), (y.double() - want).abs().max()
+    # and the model's own fake quant agrees with the float64 model on the same edge cases
+    from dsv41.model.formats import fake_quant_fp8_1x32
+    assert torch.equal(fake_quant_fp8_1x32(x).double(), want)
+
+
+@interpreted
+def test_split_k_result_is_deterministic_and_matches_unsplit(poisoned_outputs):
+    gen = torch.Generator().manual_seed(3)
+    w, s = make_weights(40, 256, False, gen)
+    x = torch.randn(2, 256, generator=gen)
+    a = qg.triton_linear_fp8_block(x, w, s, True, block_k=32)  # 8 K tiles
+    b = qg.triton_linear_fp8_block(x, w, s, True, block_k=32)
+    c = qg.triton_linear_fp8_block(x, w, s, True, block_k=256)  # 1 K tile
+    assert torch.equal(a, b)
+    y64, abs64 = ref_linear(x, w, s, True, False)
+    assert_close_to_ref(a, y64, abs64)
+    assert_close_to_ref(c, y64, abs64)
+
+
+# ------------------------------------------------------------------------------------------- launch heuristic
+def test_gemv_plan_gives_every_sm_work_even_for_small_weights():
+    small = qg.gemv_plan(1, 1280, 5120, False)  # wq_a
+    n_tiles, split, m_tiles = small["grid"]
+    assert n_tiles * split * m_tiles >= 2 * 132  # the H200's SMs, twice over
+    assert split == -(-5120 // small["BLOCK_K"]) == small["SPLIT_K"]
+    assert n_tiles == -(-1280 // small["BLOCK_N"])
+    assert qg.gemv_plan(8, 5120, 2304, True)["BLOCK_M"] == 8
+    assert qg.gemv_plan(3, 5120, 2304, True)["BLOCK_M"] == 4
+    assert qg.gemv_plan(20, 64, 64, False)["grid"][2] == 3  # x rows tiled by 8
+    with pytest.raises(ValueError, match="block_k"):
+        qg.gemv_plan(1, 64, 64, False, block_k=48)
+
+
+# ------------------------------------------------------------------------------------------- op registration
+def _small_inputs(fp4: bool):
+    gen = torch.Generator().manual_seed(5)
+    w, s = make_weights(40, 64, fp4, gen)
+    return torch.randn(3, 64, generator=gen, dtype=torch.float32), w, s
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+def test_ops_pass_torch_library_opcheck(fp4):
+    x, w, s = _small_inputs(fp4)
+    op = torch.ops.dsv41.linear_fp4.default if fp4 else torch.ops.dsv41.linear_fp8_block.default
+    torch.library.opcheck(op, (x, w, s, True))
+    torch.library.opcheck(op, (x.bfloat16(), w, s, False))
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+def test_fake_functions_give_shape_and_dtype_under_fake_tensor_mode(fp4):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    op = torch.ops.dsv41.linear_fp4 if fp4 else torch.ops.dsv41.linear_fp8_block
+    with FakeTensorMode():
+        x = torch.empty(2, 5, 64, dtype=torch.bfloat16)
+        w = torch.empty(40, 32 if fp4 else 64, dtype=torch.uint8)
+        s = torch.empty(40 if fp4 else 2, 2, dtype=torch.uint8)
+        y = op(x, w, s, True)
+    assert y.shape == (2, 5, 40) and y.dtype == torch.bfloat16
+
+
+def test_bad_inputs_raise_errors_naming_the_argument():
+    x, w, s = _small_inputs(False)
+    with pytest.raises(TypeError, match="weight"):
+        qg.reference_linear_fp8_block(x, w.float(), s, True)
+    with pytest.raises(TypeError, match="x has dtype"):
+        qg.reference_linear_fp8_block(x.long(), w, s, True)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        qg.reference_linear_fp8_block(x[:, :48], w[:, :48], s, True)
+    with pytest.raises(ValueError, match="scale has shape"):
+        qg.reference_linear_fp8_block(x, w, s[:1], True)
+    x4, w4, s4 = _small_inputs(True)
+    with pytest.raises(ValueError, match="packed FP4 weight"):
+        qg.reference_linear_fp4(x4, w4[:, :16], s4, True)
+    with pytest.raises(ValueError, match="scale has shape"):
+        qg.triton_linear_fp4(x4, w4, s4.T.contiguous(), True)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checks the error raised when Triton is NOT interpreting")
+def test_cpu_launch_without_interpreter_says_how_to_enable_it():
+    x, w, s = _small_inputs(False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        qg.triton_linear_fp8_block(x, w, s, True)
+
+
+def test_float64_reference_rounds_e4m3_ties_to_even():
+    """Guards the test's own reference: the tie cases crafted above land where MODEL.md §2.1 says."""
+    got = E4M3_GRID[round_to_grid(torch.tensor([1.0625, 1.1875, 1.9375, 0.5 * 2 ** -9, 4.5 * 2 ** -9,
+                                                7.5 * 2 ** -9, 432.0], dtype=torch.float64), E4M3_GRID)]
+    want = torch.tensor([1.0, 1.25, 2.0, 0.0, 4 * 2 ** -9, 2 ** -6, 448.0], dtype=torch.float64)
+    assert torch.equal(got, want)
+    assert math.isclose(E4M3_GRID[-1].item(), 448.0)
