@@ -1,0 +1,19 @@
+"""dsv41: a torch.compile backend for batch-1 LLM decode, first model DeepSeek-V4.1 Flash.
+
+`torch.compile(model, backend="dsv41", options={...})` works without importing this package (entry point
+`torch_dynamo_backends`); `dsv41.last_report()` returns the FusionReport of the most recent dsv41 compile.
+Importing `dsv41` stays light: the compiler is imported on first use.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "last_report"]
+
+
+def last_report():
+    """The `FusionReport` of the most recent dsv41 compile in this process, or None if there was none.
+
+    See `dsv41.compiler.report.FusionReport` (`to_dict()`, `to_json(path)`, `print()`, `str()`).
+    """
+    from .compiler.report import last_report as _last
+    return _last()

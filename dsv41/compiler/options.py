@@ -1,0 +1,99 @@
+"""Options of the dsv41 backend: `torch.compile(model, backend="dsv41", options={...})`.
+
+One plain dict, validated here (ARCHITECTURE.md "The user's view"): an unknown key is a ValueError that names
+it and lists the valid keys; a value of the wrong type is a TypeError naming the key.
+
+| key            | type              | default | meaning |
+|----------------|-------------------|---------|---------|
+| `report`       | bool or str path  | False   | True: print the fusion report after each graph compiles; a path: write it there as JSON |
+| `disable`      | list of str       | ()      | pass families to switch off, by name (`normalize`, `rope_fp4`, `dispatch`); they show as off in the report |
+| `count_kernels`| bool              | False   | run each compiled graph once eagerly and once compiled under torch.profiler and record kernels per step before/after |
+| `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
+
+The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
+non-empty value except `0`/`false`/`no` is a JSON path to write it to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["Options", "parse_options", "OPTION_KEYS"]
+
+#: Every valid option key, with a one-line description (printed in the unknown-key error).
+OPTION_KEYS = {
+    "report": "bool or JSON path: print the fusion report / write it as JSON",
+    "disable": "list of pass family names to switch off",
+    "count_kernels": "bool: profile one eager and one compiled run per graph and record kernels per step",
+    "debug": "bool: keep each graph's code before and after the passes in the report",
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated backend options (see the module docstring for each field)."""
+
+    print_report: bool = False
+    report_path: str | None = None
+    disable: frozenset = frozenset()
+    count_kernels: bool = False
+    debug: bool = False
+
+    def to_dict(self) -> dict:
+        """JSON-friendly form (shown in the report)."""
+        return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
+                "count_kernels": self.count_kernels, "debug": self.debug}
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"dsv41 option {key!r} must be a bool, got {type(v).__name__} {v!r}")
+    return v
+
+
+def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> Options:
+    """Validate `options` (the dict given to `torch.compile(..., options=)`) into an `Options`.
+
+    Args:
+        options: None or a mapping with keys from `OPTION_KEYS`.
+        environ: environment to read `DSV41_REPORT` from (default `os.environ`).
+    Raises:
+        ValueError: an unknown key (named, with the list of valid keys), or an unknown family in `disable`.
+        TypeError: `options` is not a mapping, or a value has the wrong type (the key is named).
+    """
+    from ..passes.manager import FAMILY_ORDER
+
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"dsv41 options must be a dict, got {type(options).__name__}")
+    unknown = sorted(str(k) for k in options if k not in OPTION_KEYS)
+    if unknown:
+        valid = "; ".join(f"{k} ({d})" for k, d in OPTION_KEYS.items())
+        raise ValueError(f"unknown dsv41 option(s) {', '.join(repr(k) for k in unknown)}; valid options: {valid}")
+    report = options.get("report", False)
+    print_report, path = False, None
+    if isinstance(report, bool):
+        print_report = report
+    elif isinstance(report, (str, os.PathLike)) and str(report):
+        path = os.fspath(report)
+    else:
+        raise TypeError(f"dsv41 option 'report' must be a bool or a JSON file path, got {report!r}")
+    env = (environ if environ is not None else os.environ).get("DSV41_REPORT", "").strip()
+    if env.lower() in _TRUE:
+        print_report = True
+    elif env.lower() not in _FALSE and path is None:
+        path = env
+    disable = options.get("disable", ())
+    if isinstance(disable, str) or not all(isinstance(d, str) for d in disable):
+        raise TypeError(f"dsv41 option 'disable' must be a list of family names, got {disable!r}")
+    bad = sorted(set(disable) - set(FAMILY_ORDER))
+    if bad:
+        raise ValueError(f"dsv41 option 'disable' names unknown pass families {bad}; valid families: "
+                         f"{', '.join(FAMILY_ORDER)}")
+    return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
+                   _bool("debug", options.get("debug", False)))

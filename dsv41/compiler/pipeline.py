@@ -1,0 +1,188 @@
+"""Compile one Dynamo graph: Inductor's `compile_fx` with dsv41's passes in the post-grad custom-pass hook.
+
+ARCHITECTURE.md "Pipeline stages" 1, 2, 4, 6: Dynamo hands over an FX graph; Inductor's `compile_fx`
+functionalises it to an ATen inference graph, runs its post-grad passes, then dsv41's `PassManager`
+(installed as `post_grad_custom_post_pass` through `torch._inductor.config.patch`, i.e. for this compile
+only — the global config and plain `torch.compile` never see it), and generates code for everything the
+passes left. dsv41's fused ops are custom ops, so on CPU they run their reference implementations and the
+report is the same as on a GPU.
+
+Inductor's FX-graph / AOTAutograd caches key on `PassManager.uuid()`. A cache hit skips the passes, so the
+pass records of every compiled graph are also kept in a small record cache next to Inductor's
+(`<inductor cache dir>/dsv41_records/<key>.json`), keyed by everything the records depend on: the pass uuid,
+the Dynamo graph's code and stack traces (source lines), the input shapes/dtypes, Inductor's portable config
+and the torch version. If that record is missing, the graph is compiled with Inductor's caches off, so the
+passes run and the report is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from ..passes.base import PassRecord
+from ..passes.manager import GraphPassResult, PassManager
+from .options import Options
+from .report import FusionReport, GraphReport, _set_last
+
+__all__ = ["compile_graph"]
+
+
+def _records_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older layout
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    return os.path.join(cache_dir(), "dsv41_records")
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"T{tuple(str(s) for s in t.shape)}{tuple(str(s) for s in t.stride())}{t.dtype}{t.device.type}{t.requires_grad}"
+    return f"{type(t).__name__}:{t!r}" if isinstance(t, (int, float, bool, str)) else type(t).__name__
+
+
+def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence, uuid: str, config_patches: dict) -> str:
+    from torch._inductor import config as inductor_config
+
+    h = hashlib.sha256()
+    h.update(uuid.encode())
+    h.update(gm.code.encode())
+    for n in gm.graph.nodes:
+        h.update(str(n.meta.get("stack_trace", "")).encode())
+    h.update("|".join(_describe(t) for t in example_inputs).encode())
+    portable = getattr(inductor_config, "save_config_portable", lambda: {})()
+    h.update(repr(sorted((k, repr(v)) for k, v in portable.items())).encode())
+    h.update(repr(sorted((k, repr(v)) for k, v in config_patches.items())).encode())
+    h.update(f"{torch.__version__}|{torch.is_grad_enabled()}".encode())
+    return h.hexdigest()
+
+
+def _merge(results: list[GraphPassResult]) -> GraphPassResult:
+    """One result per compiled graph: subgraphs (control flow bodies) are folded into their parent's records."""
+    if len(results) == 1:
+        return results[0]
+    merged = []
+    for recs in zip(*(r.records for r in results)):
+        first = recs[0]
+        merged.append(PassRecord(first.family, all(r.enabled for r in recs),
+                                 tuple(m for r in recs for m in r.matches),
+                                 tuple(m for r in recs for m in r.near_misses),
+                                 tuple(f for r in recs for f in r.findings),
+                                 "; ".join(sorted({r.note for r in recs if r.note})),
+                                 sum(r.elapsed_s for r in recs)))
+
+    def join(parts):
+        parts = [p for p in parts if p]
+        return "\n".join(parts) if parts else None
+
+    return GraphPassResult(tuple(merged), join(r.graph_before for r in results), join(r.graph_after for r in results))
+
+
+def _save(key: str, result: GraphPassResult) -> None:
+    path = os.path.join(_records_dir(), key + ".json")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"records": [r.to_dict() for r in result.records], "graph_before": result.graph_before,
+                       "graph_after": result.graph_after}, f, default=str)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache directory only costs cache hits later, never correctness
+
+
+def _load(key: str) -> GraphPassResult | None:
+    path = os.path.join(_records_dir(), key + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return GraphPassResult(tuple(PassRecord.from_dict(r) for r in d["records"]), d.get("graph_before"),
+                               d.get("graph_after"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _register_ops() -> None:
+    """Import dsv41.kernels, which registers the fused `dsv41::` ops the passes emit. If it cannot be imported
+    the passes still run and report each chain as a near-miss with check `op_registered`."""
+    try:
+        import dsv41.kernels  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _compile_id() -> str:
+    try:
+        from torch._guards import CompileContext
+        cid = CompileContext.current_compile_id()
+        return str(cid) if cid is not None else "?"
+    except Exception:  # compile ids are informative only
+        return "?"
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Options, report: FusionReport,
+                  mode: str | None = None):
+    """Compile `gm` with dsv41's passes, add its `GraphReport` to `report`, and return the compiled callable.
+
+    Args:
+        gm, example_inputs: what Dynamo passed to the backend.
+        opts: validated options; report: the FusionReport of this torch.compile call.
+        mode: torch.compile's `mode` ("max-autotune", ...), forwarded to Inductor as its option set.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    _register_ops()
+    manager = PassManager(opts.disable, opts.debug, chained=inductor_config.post_grad_custom_post_pass)
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    patches = {"post_grad_custom_post_pass": manager}
+    if opts.count_kernels and not on_cuda:
+        patches["cpp.enable_kernel_profile"] = True  # labels Inductor's C++ kernels for the profiler
+    config_patches = {}
+    if mode is not None and mode != "default":
+        from torch._inductor import list_mode_options
+        config_patches = dict(list_mode_options(mode))
+    uuid = manager.uuid()
+    key = None
+    if uuid is not None:
+        other_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_post_pass"}
+        key = _record_key(gm, example_inputs, uuid, {**config_patches, **other_patches})
+    stored = _load(key) if key is not None else None
+    if stored is None:
+        # Without a stored record the passes must run: keep Inductor from serving this graph from its caches.
+        patches["fx_graph_cache"] = False
+    autograd_cache = {}
+    if stored is None and hasattr(functorch_config, "enable_autograd_cache"):
+        autograd_cache["enable_autograd_cache"] = False
+    with inductor_config.patch(patches), functorch_config.patch(autograd_cache):
+        compiled = compile_fx(gm, example_inputs, config_patches=config_patches or None)
+    from_cache = not manager.results and stored is not None
+    if manager.results:
+        result = _merge(manager.results)
+        if key is not None:
+            _save(key, result)
+    elif stored is not None:
+        result = stored
+    else:  # Inductor had nothing to lower (e.g. a graph without ops): no post-grad graph, nothing to fuse
+        from ..passes.manager import FAMILY_ORDER
+        result = GraphPassResult(tuple(PassRecord(n, n not in opts.disable, note="no post-grad graph")
+                                       for n in FAMILY_ORDER))
+
+    kernels = None
+    if opts.count_kernels:
+        from .profiling import count_step_kernels
+        kernels = count_step_kernels(gm, compiled, example_inputs)
+    report.add_graph(GraphReport(len(report.graphs), _compile_id(), result.records, kernels, from_cache,
+                                 result.graph_before, result.graph_after))
+    _set_last(report)
+    if opts.print_report:
+        report.print()
+    if opts.report_path:
+        report.to_json(opts.report_path)
+    return compiled

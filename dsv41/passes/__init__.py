@@ -1,0 +1,11 @@
+"""dsv41 fusion passes: one family per module, run in a fixed order by `PassManager` (manager.py).
+
+Families: `normalize` (normalize.py), `rope_fp4` (rope_fp4.py), `dispatch` (dispatch.py). Each returns an
+immutable `PassRecord` (base.py) with its matches, near-misses and findings.
+"""
+
+from .base import Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation
+from .manager import FAMILIES, FAMILY_ORDER, GraphPassResult, PassManager
+
+__all__ = ["FAMILIES", "FAMILY_ORDER", "PassManager", "GraphPassResult", "PassRecord", "MatchRecord", "NearMiss",
+           "Finding", "SourceLocation", "FusionFamily"]

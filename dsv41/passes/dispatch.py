@@ -1,0 +1,484 @@
+"""`dispatch` family: dequantize(weight) -> matmul becomes one fused low-precision linear op.
+
+Chain matched (ARCHITECTURE.md "Fusion patterns", row "dispatch"; MODEL.md §2.1 block layouts):
+
+    y = F.linear(fake_quant_fp8_1x32(x) or x, dequantize(W, S))      # eager, e.g. dsv41/model/linear.py
+
+with W, S in one of the checkpoint formats
+
+    fp8_block  W uint8 [N, K] E4M3 bytes, S uint8 [ceil(N/32), ceil(K/32)] UE8M0 (value 2^(e-127))
+    fp4        W uint8 [N, K/2] packed E2M1 (low nibble = even k), S uint8 [N, K/32] UE8M0
+
+becomes `dsv41::linear_fp8_block(x, W, S, act_quant)` / `dsv41::linear_fp4(x, W, S, act_quant)`.
+
+How a chain is found (structure): the dequantised weight is a float 2-D tensor computed only by pointwise
+ops, views, repeats and concatenation from exactly two uint8 tensors whose shapes are a weight and its scale
+grid in one of the formats above; the matmul is `aten.mm` / `aten.addmm` taking it (transposed) as the
+second operand. How it is confirmed (semantics): the region is evaluated on probe codes and scales and must
+equal `formats.dequantize_*` of them; the activation side is accepted as `act_quant=True` when the mm's
+first operand equals `formats.fake_quant_fp8_1x32` of a tensor that dominates it. A failed check is a
+near-miss that names the rule the code follows instead (e.g. the scale used as a plain multiplier).
+
+Also reported (as findings, after every family ran): a verified dequantised weight that is materialised
+(feeds anything other than a fused matmul), and every ATen op Inductor will run as a fallback kernel
+instead of generating code for it (complex-valued ops, ops without a lowering, explicit fallbacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..model import formats
+from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
+                   SourceLocation, collect_region, concrete_shape, dsv41_op, insert_node, is_dataflow_op,
+                   is_table_lookup, is_view_op, node_label, same_shape, sourced_nodes, tensor_val, token_rows)
+
+__all__ = ["DispatchFamily", "WEIGHT_FORMATS"]
+
+aten = torch.ops.aten
+#: format -> fused op name.
+WEIGHT_FORMATS = {"fp8_block": "linear_fp8_block", "fp4": "linear_fp4"}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_LEAVES = 3
+_DOMINATOR_STEPS = 256
+
+
+@dataclass(frozen=True)
+class _Weight:
+    """A candidate dequantised weight: `node` computed from (`codes`, `scale`) in format `fmt`."""
+
+    node: fx.Node
+    codes: fx.Node
+    scale: fx.Node
+    fmt: str
+    n: int
+    k: int
+    transposed: bool  # node holds W^T [K, N] rather than W [N, K]
+
+
+class DispatchFamily(FusionFamily):
+    """Fuse dequantize -> mm into `dsv41::linear_fp8_block` / `dsv41::linear_fp4` (see module docstring)."""
+
+    name = "dispatch"
+    summary = "dequantize(block-FP8 / FP4 weight) [+ FP8 1x32 activation fake-quant] -> matmul"
+
+    def run(self, gm: fx.GraphModule) -> PassRecord:
+        graph = gm.graph
+        start = set(graph.nodes)
+        ev = RegionEvaluator(gm)
+        sourced = sourced_nodes(graph)
+        leaves = _leaf_sets(graph)
+        matches: list[MatchRecord] = []
+        misses: list[NearMiss] = []
+        findings: list[Finding] = []
+        verdicts: dict = {}
+        missing_ops = sorted(op for op in WEIGHT_FORMATS.values() if dsv41_op(op) is None)
+
+        for readings in _candidates(graph, leaves):
+            verdict = None
+            for cand in readings:
+                sig = _signature(collect_region([cand.node], [cand.codes, cand.scale]), (cand.codes, cand.scale))
+                key = (sig, cand.fmt, cand.transposed)
+                if key not in verdicts:
+                    verdicts[key] = _verify_weight(cand, ev)
+                if verdicts[key][0] or verdict is None:
+                    verdict = (cand, verdicts[key])
+                if verdicts[key][0]:
+                    break
+            cand, (ok, check, reason) = verdict
+            users = list(cand.node.users)
+            matmuls = [u for u in users if _is_linear_mm(u, cand.node)]
+            mm_users = matmuls if cand.transposed else []
+            if ok and cand.k % 32:
+                ok, check, reason = False, "op_shape", (f"K = {cand.k} is not a multiple of 32; the fused linear ops "
+                                                       "quantise activations in 1x32 blocks")
+            if not ok:
+                # Only a chain that reaches a matmul "started to match"; other look-alike tensors are not reported.
+                for u in matmuls:
+                    misses.append(NearMiss(self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", check, reason,
+                                           SourceLocation.from_node(u)))
+                continue
+            op = dsv41_op(WEIGHT_FORMATS[cand.fmt])
+            for u in mm_users:
+                if op is None:
+                    misses.append(NearMiss(self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", "op_registered",
+                                           f"dsv41::{WEIGHT_FORMATS[cand.fmt]} is not registered (import "
+                                           "dsv41.kernels)", SourceLocation.from_node(u)))
+                    continue
+                matches.append(self._fuse(gm, u, cand, op, ev, sourced))
+            lv = leaves[cand.node]
+            for u in users:
+                if u in mm_users or _continues_region(u, lv, leaves):
+                    continue
+                r = _reader(u)
+                findings.append(Finding(
+                    self.name, "materialised_dequant",
+                    f"dequantised {cand.fmt} weight [{cand.n}, {cand.k}] is materialised: it feeds "
+                    f"{node_label(r)}, which no fused op reads", SourceLocation.from_node(r)))
+        graph.eliminate_dead_code()
+        removed = {n.name for n in start - set(graph.nodes)}
+        matches = [_with_removed(m, removed) for m in matches]
+        findings.extend(_fallback_findings(self.name, graph))
+        note = f"ops not registered: {', '.join(missing_ops)}" if missing_ops else ""
+        return PassRecord(self.name, True, tuple(matches), tuple(misses), tuple(findings), note)
+
+    # -------------------------------------------------------------------------------------------- rewrite
+    def _fuse(self, gm, mm: fx.Node, cand: _Weight, op, ev: RegionEvaluator, sourced: set) -> MatchRecord:
+        graph = gm.graph
+        if mm.target == aten.addmm.default:
+            bias, lhs = mm.args[0], mm.args[1]
+        else:
+            bias, lhs = None, mm.args[0]
+        x = _act_quant_input(lhs, cand.k, ev, sourced)
+        act_quant = x is not None
+        region_nodes = collect_region([cand.node], [cand.codes, cand.scale])
+        if act_quant:
+            region_nodes += collect_region([lhs], [x])
+        else:
+            x = lhs
+        x_in = x
+        if not same_shape(tensor_val(x).shape, tensor_val(lhs).shape):
+            # mm's operand is [M, K]; -1 keeps the reshape valid under symbolic M.
+            x_in = insert_node(graph, mm, aten.reshape.default, (x, [-1, cand.k]), like=mm)
+        out = insert_node(graph, mm, op, (x_in, cand.codes, cand.scale, act_quant), like=mm)
+        if bias is not None:
+            out = insert_node(graph, mm, aten.add.Tensor, (out, bias), like=mm)
+        mm.replace_all_uses_with(out)
+        graph.erase_node(mm)
+
+        xv = tensor_val(x)
+        esize = xv.element_size()
+        rows, subs = token_rows(_token_shape(x)[:-1])
+        n, k = cand.n, cand.k
+        w_bytes = tensor_val(cand.codes).numel() + tensor_val(cand.scale).numel()
+        bias_bytes = n * esize if bias is not None else 0
+        # Before: the dequantised weight crosses a kernel boundary (written once, read by the GEMM) and so
+        # does the fake-quantised activation; after: the fused op reads codes, scales and x once.
+        before = (w_bytes + 2 * n * k * esize + rows * k * esize * (3 if act_quant else 1)
+                  + rows * n * esize + bias_bytes)
+        after = w_bytes + rows * k * esize + rows * n * esize + bias_bytes
+        return MatchRecord(
+            self.name, f"{WEIGHT_FORMATS[cand.fmt]}(act_quant={act_quant})", f"dsv41::{WEIGHT_FORMATS[cand.fmt]}",
+            SourceLocation.from_node(mm), tuple(n_.name for n_ in region_nodes + [mm]),
+            tuple(node_label(n_) for n_ in region_nodes + [mm]), str(sympy.expand(before)), str(sympy.expand(after)),
+            tuple(sorted(subs.items())),
+            (("format", cand.fmt), ("N", n), ("K", k), ("act_quant", act_quant), ("bias", bias is not None)))
+
+
+# ------------------------------------------------------------------------------------------------ structure
+def _leaf_sets(graph: fx.Graph) -> dict:
+    """For each tensor node, the set of non-dataflow tensors it is computed from through dataflow ops only
+    (None when more than `_MAX_LEAVES`). Graph inputs and non-dataflow ops are their own leaf."""
+    leaves: dict = {}
+    for n in graph.nodes:
+        v = tensor_val(n)
+        if v is None:
+            continue
+        if n.op == "get_attr" and v.numel() <= 256:
+            leaves[n] = frozenset()
+        elif is_table_lookup(n) and leaves.get(n.args[0]) == frozenset():
+            # table[idx] with a constant table (e.g. the 16 E2M1 values) is a pure function of idx.
+            acc = set()
+            for a in n.args[1]:
+                la = leaves.get(a) if a is not None else frozenset()
+                if la is None:
+                    acc = None
+                    break
+                acc |= la
+            leaves[n] = frozenset(acc) if acc is not None and len(acc) <= _MAX_LEAVES else None
+        elif n.op == "call_function" and is_dataflow_op(n):
+            acc: set = set()
+            for a in n.all_input_nodes:
+                if tensor_val(a) is None:
+                    continue
+                la = leaves.get(a)
+                if la is None:
+                    acc = None
+                    break
+                acc |= la
+            leaves[n] = frozenset(acc) if acc is not None and len(acc) <= _MAX_LEAVES else None
+        else:
+            leaves[n] = frozenset({n})
+    return leaves
+
+
+def _formats_for(a: fx.Node, b: fx.Node, shape: tuple) -> list:
+    """(fmt, codes, scale, N, K, transposed) readings of uint8 tensors `a`, `b` producing a weight of `shape`."""
+    out = []
+    for codes, scale in ((a, b), (b, a)):
+        c, s = concrete_shape(tensor_val(codes)), concrete_shape(tensor_val(scale))
+        if len(c) != 2 or len(s) != 2:
+            continue
+        for transposed in (False, True):
+            n, k = (shape[1], shape[0]) if transposed else shape
+            if c == (n, k) and s == (-(-n // 32), -(-k // 32)):
+                out.append(("fp8_block", codes, scale, n, k, transposed))
+            if k % 32 == 0 and c == (n, k // 2) and s == (n, k // 32):
+                out.append(("fp4", codes, scale, n, k, transposed))
+    return out
+
+
+def _candidates(graph: fx.Graph, leaves: dict) -> list:
+    """Boundary nodes of dequantisation regions: float 2-D tensors computed from exactly a (codes, scale) pair
+    of uint8 tensors in a known weight format, with a user outside the region. One list of `_Weight` readings
+    (format, orientation) per boundary node."""
+    found = []
+    for n in graph.nodes:
+        v = tensor_val(n)
+        if v is None or v.dtype not in _FLOATS or v.dim() != 2 or n.op != "call_function":
+            continue
+        lv = leaves.get(n)
+        if not lv or len(lv) != 2:
+            continue
+        a, b = sorted(lv, key=lambda x: x.name)
+        if any(tensor_val(x).dtype != torch.uint8 for x in (a, b)):
+            continue
+        if all(_continues_region(u, lv, leaves) for u in n.users):
+            continue
+        readings = _formats_for(a, b, concrete_shape(v))
+        if readings:
+            # A square weight reads as W or W^T; the transposed reading (what mm's operand holds) goes first.
+            readings.sort(key=lambda r: not r[5])
+            found.append([_Weight(n, codes, scale, fmt, nn, kk, tr) for fmt, codes, scale, nn, kk, tr in readings])
+    return found
+
+
+def _token_shape(x: fx.Node) -> tuple:
+    """Shape of the activation before F.linear flattened its leading dims: walk back through reshapes that keep
+    the last dim and the element count (so byte expressions see [B, L, K] rather than [B*L, K])."""
+    shape = concrete_shape(tensor_val(x))
+    n = x
+    while n.op == "call_function" and n.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        src = n.args[0]
+        sv = tensor_val(src)
+        if sv is None or sv.dim() == 0:
+            break
+        ss = concrete_shape(sv)
+        if math.prod(ss) != math.prod(shape) or ss[-1] != shape[-1]:
+            break
+        shape, n = concrete_shape(sv), src
+    return shape
+
+
+def _continues_region(u: fx.Node, lv: frozenset, leaves: dict) -> bool:
+    """`u` is still part of the weight region: a 2-D dataflow op of the same (codes, scale) pair (a cast, a
+    transpose); anything else (a matmul, a reduction, a reshape to 3-D, an output) reads the weight."""
+    v = tensor_val(u)
+    return is_dataflow_op(u) and leaves.get(u) == lv and v is not None and v.dim() == 2
+
+
+def _reader(u: fx.Node) -> fx.Node:
+    """The first non-view consumer behind a chain of single-user views (for messages)."""
+    while is_view_op(u) and len(u.users) == 1:
+        u = next(iter(u.users))
+    return u
+
+
+def _is_linear_mm(user: fx.Node, weight: fx.Node) -> bool:
+    """`mm(x, W^T)` or `addmm(bias, x, W^T)` (alpha = beta = 1) with `weight` as the W^T operand."""
+    if user.target == aten.mm.default:
+        return user.args[1] is weight and user.args[0] is not weight
+    if user.target == aten.addmm.default:
+        return (user.args[2] is weight and user.args[1] is not weight
+                and user.kwargs.get("beta", 1) == 1 and user.kwargs.get("alpha", 1) == 1)
+    return False
+
+
+def _signature(region: list, inputs: tuple) -> tuple:
+    """Structural key of a region (targets, literal args, input shapes/dtypes): equal keys compute the same
+    function, so one probe verdict serves every expert / layer with the same code and shapes."""
+    index = {n: i for i, n in enumerate(region)}
+    index.update({n: f"in{i}" for i, n in enumerate(inputs)})
+
+    def lit(a):
+        if isinstance(a, fx.Node):
+            return ("node", index.get(a, a.name))
+        if isinstance(a, (list, tuple)):
+            return tuple(lit(x) for x in a)
+        return repr(a)
+
+    body = tuple((str(n.target), lit(n.args), lit(tuple(sorted(n.kwargs.items())))) for n in region)
+    ins = tuple((concrete_shape(tensor_val(i)), str(tensor_val(i).dtype)) for i in inputs)
+    return body, ins
+
+
+# ------------------------------------------------------------------------------------------------ semantics
+def _probe_weight(cand: _Weight, device) -> tuple:
+    gen = torch.Generator().manual_seed(1234)
+    cshape = concrete_shape(tensor_val(cand.codes))
+    sshape = concrete_shape(tensor_val(cand.scale))
+    codes = torch.randint(0, 256, cshape, generator=gen, dtype=torch.int32)
+    if cand.fmt == "fp8_block":
+        codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)  # no NaN encodings
+    # Exponents 2^-11 .. 2^4 keep every product normal (and finite) even in float16.
+    scale = torch.randint(116, 132, sshape, generator=gen, dtype=torch.int32)
+    return codes.to(torch.uint8).to(device), scale.to(torch.uint8).to(device)
+
+
+def _reference_weight(fmt: str, codes, scale, dtype):
+    if fmt == "fp8_block":
+        return formats.dequantize_fp8_block(codes, scale, dtype)
+    return formats.dequantize_fp4_1x32(codes, scale, dtype)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Equal, or within 2 ulps of the dtype (an exp2 written by hand may round its last bit differently)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    if torch.equal(got, ref):
+        return True
+    eps = torch.finfo(ref.dtype).eps
+    return bool(torch.allclose(got.float(), ref.float(), rtol=2 * eps, atol=0.0))
+
+
+def _verify_weight(cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str]:
+    """(ok, failed check id, reason) for a candidate dequantised weight, by probe evaluation."""
+    val = tensor_val(cand.node)
+    codes, scale = _probe_weight(cand, val.device)
+    try:
+        got = ev.evaluate([cand.node], {cand.codes: codes, cand.scale: scale})[cand.node]
+    except RegionNotClosed as e:
+        return False, "region_closed", f"the weight region is not a pure function of (codes, scale): {e}"
+    if cand.transposed:
+        got = got.t()
+    ref = _reference_weight(cand.fmt, codes, scale, val.dtype)
+    if _close(got, ref):
+        return True, "", ""
+    return (False, *_diagnose_weight(cand, codes, scale, got, ref))
+
+
+def _block_scale(cand: _Weight, scale: torch.Tensor) -> torch.Tensor:
+    """The scale tensor broadcast to one value per weight element [N, K] (as float64 of the raw byte)."""
+    s = scale.double()
+    if cand.fmt == "fp8_block":
+        return s.repeat_interleave(32, 0)[:cand.n].repeat_interleave(32, 1)[:, :cand.k]
+    return s.repeat_interleave(32, 1)
+
+
+def _diagnose_weight(cand: _Weight, codes, scale, got, ref) -> tuple[str, str]:
+    """Name the rule the region follows instead of the checkpoint's dequantisation."""
+    if got.shape != ref.shape:
+        return "weight_shape", f"the region produces shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    g = got.double()
+    unit = ref.double() / torch.exp2(_block_scale(cand, scale) - 127)  # the element values without scale
+    e = _block_scale(cand, scale)
+    nz = unit != 0
+    if torch.allclose(g, unit * e, rtol=1e-2):
+        return ("ue8m0_scale_rule", "the scale byte is used as a plain multiplier (value e) instead of the UE8M0 "
+                "exponent 2^(e-127)")
+    if torch.allclose(g, unit, rtol=1e-2):
+        return "scale_missing", "the element values are not multiplied by the block scale"
+    if nz.any():
+        ratio = (g[nz] / unit[nz]).abs()
+        if bool((ratio > 0).all()):
+            shift = torch.log2(ratio) - (e[nz] - 127)
+            if torch.allclose(shift, shift.flatten()[0].expand_as(shift), atol=1e-6):
+                bias = 127 - float(shift.flatten()[0])
+                return ("ue8m0_exponent_bias", f"the scale exponent bias is {bias:g}, not 127 "
+                        "(UE8M0 value 2^(e-127))")
+    if cand.fmt == "fp4":
+        swapped = ((codes & 15) << 4) | (codes >> 4)
+        alt = formats.dequantize_fp4_1x32(swapped, scale, ref.dtype)
+        if _close(got, alt):
+            return ("e2m1_nibble_order", "the packed E2M1 nibbles are read high-first; the checkpoint stores the even "
+                    "element in the LOW nibble")
+    diff = (g - ref.double()).abs()
+    idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+    return ("dequant_values", f"the weight computed from (codes, scale) differs from the {cand.fmt} dequantisation "
+            f"(max |diff| {float(diff.max()):.3g} at {idx})")
+
+
+def _dominators(node: fx.Node, sourced: set, limit: int = _DOMINATOR_STEPS):
+    """Yield the nodes every input-path of `node` passes through, nearest first (constant factories ignored)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    heap = [(-order[node], node)]
+    inheap = {node}
+    steps = 0
+    while heap and steps < limit:
+        if len(heap) == 1:
+            yield heap[0][1]
+        _, n = heapq.heappop(heap)
+        inheap.discard(n)
+        steps += 1
+        for a in n.all_input_nodes:
+            if a in sourced and tensor_val(a) is not None and a not in inheap:
+                heapq.heappush(heap, (-order[a], a))
+                inheap.add(a)
+
+
+def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set) -> fx.Node | None:
+    """The tensor x with `lhs == fake_quant_fp8_1x32(x)` (reshaped), or None if lhs is not fake-quantised."""
+    lv = tensor_val(lhs)
+    if k % 32:
+        return None
+    gen = torch.Generator().manual_seed(99)
+    for d in _dominators(lhs, sourced):
+        if d is lhs:
+            continue
+        dv = tensor_val(d)
+        shape = concrete_shape(dv)
+        if dv.dtype == lv.dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv)):
+            # Per-32-block magnitudes 2^-8..2^8 exercise the UE8M0 exponent choice of every block.
+            mag = torch.exp2(torch.randint(-8, 9, (*shape[:-1], k // 32, 1), generator=gen).double())
+            probe = torch.randn(*shape[:-1], k // 32, 32, generator=gen, dtype=torch.float64) * mag
+            probe = probe.reshape(shape).to(dv.dtype).to(dv.device)
+            try:
+                got = ev.evaluate([lhs], {d: probe})[lhs]
+            except RegionNotClosed:
+                got = None
+            if got is not None:
+                ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape)
+                if got.dtype == ref.dtype and torch.equal(got, ref):
+                    return d
+        if d.op != "call_function" or not is_dataflow_op(d):
+            # Everything farther up reaches lhs through this non-dataflow node: no fake-quant region can.
+            return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ findings
+def _exotic(n: fx.Node) -> bool:
+    """Whether a node touches a dtype Inductor may refuse to generate code for (cheap pre-check)."""
+    vals = [tensor_val(a) for a in n.all_input_nodes] + [tensor_val(n)]
+    odd = {getattr(torch, "float8_e8m0fnu", None)} - {None}
+    return any(v is not None and (v.is_complex() or v.dtype in odd or v.is_meta) for v in vals)
+
+
+def _fallback_findings(family: str, graph: fx.Graph) -> list[Finding]:
+    """ATen ops Inductor will not generate code for (it calls them as fallback kernels), one finding each:
+    ops without a lowering, ops whose lowering is an explicit fallback, and ops on dtypes Inductor does not
+    generate code for (complex). Views are skipped: they launch nothing."""
+    from torch._inductor import lowering
+
+    unsupported = getattr(lowering, "fallback_node_due_to_unsupported_type", None)
+    out = []
+    for n in graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten" or t.is_view:
+            continue
+        low = lowering.lowerings.get(t)
+        if low is None:
+            why = "no Inductor lowering"
+        elif getattr(low, "_is_fallback_handler", False):
+            why = "Inductor lowers it to a fallback"
+        elif unsupported is not None and _exotic(n) and unsupported(n):
+            why = "dtype Inductor does not generate code for (e.g. complex)"
+        else:
+            continue
+        out.append(Finding(family, "fallback_op", f"{node_label(n)} runs as a fallback kernel ({why})",
+                           SourceLocation.from_node(n)))
+    return out
+
+
+def _with_removed(m: MatchRecord, removed: set) -> MatchRecord:
+    """Keep only the chain nodes that really left the graph (a shared node another consumer still reads stays);
+    `removed` holds node names."""
+    keep = [(a, b) for a, b in zip(m.nodes_replaced, m.ops_replaced) if a in removed]
+    return dataclasses.replace(m, nodes_replaced=tuple(a for a, _ in keep), ops_replaced=tuple(b for _, b in keep))

@@ -1,0 +1,123 @@
+"""The dsv41 pass manager: runs the fusion families in a fixed order on Inductor's post-grad graph.
+
+Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladder of "Fusion patterns"):
+
+    1. normalize  remove value-preserving detours first, so later families see one form of each chain
+    2. rope_fp4   RoPE -> FP4 quantisation (-> cache write)
+    3. dispatch   dequantize -> matmul; runs last because it also audits what stays on a slow path
+
+`PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
+`torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
+`uuid()` hashes the source of every pass module, the reference formats they verify against, the options
+that change what the passes do, and which dsv41 ops are registered — so Inductor's FX-graph cache never
+serves a graph compiled with other passes (ARCHITECTURE.md "Known traps").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .base import FusionFamily, PassRecord
+from .dispatch import DispatchFamily
+from .normalize import NormalizeFamily
+from .rope_fp4 import RopeFp4Family
+
+__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult"]
+
+#: Registered families by name, in the order they run.
+FAMILIES: dict[str, type[FusionFamily]] = {
+    NormalizeFamily.name: NormalizeFamily,
+    RopeFp4Family.name: RopeFp4Family,
+    DispatchFamily.name: DispatchFamily,
+}
+FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
+_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")
+
+
+@dataclass(frozen=True)
+class GraphPassResult:
+    """What the manager did to one post-grad graph: one `PassRecord` per family in `FAMILY_ORDER`, and in
+    debug mode the graph's Python code before and after the passes (`None` otherwise)."""
+
+    records: tuple[PassRecord, ...]
+    graph_before: str | None = None
+    graph_after: str | None = None
+
+
+def _source_files() -> list[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    model = os.path.join(os.path.dirname(here), "model")
+    files = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))
+    return files + [os.path.join(model, "formats.py"), os.path.join(model, "rope.py")]
+
+
+class PassManager(CustomGraphPass):
+    """Run the enabled families on a post-grad graph and keep one `GraphPassResult` per graph in `results`.
+
+    Args:
+        disabled: family names to switch off (each still gets a record with `enabled=False`).
+        debug: keep the graph's code before/after the passes in each result.
+        chained: a post-grad custom pass that was installed before dsv41's (or a list of them); it runs after
+            dsv41's families, and its uuid is part of ours (None if it has none, which disables caching).
+    Raises:
+        ValueError: a name in `disabled` that is not a family.
+    """
+
+    def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None):
+        disabled = frozenset(disabled)
+        unknown = sorted(disabled - set(FAMILY_ORDER))
+        if unknown:
+            raise ValueError(f"unknown pass families {unknown}; valid families: {', '.join(FAMILY_ORDER)}")
+        self.disabled = disabled
+        self.debug = bool(debug)
+        if chained is None:
+            self.chained: tuple = ()
+        elif isinstance(chained, (list, tuple)):
+            self.chained = tuple(chained)
+        else:
+            self.chained = (chained,)
+        self.results: list[GraphPassResult] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        before = graph.python_code("self").src if self.debug else None
+        records = []
+        for name in FAMILY_ORDER:
+            if name in self.disabled:
+                records.append(PassRecord(name, False, note="disabled by options"))
+                continue
+            t0 = time.perf_counter()
+            rec = FAMILIES[name]().run(gm)
+            graph.lint()
+            records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
+        after = graph.python_code("self").src if self.debug else None
+        for p in self.chained:
+            p(graph)
+        self.results.append(GraphPassResult(tuple(records), before, after))
+
+    def uuid(self) -> str | None:
+        """SHA-256 (hex) of the pass sources, the options and the registered dsv41 ops; None if a chained
+        pass has no uuid (Inductor then bypasses its cache, the only safe choice)."""
+        h = hashlib.sha256()
+        for path in _source_files():
+            with open(path, "rb") as f:
+                h.update(path.encode() + b"\0" + f.read())
+        state = {"disabled": sorted(self.disabled), "debug": self.debug, "torch": torch.__version__,
+                 "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}
+        h.update(json.dumps(state, sort_keys=True).encode())
+        for p in self.chained:
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None
+            h.update(repr(u).encode())
+        return h.hexdigest()

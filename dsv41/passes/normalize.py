@@ -1,0 +1,176 @@
+"""`normalize` family (runs first): remove no-op views, casts and copies so graphs share one form.
+
+Eager code and its functionalised ATen graph are full of value-preserving detours that make the same math
+look different to a structural matcher (MODEL.md §2.1 storage convention: codes travel as uint8 and are
+re-viewed as float8 before use). Rewrites, each an Inductor pattern (`register_graph_pattern` into a
+`PatternMatcherPass`; inner nodes must have a single user, so nothing another consumer reads is touched):
+
+    dtype_view_roundtrip   view.dtype(view.dtype(x, a), x.dtype)                       -> x
+    dtype_view_reshape     view.dtype(reshape(view.dtype(x, a), s), x.dtype), |a|=|x|   -> reshape(x, s)
+    exact_cast_roundtrip   convert(convert(x, wide), x.dtype), wide holds every x value -> x
+    reshape_chain          reshape(reshape(x, s1), s2)  (view or reshape)               -> reshape(x, s2)
+    contiguous_clone       clone(x) of a contiguous x, not mutated afterwards            -> x
+    alias                  alias(x)                                                     -> x
+
+Inductor's own `remove_noop_ops` (run before dsv41's passes) already drops casts to the same dtype and
+views to the same shape; these are the two-step detours it leaves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.fx as fx
+
+from .base import FusionFamily, MatchRecord, PassRecord, SourceLocation, node_label, tensor_val
+
+__all__ = ["NormalizeFamily", "EXACT_CASTS"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+_F8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+#: source dtype -> dtypes that represent every value of it exactly (so a round trip through them is a no-op).
+EXACT_CASTS = {
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+    torch.uint8: (torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    torch.int8: (torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    torch.int16: (torch.int32, torch.int64, torch.float32, torch.float64),
+    torch.int32: (torch.int64, torch.float64),
+    torch.bool: (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                 torch.float32, torch.float64),
+}
+for _f8 in _F8:
+    EXACT_CASTS[_f8] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_RESHAPES = (aten.reshape.default, aten.view.default)
+_local = threading.local()
+_PASS = None
+
+
+def _dtype_of(n) -> torch.dtype | None:
+    v = tensor_val(n)
+    return v.dtype if v is not None else None
+
+
+def _record(match, rewrite: str, removed: list[fx.Node]) -> None:
+    sink = getattr(_local, "sink", None)
+    if sink is not None:
+        sink.append(MatchRecord("normalize", rewrite, rewrite, SourceLocation.from_node(removed[-1]),
+                                tuple(n.name for n in removed), tuple(node_label(n) for n in removed)))
+
+
+def _replace(match, new: fx.Node, rewrite: str) -> None:
+    out = match.output_node()
+    removed = [n for n in match.nodes if n.op == "call_function"]
+    out.replace_all_uses_with(new)
+    match.erase_nodes()
+    _record(match, rewrite, removed)
+
+
+def _build():
+    """Register the rewrites into one PatternMatcherPass (done once, on first use)."""
+    from torch._inductor.pattern_matcher import (CallFunction, KeywordArg, Match, PatternMatcherPass,
+                                                 register_graph_pattern)
+
+    pm = PatternMatcherPass(pass_name="dsv41_normalize")
+
+    def roundtrip_ok(match: Match) -> bool:
+        x, out = match.kwargs["x"], match.output_node()
+        return _dtype_of(x) is not None and _dtype_of(x) == _dtype_of(out)
+
+    @register_graph_pattern(
+        CallFunction(aten.view.dtype, CallFunction(aten.view.dtype, KeywordArg("x"), KeywordArg("mid")),
+                     KeywordArg("dt")), extra_check=roundtrip_ok, pass_dict=pm)
+    def dtype_view_roundtrip(match: Match, x, mid, dt):
+        _replace(match, x, "dtype_view_roundtrip")
+
+    for reshape in _RESHAPES:
+        def same_width(match: Match) -> bool:
+            x = match.kwargs["x"]
+            return roundtrip_ok(match) and match.kwargs["mid"].itemsize == _dtype_of(x).itemsize
+
+        @register_graph_pattern(
+            CallFunction(aten.view.dtype,
+                         CallFunction(reshape, CallFunction(aten.view.dtype, KeywordArg("x"), KeywordArg("mid")),
+                                      KeywordArg("shape")),
+                         KeywordArg("dt")), extra_check=same_width, pass_dict=pm)
+        def dtype_view_reshape(match: Match, x, mid, shape, dt):
+            from .base import insert_node
+            new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, shape),
+                              like=match.output_node())
+            _replace(match, new, "dtype_view_reshape")
+
+    def exact_roundtrip(match: Match) -> bool:
+        x, wide = match.kwargs["x"], match.kwargs["wide"]
+        return roundtrip_ok(match) and wide in EXACT_CASTS.get(_dtype_of(x), ())
+
+    @register_graph_pattern(
+        CallFunction(prims.convert_element_type.default,
+                     CallFunction(prims.convert_element_type.default, KeywordArg("x"), KeywordArg("wide")),
+                     KeywordArg("back")), extra_check=exact_roundtrip, pass_dict=pm)
+    def exact_cast_roundtrip(match: Match, x, wide, back):
+        _replace(match, x, "exact_cast_roundtrip")
+
+    for outer in _RESHAPES:
+        for inner in _RESHAPES:
+            @register_graph_pattern(
+                CallFunction(outer, CallFunction(inner, KeywordArg("x"), KeywordArg("s1")), KeywordArg("s2")),
+                pass_dict=pm)
+            def reshape_chain(match: Match, x, s1, s2):
+                from .base import insert_node
+                new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, s2),
+                                  like=match.output_node())
+                _replace(match, new, "reshape_chain")
+
+    def clone_is_noop(match: Match) -> bool:
+        x, out = match.kwargs["x"], match.output_node()
+        xv, ov = tensor_val(x), tensor_val(out)
+        if xv is None or ov is None or not xv.is_contiguous() or not ov.is_contiguous():
+            return False
+        fmt = out.kwargs.get("memory_format")
+        if fmt not in (None, torch.contiguous_format, torch.preserve_format):
+            return False
+        # A clone that is later written in place (or whose source is) must stay a copy.
+        for n in (out, x):
+            for u in n.users:
+                t = u.target
+                if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+                    return False
+        return x.op != "placeholder"
+
+    for clone in (CallFunction(aten.clone.default, KeywordArg("x")),
+                  CallFunction(aten.clone.default, KeywordArg("x"), memory_format=KeywordArg("memory_format"))):
+        @register_graph_pattern(clone, extra_check=clone_is_noop, pass_dict=pm)
+        def contiguous_clone(match: Match, x, memory_format=None):
+            _replace(match, x, "contiguous_clone")
+
+    @register_graph_pattern(CallFunction(aten.alias.default, KeywordArg("x")), pass_dict=pm)
+    def alias(match: Match, x):
+        _replace(match, x, "alias")
+
+    return pm
+
+
+class NormalizeFamily(FusionFamily):
+    """Remove value-preserving detours (see module docstring); each rewrite is one match in the record."""
+
+    name = "normalize"
+    summary = "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases"
+
+    def run(self, gm: fx.GraphModule) -> PassRecord:
+        global _PASS
+        if _PASS is None:
+            _PASS = _build()
+        _local.sink = sink = []
+        try:
+            # One sweep can expose another rewrite (an alias removed between two dtype views): repeat to a fixpoint.
+            for _ in range(4):
+                if not _PASS.apply(gm.graph):
+                    break
+        finally:
+            _local.sink = None
+        gm.graph.eliminate_dead_code()
+        return PassRecord(self.name, True, tuple(sink))

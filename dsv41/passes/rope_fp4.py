@@ -1,0 +1,704 @@
+"""`rope_fp4` family: RoPE followed by FP4 quantisation becomes one op (one pass over the latent).
+
+Chains matched (ARCHITECTURE.md "Fusion patterns", row "RoPE + FP4 quant"; MODEL.md §2.1, §2.2, §2.8):
+
+    quantize_fp4_e4m3_1x16(apply_rope(x, cos, sin))      -> dsv41::rope_fp4_quant(x, cos, sin, 16, True)
+    quantize_fp4_ue8m0_1x32(apply_rope(x, cos, sin))     -> dsv41::rope_fp4_quant(x, cos, sin, 32, False)
+    fake_quant_fp4_*(apply_rope(x, cos, sin))            -> dsv41::rope_fp4_fake_quant(x, cos, sin, blk, e4m3)
+    ... whose codes and scales are then written at `rows` of two caches (index_put / index_copy_)
+                                                         -> dsv41::rope_fp4_quant_store(..., codes!, scale!, rows)
+
+RoPE here means interleaved pairs (2i, 2i+1) rotated on the LAST R channels of x (dsv41/model/rope.py);
+spelled with stack/flatten (dsv41 style) or `torch.view_as_complex(x) * freqs_cis` (the same pairs), with
+cos/sin either expanded or broadcast (`cos[:, :, None, :]`) — the replacement expands them to x's leading
+dims, as the ops expect. Rotate-half RoPE (channel i paired with i + R/2), RoPE on the first R channels and
+the inverse rotation are recognised and reported as near-misses: the ops rotate interleaved pairs of the
+last R channels, and regrouping channels would change which ones share an FP4 scale block.
+
+Structure: every block quantiser takes an `amax` over the last dim of a [..., D/16, 16] or [..., D/32, 32]
+view of the tensor it quantises; that `amax` is the anchor. The quantised tensor y is found by walking back
+from it; the quantiser's outputs are found among the nodes computed from y alone, and the RoPE region by
+walking back from y to the single tensor x of y's shape and dtype plus the trigonometric leaves. Semantics:
+both regions are evaluated on probe tensors and compared with `formats.quantize_fp4_*` / `rope.apply_rope`.
+
+Cache writes: after functionalisation an in-place write `cache.index_copy_(0, rows, codes)` or
+`cache[rows] = codes` is `index_put(cache_version, [rows], codes)`. When the packed codes and the scales
+each feed only such a write (same `rows`, dim 0, no accumulate), both writes become one
+`auto_functionalized(rope_fp4_quant_store)` whose outputs are the new cache versions, so the write stays
+correct under functionalisation and Inductor's reinplacing turns it back into an in-place kernel. Any other
+write is left to Inductor, and the match record says why (`detail["cache_write"]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..model import formats
+from ..model.rope import apply_rope
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
+                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op,
+                   is_view_op, node_label, same_shape, size_args, sourced_nodes, tensor_val, token_rows)
+
+__all__ = ["RopeFp4Family", "QUANT_RULES"]
+
+aten = torch.ops.aten
+#: rule name -> (scale block, E4M3 scales?, quantise fn, fake-quant fn) of formats.py.
+QUANT_RULES = {
+    "e4m3_1x16": (16, True, formats.quantize_fp4_e4m3_1x16, formats.fake_quant_fp4_e4m3_1x16),
+    "ue8m0_1x32": (32, False, formats.quantize_fp4_ue8m0_1x32, formats.fake_quant_fp4_ue8m0_1x32),
+}
+_ROPE_OPS = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default,
+             aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_WRITE_OPS = {aten.index_put.default, aten.index_put_.default, aten.index_copy.default, aten.index_copy_.default,
+              aten.scatter.src, aten.scatter_.src, aten.copy_.default}
+_UNARY_TO_Y = {aten.abs.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
+_CLOSURE_LIMIT = 800
+_ROPE_LIMIT = 300
+
+
+@dataclass
+class _Quant:
+    rule: str
+    packed: fx.Node | None
+    scale: fx.Node | None
+    fake: fx.Node | None
+    closure: list
+
+
+@dataclass
+class _Rope:
+    x: fx.Node
+    cos: fx.Node          # aligned (broadcastable to x's leading dims) real cos, or the complex freqs node
+    sin: fx.Node | None   # None when `cos` is complex freqs_cis
+    rope_dim: int
+    region: list
+
+
+class RopeFp4Family(FusionFamily):
+    """Fuse RoPE -> FP4 quantisation (-> cache write) into the `dsv41::rope_fp4_*` ops (see module docstring)."""
+
+    name = "rope_fp4"
+    summary = "interleaved RoPE on the last R channels -> FP4 E2M1 quant (E4M3 1x16 / UE8M0 1x32) [-> cache write]"
+
+    def run(self, gm: fx.GraphModule) -> PassRecord:
+        graph = gm.graph
+        start = set(graph.nodes)
+        ev = RegionEvaluator(gm)
+        sourced = sourced_nodes(graph)
+        matches: list[MatchRecord] = []
+        misses: list[NearMiss] = []
+        done: set = set()
+        for amax in [n for n in graph.nodes if _is_block_amax(n)]:
+            if amax in done:
+                continue
+            ys = _quantised_tensor_candidates(amax)
+            # Structure first (cheap): only a tensor computed from one x and a cos/sin pair is worth probing.
+            if not ys or _rope_structure(ys[0], sourced) is None:
+                continue
+            quant, y = None, ys[0]
+            for cand in ys:
+                quant = _match_quant(cand, amax, ev, sourced)
+                if quant is not None:
+                    y = cand
+                    break
+            rope, why = _match_rope(y, ev, sourced)
+            loc = SourceLocation.from_node(y)
+            if quant is None:
+                if rope is not None:
+                    misses.append(NearMiss(self.name, "rope -> quantise", "fp4_quantiser",
+                                           _describe_other_quantiser(y, ev, sourced), loc))
+                continue
+            done.update(quant.closure)
+            pattern = f"rope -> fp4 quant ({quant.rule})"
+            if rope is None:
+                if why is not None:
+                    misses.append(NearMiss(self.name, pattern, why[0], why[1], loc))
+                continue
+            rec, miss = self._fuse(gm, y, rope, quant, ev, sourced)
+            if rec is not None:
+                matches.append(rec)
+            if miss is not None:
+                misses.append(miss)
+        from torch._inductor.pattern_matcher import stable_topological_sort
+        stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+        removed = {n.name for n in start - set(graph.nodes)}
+        matches = [_keep_removed(m, removed) for m in matches]
+        missing = [op for op in ("rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")
+                   if dsv41_op(op) is None]
+        note = f"ops not registered: {', '.join(missing)}" if missing else ""
+        return PassRecord(self.name, True, tuple(matches), tuple(misses), (), note)
+
+    # -------------------------------------------------------------------------------------------- rewrite
+    def _fuse(self, gm, y, rope: _Rope, quant: _Quant, ev: RegionEvaluator, sourced: set):
+        graph = gm.graph
+        blk, e4m3, _, _ = QUANT_RULES[quant.rule]
+        loc = SourceLocation.from_node(y)
+        pattern = f"rope -> fp4 quant ({quant.rule})"
+        outputs = [n for n in (quant.packed, quant.scale, quant.fake) if n is not None]
+        first = min(outputs, key=_position(graph))
+        use_fake = quant.fake is not None and not _used_outside(quant.packed, quant.closure) \
+            and not _used_outside(quant.scale, quant.closure)
+        store, store_why = (None, "")
+        if not use_fake:
+            store, store_why = _cache_write(quant, ev, sourced)
+        op_name = "rope_fp4_fake_quant" if use_fake else ("rope_fp4_quant_store" if store else "rope_fp4_quant")
+        op = dsv41_op(op_name)
+        if op is None:
+            return None, NearMiss(self.name, pattern, "op_registered",
+                                  f"dsv41::{op_name} is not registered (import dsv41.kernels)", loc)
+        if not store:
+            problem = _output_mismatch(rope.x, quant, blk, use_fake)
+            if problem is not None:
+                return None, NearMiss(self.name, pattern, *problem, loc)
+        xv = tensor_val(rope.x)
+        nd = xv.dim()
+        half = rope.rope_dim // 2
+        anchor = store[0] if store else first
+        cos, sin = rope.cos, rope.sin
+        if sin is None:  # complex freqs_cis: cos = real part, sin = imaginary part
+            real = insert_node(graph, anchor, aten.view_as_real.default, (rope.cos,), like=y)
+            cos = insert_node(graph, anchor, aten.select.int, (real, -1, 0), like=y)
+            sin = insert_node(graph, anchor, aten.select.int, (real, -1, 1), like=y)
+        size = size_args(graph, anchor, rope.x, range(nd - 1)) + [half]
+        cos = insert_node(graph, anchor, aten.expand.default, (cos, size), like=y)
+        sin = insert_node(graph, anchor, aten.expand.default, (sin, size), like=y)
+        replaced = list(rope.region) + list(quant.closure)
+        detail = [("rule", quant.rule), ("rope_dim", rope.rope_dim), ("D", concrete_shape(xv)[-1])]
+        if store:
+            writes = store
+            rows = writes[0].args[1][1]
+            d = concrete_shape(xv)[-1]
+            if xv.dim() == 3 and same_shape(xv.shape[:2], tensor_val(rows).shape):
+                x_in = rope.x
+            else:  # the op takes x [B, T, D] with rows [B, T]
+                bt = size_args(graph, anchor, rows, [0, 1])
+                x_in = insert_node(graph, anchor, aten.reshape.default, (rope.x, bt + [d]), like=y)
+                cos = insert_node(graph, anchor, aten.reshape.default, (cos, bt + [half]), like=y)
+                sin = insert_node(graph, anchor, aten.reshape.default, (sin, bt + [half]), like=y)
+            # index_put wraps a negative row to the end of the cache; the op skips rows outside [0, Rows),
+            # so wrap them here to keep eager semantics exactly.
+            n_rows = size_args(graph, anchor, writes[0].args[0], [1])[0]
+            neg = insert_node(graph, anchor, aten.lt.Scalar, (rows, 0), like=y)
+            wrapped = insert_node(graph, anchor, aten.add.Tensor, (rows, n_rows), like=y)
+            rows_in = insert_node(graph, anchor, aten.where.self, (neg, wrapped, rows), like=y)
+            hop = torch.ops.higher_order.auto_functionalized
+            af = insert_node(graph, anchor, hop, (op,), dict(
+                x=x_in, cos=cos, sin=sin, scale_block=blk, e4m3_scale=e4m3, codes_cache=writes[0].args[0],
+                scale_cache=writes[1].args[0], rows=rows_in), like=y)
+            for i, w in enumerate(writes):
+                new = insert_node(graph, anchor, operator.getitem, (af, i + 1), like=y)
+                w.replace_all_uses_with(new)
+                replaced.append(w)
+            detail.append(("cache_write", "fused (rope_fp4_quant_store)"))
+        else:
+            if not use_fake:
+                detail.append(("cache_write", store_why or "none"))
+            out = insert_node(graph, first, op, (rope.x, cos, sin, blk, e4m3), like=y)
+            targets = [(quant.fake, out)] if use_fake else [
+                (quant.packed, insert_node(graph, first, operator.getitem, (out, 0), like=y)),
+                (quant.scale, insert_node(graph, first, operator.getitem, (out, 1), like=y))]
+            for old, new in targets:
+                if old is None:
+                    continue
+                if not same_shape(tensor_val(old).shape, tensor_val(new).shape):
+                    new = insert_node(graph, first, aten.reshape.default, (new, list(concrete_shape(tensor_val(old)))),
+                                      like=y)
+                old.replace_all_uses_with(new)
+        rec = MatchRecord(self.name, f"{op_name}({quant.rule})", f"dsv41::{op_name}", loc,
+                          tuple(n.name for n in replaced), tuple(node_label(n) for n in replaced),
+                          *self._bytes(rope, quant, blk, use_fake, bool(store)), tuple(detail))
+        return rec, None
+
+    @staticmethod
+    def _bytes(rope: _Rope, quant: _Quant, blk: int, fake: bool, store: bool):
+        xv = tensor_val(rope.x)
+        e = xv.element_size()
+        d = concrete_shape(xv)[-1]
+        rows, subs = token_rows(concrete_shape(xv)[:-1])
+        trig = sum(tensor_val(t).numel() * tensor_val(t).element_size() for t in (rope.cos, rope.sin) if t is not None)
+        codes = rows * (d // 2 + d // blk)
+        x_rw = rows * d * e
+        if fake:
+            # before: rope reads x and writes y; the fake-quant reads y and writes the dequantised values.
+            before, after = 3 * x_rw + trig + x_rw, x_rw + trig + x_rw
+        else:
+            before, after = 3 * x_rw + trig + codes, x_rw + trig + codes
+            if store:  # the unfused write reads the codes back and writes them into the caches
+                before += 2 * codes
+        return str(sympy.expand(before)), str(sympy.expand(after)), tuple(sorted(subs.items()))
+
+
+def _output_mismatch(x: fx.Node, quant: _Quant, blk: int, fake: bool):
+    """(check, reason) when the op's outputs cannot stand in for the matched nodes (dtype, or a reshape that
+    would need symbolic sizes); None when they can. Checked before the graph is touched."""
+    xv = tensor_val(x)
+    lead = list(xv.shape[:-1])
+    d = concrete_shape(xv)[-1]
+    if fake:
+        wanted = [(quant.fake, xv.dtype, lead + [d])]
+    else:
+        wanted = [(quant.packed, torch.uint8, lead + [d // 2]), (quant.scale, torch.uint8, lead + [d // blk])]
+    for node, dtype, shape in wanted:
+        if node is None:
+            continue
+        v = tensor_val(node)
+        if v.dtype != dtype:
+            return "output_dtype", f"the matched output is {v.dtype}; the fused op returns {dtype}"
+        if not same_shape(v.shape, shape) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *shape)):
+            return "dynamic_reshape", "the quantised output is reshaped with symbolic sizes"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ structure
+_ORDERS: "weakref.WeakKeyDictionary[fx.Graph, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _position(graph: fx.Graph):
+    """Sort key: a node's index in the graph (the map is rebuilt when the graph changed size or a node
+    inserted since is met)."""
+    cached = _ORDERS.get(graph)
+    if cached is None or cached[0] != len(graph.nodes):
+        cached = (len(graph.nodes), {n: i for i, n in enumerate(graph.nodes)})
+        _ORDERS[graph] = cached
+    order = cached[1]
+
+    def key(n):
+        if n not in order:
+            _ORDERS.pop(graph, None)
+            return _position(graph)(n)
+        return order[n]
+
+    return key
+
+
+def _is_block_amax(n: fx.Node) -> bool:
+    """`amax(t, [-1])` over a last dim of 16 or 32: the block absmax every FP4/FP8 block quantiser takes."""
+    if n.op != "call_function" or n.target != aten.amax.default:
+        return False
+    src = tensor_val(n.args[0])
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", ())
+    if src is None or src.dim() == 0 or list(dims) not in ([-1], [src.dim() - 1]):
+        return False
+    return concrete_shape(src)[-1] in (16, 32)
+
+
+def _quantised_tensor_candidates(amax: fx.Node) -> list:
+    """Tensors the block quantiser may be quantising, farthest first: walk back from the amax through abs,
+    casts and views to the first op that is none of those (that op's output is the farthest candidate)."""
+    chain = []
+    n = amax.args[0]
+    while True:
+        chain.append(n)
+        ins = [a for a in n.all_input_nodes if tensor_val(a) is not None]
+        if n.op != "call_function" or len(ins) != 1 or not (is_view_op(n) or n.target in _UNARY_TO_Y):
+            break
+        n = ins[0]
+    out = []
+    for c in reversed(chain):
+        v = tensor_val(c)
+        if v is not None and v.is_floating_point() and v.dim() >= 1 and concrete_shape(v)[-1] % 16 == 0:
+            out.append(c)
+    return out
+
+
+def _forward_closure(y: fx.Node, sourced: set) -> list:
+    """Dataflow nodes computed from `y` alone (plus constants), in graph order."""
+    inset = {y}
+    closure = []
+    queue = deque(y.users)
+    while queue and len(closure) < _CLOSURE_LIMIT:
+        u = queue.popleft()
+        if u in inset or not is_dataflow_op(u):
+            continue
+        if all(a in inset or a not in sourced for a in u.all_input_nodes):
+            inset.add(u)
+            closure.append(u)
+            queue.extend(u.users)
+    pos = _position(y.graph)
+    return sorted(closure, key=pos)
+
+
+def _quant_probes(shape, dtype, device) -> list:
+    """Two probes for a block quantiser of tensors `shape`: random values with per-32-block magnitudes
+    2^-8..2^8 (never on an FP4 grid), and the same with 16-element halves that hit every E2M1 rounding tie
+    exactly (amax = 6 * 2^k, the other elements at midpoints times 2^k) and one zero half when there are
+    several. A region must match the reference on both."""
+    gen = torch.Generator().manual_seed(7)
+    d = shape[-1]
+    lead = 1
+    for s in shape[:-1]:
+        lead *= s
+    nb = -(-d // 32)
+    mag = torch.exp2(torch.randint(-8, 9, (lead, nb, 1), generator=gen).double())
+    rand = torch.randn(lead, nb, 32, generator=gen, dtype=torch.float64) * mag
+    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, 5.0],
+                        dtype=torch.float64)
+    sign = torch.where(torch.rand(lead, nb, 32, generator=gen) < 0.5, -1.0, 1.0).double()
+    tie = ties.repeat(2) * sign * mag
+    halves = (torch.arange(lead * nb * 2) % 2 == 1).reshape(lead, nb, 2, 1)  # every other 16-element half
+    tied = torch.where(halves, tie.view(lead, nb, 2, 16), rand.view(lead, nb, 2, 16)).reshape(lead, nb, 32)
+    if lead * nb > 2:
+        tied[-1, -1, :16] = 0.0
+    return [v.reshape(lead, nb * 32)[:, :d].reshape(shape).to(dtype).to(device) for v in (rand, tied)]
+
+
+def _equal_flat(a, ref) -> bool:
+    return (isinstance(a, torch.Tensor) and a.dtype == ref.dtype and a.numel() == ref.numel()
+            and torch.equal(a.reshape(-1), ref.reshape(-1)))
+
+
+def _match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) -> _Quant | None:
+    """Which FP4 rule (if any) the nodes computed from y implement, and which nodes hold its outputs.
+
+    Outputs are searched only among the nodes that depend on the block `amax` (a quantiser's results all
+    depend on its scales), so the quantiser's input views can never pass for its output."""
+    yv = tensor_val(y)
+    shape = concrete_shape(yv)
+    closure = _forward_closure(y, sourced)
+    if not closure:
+        return None
+    inside = set(closure)
+    after_amax = {amax}
+    for n in closure:
+        if n is not amax and any(a in after_amax for a in n.all_input_nodes if a in inside):
+            after_amax.add(n)
+    outputs = [n for n in closure if n in after_amax]
+    probes = _quant_probes(shape, yv.dtype, yv.device)
+    try:
+        runs = [ev.evaluate(closure, {y: p}) for p in probes]
+    except RegionNotClosed:
+        return None
+    for rule, (blk, _, qfn, ffn) in QUANT_RULES.items():
+        if shape[-1] % blk:
+            continue
+        refs = [(qfn(p), ffn(p), p) for p in probes]
+
+        def find(pick):
+            for n in outputs:
+                ok = True
+                for vals, ((pq, sq), fq, p) in zip(runs, refs):
+                    ref = pick(pq, sq, fq)
+                    if ref is fq and torch.equal(fq, p):
+                        ok = False  # the probe is already on the grid: identity would pass
+                    if not ok or not _equal_flat(vals[n], ref):
+                        ok = False
+                        break
+                if ok:
+                    return n
+            return None
+
+        packed = find(lambda pq, sq, fq: pq)
+        scale = find(lambda pq, sq, fq: sq)
+        fake = find(lambda pq, sq, fq: fq)
+        if (packed is not None and scale is not None) or fake is not None:
+            if packed is None or scale is None:
+                packed = scale = None
+            return _Quant(rule, packed, scale, fake, closure)
+    return None
+
+
+def _describe_other_quantiser(y: fx.Node, ev: RegionEvaluator, sourced: set) -> str:
+    """Reason text for a RoPE output that is quantised, but not to FP4 with a supported scale rule."""
+    yv = tensor_val(y)
+    closure = _forward_closure(y, sourced)
+    if closure and concrete_shape(yv)[-1] % 32 == 0:
+        probe = _quant_probes(concrete_shape(yv), yv.dtype, yv.device)[0]
+        try:
+            vals = ev.evaluate(closure, {y: probe})
+        except RegionNotClosed:
+            vals = {}
+        codes, _ = formats.quantize_fp8_1x32(probe)
+        fq = formats.fake_quant_fp8_1x32(probe)
+        if any(_equal_flat(vals.get(n), codes) or _equal_flat(vals.get(n), fq) for n in closure):
+            return ("the RoPE output is quantised to FP8 E4M3 with 1x32 UE8M0 scales; rope_fp4 ops quantise to FP4 "
+                    "E2M1 (E4M3 1x16 or UE8M0 1x32 scales)")
+    return ("the RoPE output is block-quantised with a rule that is neither FP4 E2M1 + E4M3 1x16 nor FP4 E2M1 + "
+            "UE8M0 1x32 scales")
+
+
+def _used_outside(node: fx.Node | None, closure: list) -> bool:
+    if node is None:
+        return False
+    inside = set(closure)
+    return any(u not in inside for u in node.users)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def _is_rope_op(n: fx.Node) -> bool:
+    return n.op == "call_function" and (is_view_op(n) or n.target in _ROPE_OPS)
+
+
+def _rope_walk(y: fx.Node, sourced: set):
+    """Walk back from y through RoPE-like ops. Returns (region, xs, leaves) or None if too large: `xs` are
+    the reached tensors with y's shape and dtype, `leaves` every other tensor the region reads."""
+    yv = tensor_val(y)
+    yshape = concrete_shape(yv)
+    region: set = set()
+    xs: list = []
+    leaves: list = []
+    stack = [y]
+    while stack:
+        n = stack.pop()
+        if n in region:
+            continue
+        region.add(n)
+        if len(region) > _ROPE_LIMIT:
+            return None
+        for a in n.all_input_nodes:
+            av = tensor_val(a)
+            if av is None or a in region or a in xs or a in leaves or a not in sourced:
+                continue
+            if concrete_shape(av) == yshape and av.dtype == yv.dtype:
+                xs.append(a)
+            elif _is_rope_op(a):
+                stack.append(a)
+            else:
+                leaves.append(a)
+    return region, xs, leaves
+
+
+def _trig_operands(order: list, x: fx.Node, leaves: list) -> dict:
+    """For each trig leaf, the node the RoPE arithmetic reads it through: the last node computed from that
+    leaf alone (e.g. `cos[:, :, None, :]`, or `cat((cos, cos), -1)` in the rotate-half spelling) that feeds
+    a node depending on x. None for a leaf read in two different forms."""
+    region = set(order)
+    deps: dict = {x: frozenset({x})}
+    deps.update({lf: frozenset({lf}) for lf in leaves})
+    for n in order:
+        deps[n] = frozenset().union(*(deps[a] for a in n.all_input_nodes if a in deps))
+    out = {}
+    for lf in leaves:
+        ops = [n for n in [lf] + order if deps.get(n) == frozenset({lf})
+               and any(u in region and x in deps.get(u, ()) for u in n.users)]
+        same = len({(o.target, repr(o.args[1:]), concrete_shape(tensor_val(o))) for o in ops}) == 1
+        out[lf] = ops[0] if ops and same else None
+    return out
+
+
+def _rope_layouts(x, c, s):
+    """Reference outputs of the RoPE variants a region may implement: ((check, reason or None), reference).
+
+    `c`, `s` are the aligned trig tensors; their last dim is R/2 (one angle per pair) or, for the
+    Hugging Face rotate-half spelling, R (angles duplicated over the two halves)."""
+    d = x.shape[-1]
+    w = c.shape[-1]
+
+    def split(r, first):
+        return (x[..., :r], x[..., r:]) if first else (x[..., -r:], x[..., :-r])
+
+    def join(rot, rest, first):
+        return torch.cat((rot, rest) if first else (rest, rot), -1)
+
+    def interleaved(first: bool, sin):
+        r = 2 * w
+        pe, rest = split(r, first)
+        pf = pe.float().unflatten(-1, (r // 2, 2))
+        a, b = pf[..., 0], pf[..., 1]
+        rot = torch.stack((a * c - b * sin, a * sin + b * c), dim=-1).flatten(-2).to(x.dtype)
+        return join(rot, rest, first)
+
+    def rotate_half(first: bool, full: bool):
+        # full: the Hugging Face spelling pe * cos + rotate_half(pe) * sin with cos/sin of width R.
+        r = w if full else 2 * w
+        pe, rest = split(r, first)
+        pf = pe.float()
+        a, b = pf[..., : r // 2], pf[..., r // 2:]
+        if full:
+            rot = pf * c + torch.cat((-b, a), -1) * s
+        else:
+            rot = torch.cat((a * c - b * s, b * c + a * s), -1)
+        return join(rot.to(x.dtype), rest, first)
+
+    if 2 * w <= d:
+        r = 2 * w
+        yield ("ok", None), apply_rope(x, c, s)
+        yield ("rope_channels", f"RoPE rotates the FIRST {r} of {d} channels; the rope_fp4 ops rotate the last R "
+               "channels (MODEL.md §2.2)"), interleaved(True, s)
+        yield ("rope_direction", "RoPE rotates by the negative angle (inverse rotation); the rope_fp4 ops rotate "
+               "by +angle"), interleaved(False, -s)
+    for full in (False, True):
+        r = w if full else 2 * w
+        if r > d or r % 2:
+            continue
+        yield ("rope_layout", f"rotate-half RoPE (channel i paired with i+{r // 2}) on the last {r} channels; the "
+               "rope_fp4 ops rotate interleaved pairs (2i, 2i+1), and regrouping channels would change which values "
+               "share an FP4 scale block"), rotate_half(False, full)
+        yield ("rope_layout", f"rotate-half RoPE on the FIRST {r} of {d} channels; the rope_fp4 ops rotate "
+               "interleaved pairs of the last R channels"), rotate_half(True, full)
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def _rope_close(got, ref) -> bool:
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    if torch.equal(got, ref):
+        return True
+    eps = torch.finfo(ref.dtype).eps
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    return bool(torch.allclose(got.float(), ref.float(), rtol=4 * eps, atol=4 * eps * scale))
+
+
+def _rope_structure(y: fx.Node, sourced: set):
+    """(region, x, trig leaves) when y is computed by RoPE-like ops from exactly one tensor x of y's shape
+    and dtype plus either two float tensors of one shape (cos, sin) or one complex tensor (freqs_cis)."""
+    walked = _rope_walk(y, sourced)
+    if walked is None:
+        return None
+    region, xs, leaves = walked
+    if len(xs) != 1:
+        return None
+    vals = [tensor_val(lf) for lf in leaves]
+    if len(leaves) == 1 and vals[0].is_complex():
+        return region, xs[0], leaves
+    if (len(leaves) == 2 and all(v.is_floating_point() for v in vals) and same_shape(vals[0].shape, vals[1].shape)
+            and vals[0].dtype == vals[1].dtype):
+        return region, xs[0], leaves
+    return None
+
+
+def _match_rope(y: fx.Node, ev: RegionEvaluator, sourced: set):
+    """(`_Rope`, None) when y = interleaved RoPE of one tensor on its last R channels; else (None, why) with
+    why = (check, reason) for a recognised look-alike, or None when y is not RoPE-like at all."""
+    found_structure = _rope_structure(y, sourced)
+    if found_structure is None:
+        return None, None
+    region, x, leaves = found_structure
+    xv = tensor_val(x)
+    order = sorted(region, key=_position(y.graph))
+    operands = _trig_operands(order, x, leaves)
+    trig = [(lf, operands[lf]) for lf in leaves]
+    if any(a is None for _, a in trig):
+        return None, None
+    cplx = len(trig) == 1
+    gen = torch.Generator().manual_seed(3)
+    dev = xv.device
+    env = {x: torch.randn(concrete_shape(xv), generator=gen).to(xv.dtype).to(dev)}
+    for lf, _ in trig:
+        v = tensor_val(lf)
+        ang = torch.rand(concrete_shape(v), generator=gen, dtype=torch.float64) * 6.283
+        if v.is_complex():
+            env[lf] = torch.polar(torch.ones_like(ang), ang).to(v.dtype).to(dev)
+        else:
+            env[lf] = (torch.rand(concrete_shape(v), generator=gen, dtype=torch.float64) * 2 - 1).to(v.dtype).to(dev)
+    try:
+        vals = ev.evaluate(order + [a for _, a in trig], env)
+    except RegionNotClosed:
+        return None, None
+    got = vals[y]
+    lead = tuple(concrete_shape(xv)[:-1])
+    if cplx:
+        f = vals[trig[0][1]]
+        assignments = [(trig[0][1], None, f.real.float(), f.imag.float())]
+    else:
+        (_, a1), (_, a2) = trig
+        assignments = [(a1, a2, vals[a1].float(), vals[a2].float()), (a2, a1, vals[a2].float(), vals[a1].float())]
+    found = None
+    d = int(concrete_shape(xv)[-1])
+    for cnode, snode, c, s in assignments:
+        if c.shape != s.shape or int(c.shape[-1]) > d:
+            continue
+        w = int(c.shape[-1])
+        if not _broadcasts(tuple(c.shape), lead + (w,)):
+            continue
+        for (check, reason), ref in _rope_layouts(env[x], c, s):
+            if _rope_close(got, ref):
+                if reason is None:
+                    dt = tensor_val(cnode).dtype
+                    if dt not in (torch.float32, torch.complex64):
+                        return None, ("rope_trig_dtype", f"cos/sin are {dt}; the rope_fp4 ops take float32 cos/sin "
+                                      "(or complex64 freqs_cis)")
+                    return _Rope(x, cnode, snode, 2 * w, order), None
+                found = found or (check, reason)
+                break
+    if found is not None:
+        return None, found
+    return None, ("rope_values", "the region reads x and two broadcast trigonometric tensors but matches no known "
+                  "RoPE layout (interleaved / rotate-half, last / first R channels)")
+
+
+# ------------------------------------------------------------------------------------------------ cache write
+def _write_of(node: fx.Node | None, closure: set, ev: RegionEvaluator, sourced: set):
+    """(index_put node, None) if `node` flows only through views into the model's cache write
+    `index_put(cache [B, Rows, W], [batch_index, rows], value [B, T, W])` (batch_index = arange(B)[:, None]
+    broadcast to rows' shape, no accumulate) — the layout `rope_fp4_quant_store` writes; else (None, reason),
+    or (None, "") when the node feeds no cache write at all. Users inside the quantiser's own region
+    (`closure`, e.g. the scale dividing the values) are not "other readers"."""
+    if node is None:
+        return None, ""
+    terminals: list = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in closure and not is_view_op(u):
+                continue
+            if is_view_op(u):
+                stack.append(u)
+            else:
+                terminals.append((u, n))
+    writes = [(u, n) for u, n in terminals if u.target in _WRITE_OPS]
+    if not writes:
+        return None, ""
+    w, n = writes[0]
+    if len(terminals) != 1:
+        return None, "the quantised values are also read elsewhere, so the cache write is left to Inductor"
+    if w.target != aten.index_put.default:
+        return None, f"{node_label(w)} writes are left to Inductor (only index_put / index_put_ writes are fused)"
+    base, idx, value = w.args[0], w.args[1], w.args[2]
+    accumulate = w.args[3] if len(w.args) > 3 else w.kwargs.get("accumulate", False)
+    layout = ("the cache write is not `cache[batch, rows] = values` on a [B, Rows, bytes] cache (the layout "
+              "rope_fp4_quant_store writes); left to Inductor")
+    if value is not n or accumulate or len(idx) != 2 or any(i is None for i in idx):
+        return None, layout
+    bv, vv, rv = tensor_val(base), tensor_val(value), tensor_val(idx[1])
+    if bv.dim() != 3 or vv.dim() != 3 or rv.dim() != 2 or rv.dtype != torch.int64:
+        return None, layout
+    if not (same_shape(vv.shape[:2], rv.shape) and same_shape(bv.shape[::2], vv.shape[::2])):
+        return None, layout
+    bi = idx[0]
+    if bi in sourced:
+        return None, "the batch index of the cache write is not arange(B); left to Inductor"
+    try:
+        got = ev.evaluate([bi], {})[bi]
+    except RegionNotClosed:
+        return None, "the batch index of the cache write is not arange(B); left to Inductor"
+    b, t = concrete_shape(rv)
+    want = torch.arange(b, device=got.device)[:, None].expand(b, t)
+    if got.shape != want.shape or not torch.equal(got.to(torch.int64), want):
+        return None, "the batch index of the cache write is not arange(B); left to Inductor"
+    return w, None
+
+
+def _cache_write(quant: _Quant, ev: RegionEvaluator, sourced: set):
+    """Both index_put writes (codes, scales) when they can be fused into rope_fp4_quant_store, else (None, why)."""
+    closure = set(quant.closure)
+    wp, why_p = _write_of(quant.packed, closure, ev, sourced)
+    ws, why_s = _write_of(quant.scale, closure, ev, sourced)
+    if wp is None or ws is None:
+        why = why_p or why_s
+        if not why and (wp is not None or ws is not None):
+            why = "only one of codes / scales is written to a cache; the write is left to Inductor"
+        return None, why
+    if wp.args[1][1] is not ws.args[1][1]:
+        return None, "codes and scales are written at different row indices; the writes are left to Inductor"
+    return (wp, ws), ""
+
+
+def _keep_removed(m: MatchRecord, removed: set) -> MatchRecord:
+    keep = [(a, b) for a, b in zip(m.nodes_replaced, m.ops_replaced) if a in removed]
+    return dataclasses.replace(m, nodes_replaced=tuple(a for a, _ in keep), ops_replaced=tuple(b for _, b in keep))
