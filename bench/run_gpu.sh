@@ -24,8 +24,9 @@ for s in $sections; do
       python3 -m dsv41 run --preset h200 --weight-mode checkpoint --backend eager --device cuda \
         --prompt-len 128 --new-tokens 8 --json "$OUTDIR/eager_h200_checkpoint.json" 2>&1 | tail -8 ;;
     backends)
-      python3 -m dsv41.bench --preset small --prompt-len 4096 --new-tokens 64 --repeats 3 \
-        --backends eager,inductor,dsv41 --json "$OUTDIR/backends_small.json" 2>&1 | tail -30 ;;
+      python3 -m dsv41.bench --preset small --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
+        --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} \
+        --json "$OUTDIR/backends_small.json" 2>&1 | tail -40 ;;
   esac
 done
 python3 bench/summarize.py "$OUTDIR"

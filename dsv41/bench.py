@@ -1,46 +1,148 @@
 """The decode benchmark of BENCHMARK.md: backends side by side in one process, alternated run by run.
 
-`python -m dsv41.bench --preset small --backends eager,inductor,dsv41` (also `dsv41 bench`). Every backend
-gets the same prompt (seed 42); one warm-up run per backend (its wall time is the cold compile + first
-run), then `--repeats` measured rounds in the order A B C A B C ...; caches are reset in place between runs.
-The roofline is the decode step's byte floor (`budget().decode_weight_bytes` + KV read at the context)
-divided by the device-to-device copy bandwidth measured in the same run.
+`python -m dsv41.bench --preset small --backends all --json r.json --png` (also `dsv41 bench ...`).
 
-Result JSON (schema; `null` where not measured, with a `note`): top level `date`, `gpu`, `driver`, `torch`,
-`triton`, `cuda`, `preset`, `weight_mode`, `prompt_len`, `new_tokens`, `copy_bandwidth_tb_s`,
-`decode_bytes_per_step`, `roofline_tok_s`, `backends` = {name: {`decode_tok_s`: {median, min, max},
-`prefill_tok_s`: {median, min, max}, `kernels_per_step`, `roofline_fraction`, `compile_s`, `peak_mem_gb`,
-`tokens_match_eager`, `max_rel_logit_err`, `note`}}.
+Backends: `eager`, `inductor` (`torch.compile` default), `inductor-cudagraphs` (`mode="reduce-overhead"`),
+`dsv41`, `torch_tensorrt` (a row with every figure null and the note "not installed" when `import
+torch_tensorrt` fails; never dropped), and the ablations `dsv41-no-<family>`: dsv41 with the option
+`{"disable": [<family>]}` for each pass family of `dsv41.passes.FAMILY_ORDER` (the project's ladder).
+`--backends all` is all of them; `ablations` expands to every ablation.
+
+Protocol, in this order (every backend gets the same prompt, seed 42, and the same eager module underneath):
+1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps
+   with those tokens teacher-forced.
+2. cold compile: per backend, `torch.compiler.reset()` and an empty TORCHINDUCTOR_CACHE_DIR of its own, then
+   the first `generate` run (capture + compile + one run of the workload). `compile_s` = that run's wall time
+   minus the median wall time of the backend's measured runs.
+3. warm compile: one `torch.compiler.reset()`, then per backend a fresh `torch.compile` wrapper over the same
+   cache directory and one `generate` run (Inductor's FX-graph cache hits): `compile_warm_s`, computed as
+   above. This run is also BENCHMARK.md's discarded warm-up run.
+4. per backend: kernels of ONE decode step under torch.profiler (CUDA only), and the teacher-forced logits
+   against eager's (`max_rel_logit_err`).
+5. `repeats` measured runs per backend in the order A B C A B C ...; caches are reset in place by `generate`.
+
+`kernels_per_step`: GPU kernel activities torch.profiler records while one warmed-up decode step runs (CUDA
+graph replays included: CUPTI reports each kernel of a replayed graph); memcpy and memset activities are
+`memcpy_memset_per_step`, not kernels. Null with a note on CPU, which launches no device kernels.
+
+Roofline: `decode_bytes_per_step` = `budget(config).decode_weight_bytes` + `decode_kv_read_bytes(config, C)`
+at the mean decode context C = prompt_len + new_tokens // 2; `roofline_tok_s` = device-to-device copy
+bandwidth measured in this run (bytes read + written per second) / decode_bytes_per_step; a backend's
+`roofline_fraction` = its median decode tok/s / roofline_tok_s. Null on CPU.
+
+Prefill runs on the eager module for every backend (`generate(compiled_prefill=False)`, gpt-fast style: only
+the static-shape decode step is compiled), so `prefill_tok_s` measures the same code for every row.
+
+Result JSON (extend, don't rename; `null` where not measured, with the reason in the row's `note`):
+top level `date`, `gpu`, `driver`, `torch`, `triton`, `cuda`, `host`, `preset`, `weight_mode`, `dtype`,
+`device`, `prompt_len`, `new_tokens`, `repeats`, `params` {backbone, engram, total, active_decode},
+`kv_bytes_per_token` {logical, allocated}, `copy_bandwidth_tb_s`, `decode_context`, `decode_bytes_per_step`,
+`roofline_tok_s`, `run_order` (the measured order), `ablations_note`, `definitions` (the rules above, as
+text), and `backends` = {name: {`decode_tok_s`: {median, min, max}, `prefill_tok_s`: {median, min, max},
+`kernels_per_step`, `memcpy_memset_per_step`, `roofline_fraction`, `compile_s`, `compile_warm_s`,
+`peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `options`, `note`}};
+the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold compile), and every dsv41 row
+`fusion_matches` {family: matches}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["summarize", "alternation_order", "copy_bandwidth_tb_s", "roofline", "run_benchmark", "main"]
+__all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternating", "copy_bandwidth_tb_s",
+           "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
+           "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
+           "run_benchmark", "print_table", "main"]
+
+#: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
+CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
+_ABLATION = "dsv41-no-"
+_GB = 1e9
+
+DEFINITIONS = {
+    "decode_tok_s": "tokens after the first / (time of the last token - time of the first), per run; median, "
+                    "min, max over the measured runs (BENCHMARK.md 'Metric')",
+    "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend",
+    "kernels_per_step": "GPU kernel activities recorded by torch.profiler during one decode step after warm-up "
+                        "(memcpy/memset activities are memcpy_memset_per_step); CUDA only",
+    "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
+                 "minus the median wall time of the measured runs",
+    "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
+    "roofline": "decode_bytes_per_step (budget().decode_weight_bytes + decode_kv_read_bytes at decode_context) / "
+                "device-to-device copy bandwidth (bytes read + written per second) measured in this run",
+    "roofline_fraction": "median decode tok/s / roofline_tok_s",
+    "peak_mem_gb": "max torch.cuda.max_memory_allocated() over the backend's measured runs (1e9 bytes)",
+    "tokens_match_eager": "greedy tokens of every measured run equal eager's (all new_tokens of them)",
+    "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
+    "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
+                         "max |logits - eager logits| / max |eager logits| over all decode steps",
+}
 
 
+# ------------------------------------------------------------------------------------------ statistics
 def summarize(values) -> dict:
-    """{median, min, max} of a non-empty sequence of floats. Raises ValueError when empty."""
-    values = list(values)
+    """{median, min, max} of a non-empty sequence of floats (median of an even count: mean of the middle two).
+
+    Raises: ValueError when empty.
+    """
+    values = [float(v) for v in values]
     if not values:
         raise ValueError("summarize() needs at least one value")
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def alternation_order(backends, repeats: int):
-    """Run order A B C A B C ... (`repeats` rounds), as BENCHMARK.md asks, so drift hits every backend alike."""
+def alternation_order(backends: Sequence[str], repeats: int) -> list:
+    """Run order A B C A B C ... (`repeats` rounds), as BENCHMARK.md asks, so drift hits every backend alike.
+
+    Raises: ValueError for repeats < 0.
+    """
+    if repeats < 0:
+        raise ValueError(f"repeats must be >= 0, got {repeats}")
     return [b for _ in range(repeats) for b in backends]
 
 
+def measure_alternating(fns: Mapping[str, Callable[[], Any]], repeats: int,
+                        on_run: Callable[[str], None] | None = None) -> tuple[dict, dict, list]:
+    """Call every `fns[name]()` `repeats` times in `alternation_order(list(fns), repeats)`.
+
+    A backend whose call raises is reported once and skipped for the rest of the rounds (the others go on).
+    `on_run(name)` is called after every attempted run (progress bars).
+    Returns: (results {name: [return values in order]}, errors {name: "Type: message"}, the order actually run).
+    """
+    results: dict = {n: [] for n in fns}
+    errors: dict = {}
+    ran = []
+    for name in alternation_order(list(fns), repeats):
+        if name in errors:
+            continue
+        ran.append(name)
+        try:
+            results[name].append(fns[name]())
+        except Exception as e:  # a backend failing mid-measurement is reported, the others keep running
+            errors[name] = f"{type(e).__name__}: {e}"[:500]
+        if on_run is not None:
+            on_run(name)
+    return results, errors, ran
+
+
+# ------------------------------------------------------------------------------------------ roofline
 def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second, TB/s) on the current CUDA device."""
+    """Device-to-device copy bandwidth of the current CUDA device, TB/s (bytes read + written per second).
+
+    Copies `nbytes // 2` bytes `reps` times (CUDA events), median time. Raises: RuntimeError without CUDA.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("copy_bandwidth_tb_s needs a CUDA device")
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -57,114 +159,517 @@ def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 
 def roofline(decode_bytes: float, bandwidth_tb_s: float) -> float:
-    """Tokens/s bound of a decode step that must read `decode_bytes` at `bandwidth_tb_s` (TB/s)."""
+    """Tokens/s bound of a decode step that must read `decode_bytes` bytes at `bandwidth_tb_s` TB/s (1e12 B/s).
+
+    Raises: ValueError for a non-positive byte count or bandwidth.
+    """
+    if not decode_bytes > 0 or not bandwidth_tb_s > 0:
+        raise ValueError(f"roofline needs positive bytes and bandwidth, got {decode_bytes}, {bandwidth_tb_s}")
     return bandwidth_tb_s * 1e12 / decode_bytes
 
 
+def decode_context(prompt_len: int, new_tokens: int) -> int:
+    """Mean context of the decode steps, tokens: prompt_len + new_tokens // 2 (the roofline's KV read)."""
+    return prompt_len + new_tokens // 2
+
+
+def decode_bytes_per_step(config, prompt_len: int, new_tokens: int) -> int:
+    """Bytes one decode step must read: active weights at their stored dtype + KV read at `decode_context`.
+
+    `config`: a ModelConfig or preset name. Source: `dsv41.model.budget` (MODEL.md §3, §2.8).
+    """
+    from .model.budget import budget, decode_kv_read_bytes
+    b = budget(config, max_seq_len=prompt_len + new_tokens)
+    return b.decode_weight_bytes + decode_kv_read_bytes(config, decode_context(prompt_len, new_tokens))
+
+
+# ------------------------------------------------------------------------------------------ backends
+def ablation_families() -> tuple[tuple[str, ...], str | None]:
+    """(pass family names from `dsv41.passes.FAMILY_ORDER`, None), or ((), why) when the registry won't import."""
+    try:
+        from .passes import FAMILY_ORDER
+    except Exception as e:  # the pass registry is optional for the benchmark: no ablations then
+        return (), f"ablations skipped: dsv41.passes did not import ({type(e).__name__}: {e})"[:500]
+    return tuple(FAMILY_ORDER), None
+
+
+def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
+    """Backend names from a comma-separated string or a list.
+
+    `all` = `CORE_BACKENDS` with one `dsv41-no-<family>` per family right after `dsv41`; `ablations` = the
+    ablations alone. Duplicates are dropped, order kept.
+    Raises: ValueError for an unknown name, or an ablation of a family not in `families` (when it is non-empty).
+    """
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    ablations = [_ABLATION + f for f in families]
+    out: list = []
+    for n in names:
+        if n == "all":
+            group = list(CORE_BACKENDS)
+            group[group.index("dsv41") + 1:group.index("dsv41") + 1] = ablations
+        elif n == "ablations":
+            group = ablations
+        elif n in CORE_BACKENDS:
+            group = [n]
+        elif n.startswith(_ABLATION) and len(n) > len(_ABLATION):
+            if families and n[len(_ABLATION):] not in families:
+                raise ValueError(f"unknown pass family in backend {n!r}; families: {', '.join(families)}")
+            group = [n]
+        else:
+            raise ValueError(f"unknown backend {n!r}; expected one of {', '.join(CORE_BACKENDS)}, "
+                             f"dsv41-no-<family> (families: {', '.join(families) or 'unavailable'}), "
+                             "'ablations' or 'all'")
+        out += [g for g in group if g not in out]
+    if not out:
+        raise ValueError("no backends given")
+    return out
+
+
+def _backend_options(name: str, options: dict | None) -> dict | None:
+    """dsv41 options of a dsv41 row: `options` for `dsv41`, plus the disabled family for an ablation."""
+    if name == "dsv41":
+        return dict(options or {})
+    if name.startswith(_ABLATION):
+        opts = dict(options or {})
+        opts["disable"] = sorted(set(opts.get("disable", ())) | {name[len(_ABLATION):]})
+        return opts
+    return None
+
+
+def _tensorrt_import_error() -> str | None:
+    """None when `import torch_tensorrt` works, else why it failed."""
+    try:
+        import torch_tensorrt  # noqa: F401  (importing registers the "torch_tensorrt" Dynamo backend)
+    except Exception as e:  # ImportError, or a broken install raising OSError / RuntimeError at import
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
+def _make_runner(model, name: str, options: dict | None):
+    """A fresh `torch.compile` wrapper (or the model itself for eager) for backend `name`."""
+    from .cli import compile_model
+    if name == "torch_tensorrt":
+        return torch.compile(model, backend="torch_tensorrt")
+    if name.startswith("dsv41"):
+        return compile_model(model, "dsv41", _backend_options(name, options))
+    return compile_model(model, name)
+
+
+def _use_cache_dir(path: str) -> None:
+    """Point Inductor at cache dir `path` and drop its in-memory caches, so the next compile sees only `path`."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # older layouts: in-memory caches are keyed by content, so a stale hit is still valid
+        return
+    clear_caches()
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def _base(runner):
+    return getattr(runner, "_orig_mod", runner)
+
+
+@torch.no_grad()
+def teacher_forced_logits(runner, prompt_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the decode steps when eager's greedy `tokens` are fed in, whatever the backend would pick.
+
+    Mirrors `generate`: cache sized for prompt + N tokens (reset in place when it already is), prefill on the
+    eager module, then decode step i (1 <= i < N) gets token `tokens[:, i-1]` at position P + i - 1.
+    Args: runner (model or compiled wrapper); prompt_ids int64 [B, P] or [P]; tokens int64 [B, N], N >= 2.
+    Returns: float32 [B, N-1, V] on the CPU (cloned each step: CUDA-graph outputs are overwritten by a replay).
+    Raises: ValueError when N < 2 or the batch sizes differ.
+    """
+    base = _base(runner)
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    b, p = prompt_ids.shape
+    if tokens.dim() != 2 or tokens.shape[0] != b or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [B={b}, N>=2], got {tuple(tokens.shape)}")
+    n = tokens.shape[1]
+    if base.max_seq_len >= p + n and base.batch_size == b:
+        base.reset_cache()
+    else:
+        base.setup_cache(b, p + n)
+    dev = base.embed.weight.device
+    pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
+    base(prompt_ids.to(dev), pos, last_only=True)
+    pos = torch.full((b, 1), p, dtype=torch.int64, device=dev)
+    toks = tokens.to(dev)
+    out = []
+    for i in range(1, n):
+        # A fresh contiguous [B, 1] tensor, strided like generate's `tok[:, None]`, so no stride guard fails.
+        logits = runner(toks[:, i - 1:i].clone(memory_format=torch.contiguous_format), pos)
+        out.append(logits[:, -1].float().clone())
+        pos += 1
+    return torch.stack(out, 1).cpu()
+
+
+def max_rel_logit_err(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |logits - ref| / max |ref| (float64). Raises ValueError for different shapes or an all-zero ref."""
+    if logits.shape != ref.shape:
+        raise ValueError(f"logit shapes differ: {tuple(logits.shape)} vs reference {tuple(ref.shape)}")
+    scale = ref.double().abs().max().item()
+    if scale == 0:
+        raise ValueError("reference logits are all zero: relative error undefined")
+    return (logits.double() - ref.double()).abs().max().item() / scale
+
+
+@torch.no_grad()
+def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
+    """Kernels of ONE decode step of `runner` on CUDA, after a prefill and one unprofiled (warm-up) step.
+
+    Uses `generate(runner, prompt, 2)` (cache reset in place when sized for `new_tokens`, so buffer addresses and
+    CUDA graphs stay valid), then profiles the next step. Returns {"kernels": int, "memcpy_memset": int,
+    "names": {kernel name: count}}: CUDA device activities, memcpy/memset split off by name.
+    Raises: RuntimeError when the model is not on a CUDA device.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from .model import generate
+    base = _base(runner)
+    dev = base.embed.weight.device
+    if dev.type != "cuda":
+        raise RuntimeError("profile_decode_step counts GPU kernels; the model is on " + str(dev))
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    b, p = prompt_ids.shape
+    if base.max_seq_len < p + new_tokens or base.batch_size != b:
+        base.setup_cache(b, p + new_tokens)
+    out = generate(runner, prompt_ids, 2)
+    tok = out.tokens[:, -1:].to(dev).clone(memory_format=torch.contiguous_format)
+    pos = torch.full((b, 1), p + 1, dtype=torch.int64, device=dev)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner(tok, pos)
+        torch.cuda.synchronize()
+    kernels, copies, names = 0, 0, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        low = e.name.lower()
+        if low.startswith("memcpy") or low.startswith("memset"):
+            copies += 1
+        else:
+            kernels += 1
+            names[e.name] = names.get(e.name, 0) + 1
+    return {"kernels": kernels, "memcpy_memset": copies, "names": names}
+
+
+def _timed_run(runner, prompt, new_tokens: int, cuda: bool) -> dict:
+    """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}."""
+    from .model import generate
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = generate(runner, prompt, new_tokens)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"out": out, "wall_s": wall, "peak_gb": torch.cuda.max_memory_allocated() / _GB if cuda else None}
+
+
+def _prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Leading positions where every sequence of `a` equals `b` ([B, N] each)."""
+    eq = (a == b).all(0)
+    bad = torch.nonzero(~eq)
+    return int(bad[0, 0]) if bad.numel() else int(eq.numel())
+
+
+def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok_s: float | None) -> dict:
+    """Row figures from a backend's measured `GenerateResult`s.
+
+    Returns {decode_tok_s, prefill_tok_s ({median, min, max} each), tokens_match_eager, matching_prefix_tokens,
+    roofline_fraction}; the last three are None without `ref_tokens` / `roofline_tok_s`.
+    Raises: ValueError for no runs.
+    """
+    if not outs:
+        raise ValueError("summarize_runs needs at least one run")
+    dec = summarize(o.decode_tok_s for o in outs)
+    row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
+           "tokens_match_eager": None, "matching_prefix_tokens": None,
+           "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
+    if ref_tokens is not None:
+        row["tokens_match_eager"] = all(torch.equal(o.tokens, ref_tokens) for o in outs)
+        row["matching_prefix_tokens"] = min(_prefix(o.tokens, ref_tokens) for o in outs)
+    return row
+
+
+def _empty_row() -> dict:
+    return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
+            "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "peak_mem_gb": None,
+            "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
+            "options": None, "note": None}
+
+
+def _fail(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {e}"[:500]
+
+
+# ------------------------------------------------------------------------------------------ the run
 def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repeats: int = 5,
-                  weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None) -> dict:
-    """Run the protocol and return the result dict (schema in the module docstring)."""
+                  weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
+                  dtype: str | None = None) -> dict:
+    """Run the protocol of the module docstring and return the result dict (schema there).
+
+    Args:
+        preset: model preset (`tiny`, `small`, `h200`); weight_mode `checkpoint` | `bf16`; dtype as `build_model`.
+        backends: names or a comma-separated string (`expand_backends`: `all`, `ablations`, `dsv41-no-<family>`).
+        prompt_len: prompt tokens (>= 1); new_tokens: tokens per run (>= 2: decode tok/s needs two timestamps).
+        repeats: measured runs per backend (>= 1); device: `cpu` / `cuda` (default cuda when available).
+        options: dsv41 options for the `dsv41` row and the base of every ablation.
+    Raises:
+        ValueError: bad sizes, unknown backend names (before anything is built).
+    A backend that fails to compile or run is reported in its row's `note`, never dropped.
+    """
+    from rich.console import Console
     from rich.progress import Progress
 
-    from .cli import build_model, compile_model, environment
+    from .cli import build_model, environment
     from .model import benchmark_prompt, generate
-    from .model.budget import budget, decode_kv_read_bytes
+    from .model.budget import budget
 
+    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
+        raise ValueError(f"need prompt_len >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_len}, "
+                         f"{new_tokens}, {repeats}")
+    families, ablation_note = ablation_families()
+    names = expand_backends(backends, families)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    model = build_model(preset, device, weight_mode)
-    prompt = benchmark_prompt(model.config, prompt_len, device=device)
-    b = budget(model.config, max_seq_len=prompt_len + new_tokens)
-    ctx = prompt_len + new_tokens // 2
-    decode_bytes = b.decode_weight_bytes + decode_kv_read_bytes(model.config, ctx)
-    res = {**environment(device), "preset": preset, "weight_mode": weight_mode, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, "decode_bytes_per_step": decode_bytes, "backends": {}}
     cuda = device.startswith("cuda")
-    res["copy_bandwidth_tb_s"] = copy_bandwidth_tb_s() if cuda else None
-    res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
 
-    runners, runs, eager_tokens = {}, {}, None
-    with Progress(transient=True) as prog:
-        task = prog.add_task("compile + warm-up", total=len(backends))
-        for name in backends:
-            entry = res["backends"][name] = {"note": None}
-            try:
-                runners[name] = compile_model(model, name, options if name == "dsv41" else None)
+    model = build_model(preset, device, weight_mode, dtype)
+    cfg = model.config
+    prompt = benchmark_prompt(cfg, prompt_len, device=device)
+    b = budget(cfg, max_seq_len=prompt_len + new_tokens)
+    decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
+    res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
+           "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
+           "new_tokens": new_tokens, "repeats": repeats,
+           "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
+                      "active_decode": b.active_params_decode},
+           "kv_bytes_per_token": {"logical": b.kv_bytes_per_token, "allocated": b.kv_bytes_per_token_allocated},
+           "decode_context": decode_context(prompt_len, new_tokens), "decode_bytes_per_step": decode_bytes,
+           "copy_bandwidth_tb_s": copy_bandwidth_tb_s() if cuda else None,
+           "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "backends": {}}
+    res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
+    rows = res["backends"]
+    notes: dict = {n: [] for n in names}
+    for n in names:
+        rows[n] = _empty_row()
+        rows[n]["options"] = _backend_options(n, options)
+
+    console = Console(stderr=True)
+    cache_root = tempfile.mkdtemp(prefix="dsv41-bench-cache-")
+    saved_cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if os.environ.get("TRITON_CACHE_DIR"):
+        res["cache_note"] = "TRITON_CACHE_DIR is set, so cold compiles may reuse Triton binaries from it"
+    runnable, cold_wall, warm_wall, runners = [], {}, {}, {}
+    outs: dict = {}
+    order: list = []
+    try:
+        with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)), \
+                Progress(console=console, transient=True) as prog:
+            def say(msg: str) -> None:  # one line per step, so the log of a non-interactive run shows progress
+                prog.console.print(msg, markup=False, highlight=False)
+
+            task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
+            ref = generate(model, prompt, new_tokens)
+            ref_logits = teacher_forced_logits(model, prompt, ref.tokens)
+            prog.advance(task)
+
+            task = prog.add_task("cold compile + first run", total=len(names))
+            for n in names:
+                prog.update(task, description=f"cold compile + first run: {n}")
+                if n == "torch_tensorrt":
+                    err = _tensorrt_import_error()
+                    if err is not None:
+                        rows[n]["note"] = "not installed"
+                        rows[n]["import_error"] = err
+                        say(f"{n}: not installed ({err})")
+                        prog.advance(task)
+                        continue
+                if not cuda:
+                    notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
+                if n == "eager":
+                    notes[n].append("eager does not compile")
+                try:
+                    torch.compiler.reset()
+                    _use_cache_dir(os.path.join(cache_root, n))
+                    runner = _make_runner(model, n, options)
+                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda)["wall_s"]
+                    if n.startswith("dsv41"):
+                        _attach_report(rows[n], n == "dsv41")
+                    runnable.append(n)
+                    say(f"{n}: cold compile + first run {cold_wall[n]:.1f} s")
+                except Exception as e:  # reported in the row, never silently dropped
+                    notes[n].append(_fail(e))
+                    say(f"{n}: {_fail(e)}")
+                prog.advance(task)
+
+            # One reset, then every backend recompiles from its own warm cache dir: the discarded warm-up run.
+            torch.compiler.reset()
+            task = prog.add_task("warm compile + warm-up run", total=len(runnable))
+            for n in list(runnable):
+                prog.update(task, description=f"warm compile + warm-up run: {n}")
+                try:
+                    _use_cache_dir(os.path.join(cache_root, n))
+                    runners[n] = _make_runner(model, n, options)
+                    warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda)["wall_s"]
+                    say(f"{n}: warm compile + warm-up run {warm_wall[n]:.1f} s")
+                except Exception as e:
+                    notes[n].append(_fail(e))
+                    runnable.remove(n)
+                    say(f"{n}: warm compile {_fail(e)}")
+                prog.advance(task)
+
+            task = prog.add_task("kernels per step + teacher-forced logits", total=len(runnable))
+            for n in runnable:
+                prog.update(task, description=f"kernels per step + teacher-forced logits: {n}")
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                out = generate(runners[name], prompt, new_tokens)
-                entry["compile_s"] = time.perf_counter() - t0
-                entry["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
-                if name == "eager":
-                    eager_tokens = out.tokens
-                runs[name] = []
-            except Exception as e:  # a backend that fails is reported, never silently dropped
-                entry["note"] = f"failed: {type(e).__name__}: {e}"[:500]
-            prog.advance(task)
-        order = [n for n in alternation_order(backends, repeats) if n in runners]
-        task = prog.add_task("measured runs", total=len(order))
-        for name in order:
-            runs[name].append(generate(runners[name], prompt, new_tokens))
-            prog.advance(task)
-    for name, outs in runs.items():
-        entry = res["backends"][name]
-        entry["decode_tok_s"] = summarize(o.decode_tok_s for o in outs)
-        entry["prefill_tok_s"] = summarize(o.prefill_tok_s for o in outs)
-        entry["tokens_match_eager"] = (None if eager_tokens is None
-                                       else all(torch.equal(o.tokens, eager_tokens) for o in outs))
-        entry["roofline_fraction"] = (entry["decode_tok_s"]["median"] / res["roofline_tok_s"]
-                                      if res["roofline_tok_s"] else None)
-        entry.setdefault("kernels_per_step", None)
-        if name == "dsv41":
-            import dsv41
-            rep = dsv41.last_report()
-            if rep is not None:
-                entry["report"] = rep.to_dict()
+                    try:
+                        k = profile_decode_step(runners[n], prompt, new_tokens)
+                        rows[n]["kernels_per_step"] = k["kernels"]
+                        rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
+                    except Exception as e:
+                        notes[n].append("kernel count " + _fail(e))
+                try:
+                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(
+                        teacher_forced_logits(runners[n], prompt, ref.tokens), ref_logits)
+                except Exception as e:
+                    notes[n].append("teacher forcing " + _fail(e))
+                say(f"{n}: kernels/step {rows[n]['kernels_per_step']}, max rel logit err "
+                    f"{rows[n]['max_rel_logit_err']}")
+                prog.advance(task)
+
+            task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
+            fns = {n: (lambda r=runners[n]: _timed_run(r, prompt, new_tokens, cuda)) for n in runnable}
+            outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
+            for n, err in errors.items():
+                notes[n].append("measured run failed: " + err)
+            say(f"measured {len(order)} runs in the order {' '.join(order)}")
+    finally:
+        if saved_cache_env is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_cache_env
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+    res["run_order"] = order
+    for n in names:
+        row, runs = rows[n], outs.get(n) or []
+        if runs:
+            row.update(summarize_runs([r["out"] for r in runs], ref.tokens, res["roofline_tok_s"]))
+            walls = statistics.median(r["wall_s"] for r in runs)
+            if n != "eager" and n in cold_wall:
+                row["compile_s"] = max(0.0, cold_wall[n] - walls)
+            if n != "eager" and n in warm_wall:
+                row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
+            row["peak_mem_gb"] = max(r["peak_gb"] for r in runs) if cuda else None
+        elif row["note"] is None and not notes[n]:
+            notes[n].append("not measured")
+        if notes[n]:
+            row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes[n])
     return res
 
 
-def _print_table(res: dict) -> None:
+def _attach_report(row: dict, full: bool) -> None:
+    """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`)."""
+    from . import last_report
+    rep = last_report()
+    if rep is None:
+        row["note"] = "the dsv41 backend produced no fusion report"
+        return
+    d = rep.to_dict()
+    row["fusion_matches"] = {f: v.get("matches") for f, v in d.get("families", {}).items()}
+    if full:
+        row["report"] = d
+
+
+# ------------------------------------------------------------------------------------------ output
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(res: dict, console=None) -> None:
+    """Print the roofline line and then the result table (the table comes last, so a log's tail shows it)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
-    t = Table(title=f"decode benchmark: {res['preset']} ({res['weight_mode']}), prompt {res['prompt_len']}, "
-                    f"{res['new_tokens']} new tokens, {res.get('gpu') or 'cpu'}")
-    for col in ("backend", "decode tok/s (median [min, max])", "prefill tok/s", "roofline fraction", "compile s",
-                "matches eager", "note"):
-        t.add_column(col)
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file: rich would wrap at 80 columns
+            console = Console(width=220)
+    if res.get("roofline_tok_s"):
+        console.print(f"roofline: {res['decode_bytes_per_step'] / 1e9:.4f} GB/step at "
+                      f"{res['copy_bandwidth_tb_s']:.2f} TB/s copy bandwidth = {res['roofline_tok_s']:.1f} tok/s "
+                      f"(context {res['decode_context']})")
+    t = Table(title_justify="left",
+              title=f"decode benchmark: {res['preset']} ({res['weight_mode']}), prompt {res['prompt_len']}, "
+                    f"{res['new_tokens']} new tokens, {res['repeats']} runs, {res.get('gpu') or 'cpu'}")
+    for col in ("backend", "decode tok/s med [min, max]", "prefill tok/s", "kernels/step", "roofline",
+                "compile s cold / warm", "peak GB", "= eager", "max rel logit err", "note"):
+        t.add_column(escape(col), overflow="fold", no_wrap=col != "note")
     for name, e in res["backends"].items():
         d = e.get("decode_tok_s")
-        t.add_row(name, f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
-                  f"{e['prefill_tok_s']['median']:.0f}" if e.get("prefill_tok_s") else "-",
-                  f"{e['roofline_fraction']:.3f}" if e.get("roofline_fraction") else "-",
-                  f"{e['compile_s']:.1f}" if e.get("compile_s") else "-", str(e.get("tokens_match_eager")),
-                  e.get("note") or "")
-    Console().print(t)
-    if res.get("roofline_tok_s"):
-        Console().print(f"roofline: {res['decode_bytes_per_step'] / 1e9:.3f} GB/step at "
-                        f"{res['copy_bandwidth_tb_s']:.2f} TB/s copy bandwidth = {res['roofline_tok_s']:.1f} tok/s")
+        match = e.get("tokens_match_eager")
+        # Names and notes are text, not rich markup (an error message may hold "[...]").
+        t.add_row(escape(name), f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
+                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"), _fmt(e.get("kernels_per_step"), "d"),
+                  _fmt(e.get("roofline_fraction"), ".3f"),
+                  f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}",
+                  _fmt(e.get("peak_mem_gb"), ".2f"), "-" if match is None else ("yes" if match else "NO"),
+                  _fmt(e.get("max_rel_logit_err"), ".2e"), escape(e.get("note") or ""))
+    console.print(t)
 
 
 def main(argv=None) -> int:
-    """CLI of the benchmark (`python -m dsv41.bench`, `dsv41 bench`)."""
+    """CLI of the benchmark (`python -m dsv41.bench`, `dsv41 bench`); see `--help`."""
     p = argparse.ArgumentParser(prog="dsv41 bench", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default=None)
-    p.add_argument("--backends", default="eager,inductor,dsv41")
-    p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--new-tokens", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--weight-mode", default="checkpoint")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", default=None)
+    p.add_argument("--preset", default=None, help="default: small on a GPU, tiny on CPU")
+    p.add_argument("--backends", default="all",
+                   help="comma-separated: eager, inductor, inductor-cudagraphs, dsv41, torch_tensorrt, "
+                        "dsv41-no-<family>, 'ablations', 'all' (default)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 4096 on GPU, 32 on CPU")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 1024 on GPU, 8 on CPU")
+    p.add_argument("--repeats", type=int, default=5, help="measured runs per backend (default 5)")
+    p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--png", nargs="?", const="", default=None,
+                   help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
+    p.add_argument("--html", default=None, help="write the dsv41 fusion report with this benchmark as HTML here")
     a = p.parse_args(argv)
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends.split(","),
+    res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
-                        a.weight_mode, a.device)
+                        a.weight_mode, a.device, dtype=a.dtype)
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    _print_table(res)
+            json.dump(res, f, indent=1, default=str)
+        console.print(f"wrote {a.json}")
+    png = None
+    if a.png is not None:
+        from .plots import plot_benchmark
+        png = a.png or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv41_bench.png")
+        plot_benchmark(res, png)
+        console.print(f"wrote {png}")
+    if a.html:
+        report = (res["backends"].get("dsv41") or {}).get("report")
+        if report is None:
+            console.print("no dsv41 fusion report in this run (dsv41 not run or failed): --html skipped")
+        else:
+            from .compiler.html import write_html
+            write_html(report, a.html, bench=res, png_path=png)
+            console.print(f"wrote {a.html}")
+    print_table(res, console)
     return 0
 
 

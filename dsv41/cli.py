@@ -137,14 +137,19 @@ def _cmd_run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Entry point of the `dsv41` console script (also `python -m dsv41`): `run` and `bench`."""
+    """Entry point of the `dsv41` console script (also `python -m dsv41`): `run`, `bench` and `report`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         from .bench import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from .compiler.html import main as report_main
+        return report_main(argv[1:])
     p = argparse.ArgumentParser(prog="dsv41", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("bench", help="the decode benchmark (see `dsv41 bench --help`)")
+    sub.add_parser("report", help="compile a preset with dsv41 and write the fusion report as HTML "
+                                  "(see `dsv41 report --help`)")
     r = sub.add_parser("run", help="build a preset with random weights, compile, generate, print the table")
     r.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
                    help="default: small on a GPU, tiny on CPU")
@@ -157,8 +162,14 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-check", dest="check", action="store_false", help="skip the eager token check")
     r.add_argument("--json", default=None, help="write the result JSON here")
+    r.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (spawned, or one per torchrun process)")
+    r.add_argument("--tp-moe", choices=("tp", "ep"), default="tp", help="MoE layout under --tp")
+    r.add_argument("--tp-pad-to", type=int, default=None, help="per-rank expert inter padding multiple (default 128)")
     args = p.parse_args(argv)
     if args.cmd == "run":
+        if args.tp is not None:
+            from .launch import run_tp
+            return run_tp(args)
         return _cmd_run(args)
     return 2
 

@@ -1,0 +1,442 @@
+"""The fusion report as one self-contained HTML page (ARCHITECTURE.md "Pipeline stages" 6), and `dsv41 report`.
+
+`render_html(report_dict, bench=None, png_path=None)` turns `FusionReport.to_dict()` (optionally with a
+`dsv41.bench` result and its plot) into a page with inline CSS and no scripts or external resources, so it can
+be mailed or attached to an issue as it is. Sections, in order:
+
+- summary: graphs, options, kernels per step and bytes moved before / after the passes;
+- per family: on/off, matches, nodes replaced, near-misses, findings, bytes before -> after, with a bar chart;
+- fused sites: one row per (family, pattern, source line, layer when the match records one in its `detail`);
+  a line every layer runs shows its count of matches (one per layer);
+- near-misses with the failed check and the reason; findings (what stays on a slow path);
+- kernels per step, total and per graph; the `schedule` section when the report dict has one;
+- the benchmark table and plot (PNG embedded as base64) when given; each graph's code in debug mode.
+
+Every piece of text from the report is escaped with `html.escape` (family names, patterns, source code and
+reasons come from user code and must never become markup).
+
+`main(argv)` is the `dsv41 report` command: build a preset, compile it with backend="dsv41", run a couple of
+decode steps and write the page (default `dsv41_report.html`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import os
+import sys
+from collections import Counter
+
+__all__ = ["render_html", "write_html", "main"]
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_LAYER_KEYS = ("layer", "layer_id", "layer_idx")
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #1d1d1f;
+       background: #ffffff; font-size: 14px; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px;
+     border-bottom: 1px solid #d0d0d5; padding-bottom: 3px; }
+p.meta { color: #555; margin-top: 0; }
+table { border-collapse: collapse; margin: 8px 0 12px 0; max-width: 100%; }
+th, td { border: 1px solid #d0d0d5; padding: 3px 8px; text-align: left; vertical-align: top; max-width: 520px;
+         overflow-wrap: break-word; }
+th { background: #f1f1f4; } tr:nth-child(even) td { background: #fafafc; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code, pre { font-family: "SFMono-Regular", Menlo, Consolas, monospace; font-size: 12px; }
+td code { overflow-wrap: anywhere; }
+pre { background: #f6f6f8; padding: 8px; overflow-x: auto; }
+.off { color: #b00020; font-weight: bold; } .on { color: #1b7f3b; }
+.bar { height: 11px; display: inline-block; vertical-align: middle; }
+.before { background: #9aa7c7; } .after { background: #dd8452; }
+.chart td { border: none; padding: 1px 6px; } .empty { color: #777; font-style: italic; }
+img.plot { max-width: 100%; border: 1px solid #d0d0d5; }
+"""
+
+
+class _Raw(str):
+    """Markup built here from escaped parts; `_cell` passes it through unescaped."""
+
+
+def _e(x) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _cell(x) -> str:
+    return x if isinstance(x, _Raw) else _e(x)
+
+
+def _table(headers, rows, num_cols=(), cls: str | None = None) -> str:
+    """An HTML table; cells are escaped unless `_Raw`; columns named in `num_cols` are right-aligned; no header
+    row when every header is empty."""
+    if not rows:
+        return '<p class="empty">none</p>'
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers) if any(headers) else ""
+    body = []
+    for r in rows:
+        tds = "".join(f'<td{" class=num" if h in num_cols else ""}>{_cell(c)}</td>' for h, c in zip(headers, r))
+        body.append(f"<tr>{tds}</tr>")
+    klass = f' class="{_e(cls)}"' if cls else ""
+    thead = f"<thead><tr>{head}</tr></thead>" if head else ""
+    return f"<table{klass}>{thead}<tbody>{''.join(body)}</tbody></table>"
+
+
+def _human(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _dash(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def _where(loc) -> str:
+    if not loc:
+        return "?"
+    fn = loc.get("function")
+    return f"{loc.get('where') or '?'} ({fn})" if fn else str(loc.get("where") or "?")
+
+
+def _short(frame: str) -> str:
+    """`/a/b/file.py:12 (fn)` -> `file.py:12 (fn)`."""
+    path, sep, rest = frame.partition(":")
+    return os.path.basename(path) + sep + rest
+
+
+def _caller(loc) -> str:
+    """The frame that called the matched line (`stack[-2]`), or "" when the stack has one frame."""
+    stack = (loc or {}).get("stack") or []
+    return _short(str(stack[-2])) if len(stack) >= 2 else ""
+
+
+def _source(loc) -> _Raw:
+    """Source line of a match: `file.py:line (function)` (full path as tooltip), the code on it, and its caller
+    (a shared helper such as `Linear.forward` is only told apart by who called it)."""
+    if not loc:
+        return _Raw('<span class="empty">unknown</span>')
+    code, caller = loc.get("code"), _caller(loc)
+    out = f'<span title="{_e(_where(loc))}">{_e(_short(_where(loc)))}</span>'
+    if code:
+        out += f"<br><code>{_e(code)}</code>"
+    if caller:
+        out += f"<br>called from {_e(caller)}"
+    return _Raw(out)
+
+
+def _layer(detail) -> object:
+    if isinstance(detail, dict):
+        for k in _LAYER_KEYS:
+            if k in detail:
+                return detail[k]
+    return None
+
+
+def _bars(rows, unit) -> str:
+    """Before/after bar pairs [(label, before, after)] scaled to the largest value, as a borderless table."""
+    rows = [(lab, b, a) for lab, b, a in rows if b is not None and a is not None]
+    top = max([max(b, a) for _, b, a in rows] + [0])
+    if not rows or top <= 0:
+        return ""
+    out = []
+    for lab, b, a in rows:
+        wb, wa = 300 * b / top, 300 * a / top
+        out.append([lab, _Raw(f'<span class="bar before" style="width:{wb:.1f}px"></span> {_e(unit(b))}<br>'
+                              f'<span class="bar after" style="width:{wa:.1f}px"></span> {_e(unit(a))}')])
+    return _table(["", "before (blue) / after (orange)"], out, cls="chart")
+
+
+def _generic(v, depth: int = 0) -> str:
+    """Render an arbitrary JSON value (the `schedule` section, whose shape the scheduler owns)."""
+    scalar = (str, int, float, bool, type(None))
+    if isinstance(v, scalar):
+        return _e(v)
+    if depth >= 4:
+        return f"<pre>{_e(json.dumps(v, indent=1, default=str))}</pre>"
+    if isinstance(v, dict):
+        if all(isinstance(x, scalar) for x in v.values()):
+            return _table(["key", "value"], [[k, x] for k, x in v.items()])
+        return "".join(f"<h4>{_e(k)}</h4>{_generic(x, depth + 1)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        if v and all(isinstance(x, dict) for x in v):
+            keys: list = []
+            for x in v:
+                keys += [k for k in x if k not in keys]
+            def cell(y):
+                return y if isinstance(y, scalar) else _Raw(f"<code>{_e(json.dumps(y, default=str))}</code>")
+            rows = [[cell(x.get(k)) for k in keys] for x in v]
+            return _table([str(k) for k in keys], rows)
+        if all(isinstance(x, scalar) for x in v):
+            return _e(", ".join(str(x) for x in v)) if v else '<p class="empty">none</p>'
+        return "".join(_generic(x, depth + 1) for x in v)
+    return _e(repr(v))
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def _summary(d: dict) -> str:
+    k = d.get("kernels") or {}
+    b = d.get("bytes") or {}
+    rows = [["graphs compiled", len(d.get("graphs") or [])],
+            ["kernels per step before -> after",
+             f"{_dash(k.get('before'))} -> {_dash(k.get('after'))}"],
+            ["kernel count method", k.get("method") or "not counted (option count_kernels off)"],
+            ["bytes moved by fused chains before -> after",
+             f"{_human(b.get('before_value'))} -> {_human(b.get('after_value'))}"],
+            ["bytes before (symbolic)", _Raw(f"<code>{_e(b.get('before'))}</code>")],
+            ["bytes after (symbolic)", _Raw(f"<code>{_e(b.get('after'))}</code>")]]
+    for sym, meaning in (d.get("symbols") or {}).items():
+        rows.append([f"symbol {sym}", meaning])
+    if d.get("options") is not None:
+        rows.append(["options", _Raw(f"<code>{_e(json.dumps(d['options'], default=str))}</code>")])
+    return "<h2>Summary</h2>" + _table(["", ""], rows)
+
+
+def _families(fams: dict) -> str:
+    rows, bars = [], []
+    for name, f in fams.items():
+        on = _Raw('<span class="on">on</span>' if f.get("enabled") else '<span class="off">OFF</span>')
+        rows.append([name, on, f.get("matches", 0), f.get("nodes_replaced", 0), len(f.get("near_misses") or []),
+                     len(f.get("findings") or []),
+                     f"{_human(f.get('bytes_before_value'))} -> {_human(f.get('bytes_after_value'))}",
+                     _Raw(f"<code>{_e(f.get('bytes_before'))}</code> -> <code>{_e(f.get('bytes_after'))}</code>"),
+                     f.get("note") or ""])
+        if f.get("bytes_before_value") or f.get("bytes_after_value"):  # rewrites that move no bytes: no bar
+            bars.append((name, f.get("bytes_before_value"), f.get("bytes_after_value")))
+    cols = ["family", "on", "matches", "nodes replaced", "near-misses", "findings", "bytes before -> after",
+            "symbolic (B, L)", "note"]
+    chart = _bars(bars, _human)
+    return ("<h2>Per family</h2>" + _table(cols, rows, num_cols=("matches", "nodes replaced", "near-misses",
+                                                                 "findings"))
+            + (f"<h3>Bytes moved per step by each family's chains</h3>{chart}" if chart else ""))
+
+
+def _sites(fams: dict) -> str:
+    groups: Counter = Counter()
+    info: dict = {}
+    for name, f in fams.items():
+        for s in f.get("sites") or []:
+            loc = s.get("location") or {}
+            key = (name, s.get("pattern"), s.get("op"), loc.get("where"), _caller(loc),
+                   str(_layer(s.get("detail"))), s.get("bytes_before"), s.get("bytes_after"))
+            groups[key] += 1
+            info.setdefault(key, s)
+    with_layer = any(_layer(s.get("detail")) is not None for s in info.values())
+    rows = []
+    for key, count in groups.items():
+        s = info[key]
+        layer = _layer(s.get("detail"))
+        detail = s.get("detail") or {}
+        row = [key[0], s.get("pattern"), _Raw(f"<code>{_e(s.get('op'))}</code>"), _source(s.get("location"))]
+        row += (["-" if layer is None else layer] if with_layer else [])
+        row += [count, f"{_human(s.get('bytes_before_value'))} -> {_human(s.get('bytes_after_value'))}",
+                _Raw(f"<code>{_e(s.get('bytes_before'))}</code> -> <code>{_e(s.get('bytes_after'))}</code>"),
+                ", ".join(f"{k}={v}" for k, v in detail.items())]
+        rows.append(row)
+    cols = ["family", "pattern", "fused op", "source"] + (["layer"] if with_layer else []) + [
+        "matches", "bytes per match", "symbolic (B, L)", "detail"]
+    return ("<h2>Fused sites</h2><p>One row per family, pattern and source line (and layer, where the match "
+            "records one): a line that every layer runs lists one match per layer.</p>"
+            + _table(cols, rows, num_cols=("matches",)))
+
+
+def _misses(fams: dict) -> str:
+    groups: Counter = Counter()
+    first: dict = {}
+    for name, f in fams.items():
+        for m in f.get("near_misses") or []:
+            loc = m.get("location") or {}
+            key = (name, m.get("pattern"), m.get("check"), m.get("reason"), loc.get("where"), _caller(loc))
+            groups[key] += 1
+            first.setdefault(key, m)
+    rows = [[k[0], k[1], k[2], k[3], _source(first[k].get("location")), c] for k, c in groups.items()]
+    return ("<h2>Near-misses (not fused)</h2>"
+            + _table(["family", "pattern", "failed check", "reason", "source", "count"], rows, num_cols=("count",)))
+
+
+def _findings(fams: dict) -> str:
+    groups: Counter = Counter()
+    for name, f in fams.items():
+        for x in f.get("findings") or []:
+            groups[(name, x.get("kind"), x.get("message"), _where(x.get("location")))] += 1
+    rows = [[n, k, m, w, c] for (n, k, m, w), c in groups.items()]
+    return ("<h2>Findings (left on a slow path)</h2>"
+            + _table(["family", "kind", "message", "source", "count"], rows, num_cols=("count",)))
+
+
+def _kernels(d: dict) -> str:
+    k = d.get("kernels") or {}
+    per = k.get("per_graph") or []
+    rows = [[i, g.get("device"), g.get("before"), g.get("after"), g.get("method"), g.get("note")]
+            for i, g in enumerate(per) if g is not None]
+    if not rows:
+        return "<h2>Kernels per step</h2><p class=\"empty\">not counted (compile with option count_kernels)</p>"
+    rows.append(["total", "", k.get("before"), k.get("after"), k.get("method"), ""])
+    chart = _bars([("kernels per step", k.get("before"), k.get("after"))], lambda x: f"{x:.0f}")
+    return ("<h2>Kernels per step</h2>" + chart
+            + _table(["graph", "device", "before", "after", "method", "note"], rows, num_cols=("before", "after")))
+
+
+def _bench(bench: dict) -> str:
+    rows = []
+    for name, r in (bench.get("backends") or {}).items():
+        d = r.get("decode_tok_s") or {}
+        rows.append([name, "-" if not d else f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]",
+                     _dash(r.get("kernels_per_step")),
+                     "-" if r.get("roofline_fraction") is None else f"{r['roofline_fraction']:.3f}",
+                     "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}",
+                     "-" if r.get("compile_warm_s") is None else f"{r['compile_warm_s']:.1f}",
+                     "-" if r.get("tokens_match_eager") is None else ("yes" if r["tokens_match_eager"] else "NO"),
+                     "-" if r.get("max_rel_logit_err") is None else f"{r['max_rel_logit_err']:.2e}",
+                     r.get("note") or ""])
+    roof = bench.get("roofline_tok_s")
+    head = (f"{bench.get('preset')} preset, prompt {bench.get('prompt_len')}, {bench.get('new_tokens')} new "
+            f"tokens, {bench.get('gpu') or 'cpu'}, torch {bench.get('torch')}, triton {bench.get('triton')}")
+    if roof:
+        head += (f"; roofline {roof:,.1f} tok/s = {_human(bench.get('decode_bytes_per_step'))}/step at "
+                 f"{bench.get('copy_bandwidth_tb_s'):.2f} TB/s")
+    cols = ["backend", "decode tok/s median [min, max]", "kernels/step", "roofline fraction", "compile s (cold)",
+            "compile s (warm)", "tokens = eager", "max rel logit err", "note"]
+    return f"<h2>Benchmark</h2><p>{_e(head)}</p>" + _table(cols, rows, num_cols=("kernels/step",))
+
+
+def _plot(png: bytes) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return ('<h2>Plot</h2><img class="plot" alt="decode tokens/s per backend with the roofline, and kernels per '
+            f'step" src="data:image/png;base64,{data}">')
+
+
+def _graph_code(d: dict) -> str:
+    parts = []
+    for g in d.get("graphs") or []:
+        for when in ("before", "after"):
+            code = g.get(f"graph_{when}")
+            if code:
+                parts.append(f"<details><summary>graph {_e(g.get('index'))} ({_e(g.get('compile_id'))}) "
+                             f"{when} the passes</summary><pre>{_e(code)}</pre></details>")
+    return "<h2>Graph code</h2>" + "".join(parts) if parts else ""
+
+
+def _read_png(png_path) -> bytes:
+    path = os.fspath(png_path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"png_path {path!r} does not exist")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(_PNG_MAGIC):
+        raise ValueError(f"png_path {path!r} is not a PNG file (bad signature)")
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def render_html(report_dict: dict, bench: dict | None = None, png_path: str | None = None) -> str:
+    """The fusion report page as one HTML string (inline CSS, no scripts, images embedded as base64).
+
+    Args:
+        report_dict: `FusionReport.to_dict()` (keys read: families, kernels, bytes, symbols, options, graphs,
+            dsv41_version, torch_version, and `schedule` when present).
+        bench: a `dsv41.bench.run_benchmark` result to show (table + plot), or None.
+        png_path: a PNG to embed as the plot; when None and `bench` is given, the plot is drawn with
+            `dsv41.plots.benchmark_png` (left out, with a note, if matplotlib is missing).
+    Raises:
+        TypeError: report_dict is not a dict, or bench is neither a dict nor None.
+        FileNotFoundError / ValueError: png_path is missing or not a PNG.
+    """
+    if not isinstance(report_dict, dict):
+        raise TypeError(f"report_dict must be FusionReport.to_dict() (a dict), got {type(report_dict).__name__}")
+    if bench is not None and not isinstance(bench, dict):
+        raise TypeError(f"bench must be a benchmark result dict or None, got {type(bench).__name__}")
+    png = _read_png(png_path) if png_path is not None else None
+    plot_note = ""
+    if png is None and bench is not None and bench.get("backends"):
+        try:
+            from ..plots import benchmark_png
+            png = benchmark_png(bench)
+        except ImportError as e:
+            plot_note = f'<p class="empty">plot left out: {_e(e)}</p>'
+    fams = report_dict.get("families") or {}
+    title = "dsv41 fusion report"
+    meta = (f"dsv41 {report_dict.get('dsv41_version', '?')}, torch {report_dict.get('torch_version', '?')}, "
+            f"{len(report_dict.get('graphs') or [])} graph(s), {len(fams)} families")
+    body = [f"<h1>{_e(title)}</h1>", f'<p class="meta">{_e(meta)}</p>', _summary(report_dict), _families(fams),
+            _sites(fams), _misses(fams), _findings(fams), _kernels(report_dict)]
+    if "schedule" in report_dict:
+        body.append("<h2>Schedule</h2>" + _generic(report_dict["schedule"]))
+    if bench is not None:
+        body.append(_bench(bench))
+    if png is not None:
+        body.append(_plot(png))
+    body.append(plot_note)
+    body.append(_graph_code(report_dict))
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+            + "\n".join(b for b in body if b) + "\n</body></html>\n")
+
+
+def write_html(report, path, bench: dict | None = None, png_path: str | None = None) -> str:
+    """Write `render_html` of `report` (a FusionReport or its `to_dict()`) to `path`; returns the path.
+
+    Parent directories are created. Raises: TypeError when `report` is neither; as `render_html` otherwise.
+    """
+    if hasattr(report, "to_dict") and not isinstance(report, dict):
+        report = report.to_dict()
+    if not isinstance(report, dict):
+        raise TypeError(f"report must be a FusionReport or its to_dict(), got {type(report).__name__}")
+    text = render_html(report, bench=bench, png_path=png_path)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def main(argv=None) -> int:
+    """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report.
+
+    Returns 0, or 1 when the compile produced no fusion report. Options: see `dsv41 report --help`.
+    """
+    import torch
+
+    p = argparse.ArgumentParser(prog="dsv41 report", description="write the dsv41 fusion report as an HTML page")
+    p.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
+                   help="default: small on a GPU, tiny on CPU")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=3, help="tokens to generate (default 3: two decode steps)")
+    p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",
+                   help="skip profiling kernels per step before/after")
+    p.add_argument("--bench", default=None, help="a `dsv41 bench --json` result to include")
+    p.add_argument("--png", default=None, help="a PNG to embed as the plot (default: drawn from --bench)")
+    p.add_argument("--out", default="dsv41_report.html", help="output path (default dsv41_report.html)")
+    a = p.parse_args(argv)
+    if a.prompt_len < 1 or a.new_tokens < 2:
+        p.error("--prompt-len must be >= 1 and --new-tokens >= 2 (the report is of a decode step)")
+    bench = None
+    if a.bench:
+        with open(a.bench) as f:
+            bench = json.load(f)
+
+    from .. import cli
+    from ..model import benchmark_prompt, generate
+    from .report import last_report
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = a.preset or ("small" if device.startswith("cuda") else "tiny")
+    model = cli.build_model(preset, device, a.weight_mode)
+    before = last_report()
+    fast = cli.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
+    generate(fast, benchmark_prompt(model.config, a.prompt_len, device=device), a.new_tokens)
+    rep = last_report()
+    if rep is None or rep is before:
+        print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
+              file=sys.stderr)
+        return 1
+    write_html(rep, a.out, bench=bench, png_path=a.png)
+    print(f"wrote {a.out} ({preset} on {device}, {len(rep.graphs)} graph(s))")
+    return 0

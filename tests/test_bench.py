@@ -1,0 +1,309 @@
+"""The decode benchmark (dsv41/bench.py) and its plot (dsv41/plots.py), on CPU without Inductor compiles.
+
+References are written here by hand: statistics from sorted lists, throughput from hand-made timestamps, the
+roofline from a worked example, and the result schema from BENCHMARK.md / the issue's field list.
+"""
+
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+from dsv41 import bench
+from dsv41.model import GenerateResult
+
+#: Fields every backend row carries (the issue's schema; other checks read them).
+ROW_KEYS = {"decode_tok_s", "prefill_tok_s", "kernels_per_step", "roofline_fraction", "compile_s", "peak_mem_gb",
+            "tokens_match_eager"}
+TOP_KEYS = {"date", "gpu", "torch", "triton", "preset", "prompt_len", "new_tokens", "copy_bandwidth_tb_s",
+            "decode_bytes_per_step", "backends"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Eager decode of tiny is thousands of small ops: on a shared 2-core box one thread is much faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------ statistics
+def test_summarize_odd_count_median_is_the_middle_value():
+    assert bench.summarize([5.0, 1.0, 3.0]) == {"median": 3.0, "min": 1.0, "max": 5.0}
+
+
+def test_summarize_even_count_median_is_the_mean_of_the_middle_two():
+    assert bench.summarize([4.0, 1.0, 10.0, 2.0]) == {"median": 3.0, "min": 1.0, "max": 10.0}
+
+
+def test_summarize_single_value_and_empty_input():
+    assert bench.summarize([7]) == {"median": 7.0, "min": 7.0, "max": 7.0}
+    with pytest.raises(ValueError, match="at least one"):
+        bench.summarize([])
+
+
+# ------------------------------------------------------------------------------------------ alternation
+def test_alternation_order_is_round_robin():
+    assert bench.alternation_order(["A", "B", "C"], 2) == ["A", "B", "C", "A", "B", "C"]
+    assert bench.alternation_order(["A"], 0) == []
+    with pytest.raises(ValueError, match="repeats"):
+        bench.alternation_order(["A"], -1)
+
+
+def test_measure_alternating_calls_backends_in_a_b_c_a_b_c_order():
+    log = []
+    fns = {n: (lambda n=n: log.append(n) or len(log)) for n in ("A", "B", "C")}
+    results, errors, order = bench.measure_alternating(fns, 3)
+    assert log == ["A", "B", "C"] * 3
+    assert order == log and errors == {}
+    assert results == {"A": [1, 4, 7], "B": [2, 5, 8], "C": [3, 6, 9]}
+
+
+def test_measure_alternating_reports_a_failing_backend_and_keeps_the_others():
+    calls = []
+
+    def bad():
+        calls.append("B")
+        raise RuntimeError("boom")
+
+    fns = {"A": lambda: calls.append("A"), "B": bad, "C": lambda: calls.append("C")}
+    results, errors, order = bench.measure_alternating(fns, 2)
+    assert calls == ["A", "B", "C", "A", "C"]
+    assert errors == {"B": "RuntimeError: boom"}
+    assert len(results["A"]) == 2 and results["B"] == []
+
+
+# ------------------------------------------------------------------------------------------ roofline
+def test_roofline_matches_a_hand_computed_case():
+    # 2.5 GB per step at 4.0 TB/s: 4e12 / 2.5e9 = 1600 tokens/s.
+    assert bench.roofline(2.5e9, 4.0) == pytest.approx(1600.0, rel=1e-12)
+    with pytest.raises(ValueError):
+        bench.roofline(0, 4.0)
+    with pytest.raises(ValueError):
+        bench.roofline(1e9, 0.0)
+
+
+def _result(timestamps, tokens, prompt_len=10):
+    return GenerateResult(tokens=torch.tensor([tokens]), timestamps=list(timestamps), prompt_len=prompt_len)
+
+
+def test_summarize_runs_throughput_and_roofline_fraction_by_hand():
+    ref = torch.tensor([[5, 6, 7, 8, 9]])
+    # run 1: first token at 0.5 s, 4 more tokens by 2.5 s -> 4 / 2.0 = 2.0 tok/s; prefill 10 / 0.5 = 20 tok/s
+    # run 2: 4 tokens over 1.0 s -> 4.0 tok/s, prefill 10 / 0.25 = 40; run 3: 4 over 4.0 s -> 1.0, prefill 10
+    runs = [_result([0.5, 1.0, 1.5, 2.0, 2.5], [5, 6, 7, 8, 9]),
+            _result([0.25, 0.5, 0.75, 1.0, 1.25], [5, 6, 7, 8, 9]),
+            _result([1.0, 2.0, 3.0, 4.0, 5.0], [5, 6, 7, 8, 9])]
+    row = bench.summarize_runs(runs, ref, roofline_tok_s=8.0)
+    assert row["decode_tok_s"] == pytest.approx({"median": 2.0, "min": 1.0, "max": 4.0})
+    assert row["prefill_tok_s"] == pytest.approx({"median": 20.0, "min": 10.0, "max": 40.0})
+    assert row["roofline_fraction"] == pytest.approx(2.0 / 8.0)
+    assert row["tokens_match_eager"] is True and row["matching_prefix_tokens"] == 5
+
+
+def test_summarize_runs_flags_a_token_mismatch_and_its_position():
+    ref = torch.tensor([[5, 6, 7, 8]])
+    runs = [_result([1, 2, 3, 4], [5, 6, 7, 8]), _result([1, 2, 3, 4], [5, 6, 0, 8])]
+    row = bench.summarize_runs(runs, ref, roofline_tok_s=None)
+    assert row["tokens_match_eager"] is False
+    assert row["matching_prefix_tokens"] == 2
+    assert row["roofline_fraction"] is None
+
+
+def test_decode_bytes_per_step_uses_weights_plus_kv_at_the_mean_context():
+    from dsv41.model.budget import budget, decode_kv_read_bytes
+    # prompt 100, 50 new tokens: mean decode context 100 + 25 = 125
+    assert bench.decode_context(100, 50) == 125
+    want = budget("tiny", max_seq_len=150).decode_weight_bytes + decode_kv_read_bytes("tiny", 125)
+    assert bench.decode_bytes_per_step("tiny", 100, 50) == want
+
+
+def test_max_rel_logit_err_is_max_abs_diff_over_max_abs_reference():
+    ref = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+    got = torch.tensor([[1.5, -4.0], [2.0, 0.25]])
+    assert bench.max_rel_logit_err(got, ref) == pytest.approx(0.5 / 4.0)
+    with pytest.raises(ValueError, match="shapes"):
+        bench.max_rel_logit_err(got[:1], ref)
+
+
+# ------------------------------------------------------------------------------------------ backends
+def test_expand_backends_all_puts_one_ablation_per_family_after_dsv41():
+    got = bench.expand_backends("all", ("normalize", "rope_fp4"))
+    assert got == ["eager", "inductor", "inductor-cudagraphs", "dsv41", "dsv41-no-normalize", "dsv41-no-rope_fp4",
+                   "torch_tensorrt"]
+    assert bench.expand_backends("eager,ablations,eager", ("x",)) == ["eager", "dsv41-no-x"]
+
+
+def test_expand_backends_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown backend 'tvm'"):
+        bench.expand_backends("eager,tvm", ("x",))
+    with pytest.raises(ValueError, match="unknown pass family"):
+        bench.expand_backends("dsv41-no-nope", ("x",))
+
+
+def test_ablation_families_come_from_the_pass_registry():
+    from dsv41.passes import FAMILY_ORDER
+    fams, note = bench.ablation_families()
+    assert fams == tuple(FAMILY_ORDER) and note is None
+
+
+def test_ablation_options_switch_exactly_one_family_off():
+    from dsv41.compiler.options import parse_options
+    opts = bench._backend_options("dsv41-no-rope_fp4", {"count_kernels": True, "disable": ["dispatch"]})
+    assert opts == {"count_kernels": True, "disable": ["dispatch", "rope_fp4"]}
+    assert parse_options(opts).disable == frozenset({"dispatch", "rope_fp4"})
+    assert bench._backend_options("inductor", {"disable": ["dispatch"]}) is None
+
+
+# ------------------------------------------------------------------------------------------ a CPU run
+@pytest.fixture(scope="module")
+def cpu_result():
+    """A real CPU run of tiny with eager (and torch_tensorrt, which reports itself when absent)."""
+    return bench.run_benchmark("tiny", "eager,torch_tensorrt", prompt_len=20, new_tokens=4, repeats=2,
+                               device="cpu")
+
+
+def _tensorrt_installed():
+    try:
+        import torch_tensorrt  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def test_cpu_run_result_has_the_schema(cpu_result):
+    r = json.loads(json.dumps(cpu_result))  # plain JSON all the way down
+    assert TOP_KEYS <= set(r)
+    assert r["preset"] == "tiny" and r["prompt_len"] == 20 and r["new_tokens"] == 4
+    assert r["copy_bandwidth_tb_s"] is None and r["roofline_tok_s"] is None and r["gpu"] is None
+    assert isinstance(r["decode_bytes_per_step"], int) and r["decode_bytes_per_step"] > 0
+    assert list(r["backends"]) == ["eager", "torch_tensorrt"]
+    for row in r["backends"].values():
+        assert ROW_KEYS <= set(row)
+    assert r["run_order"] == ["eager", "eager"] or _tensorrt_installed()
+
+
+def test_cpu_run_eager_row_is_measured_and_matches_itself(cpu_result):
+    e = cpu_result["backends"]["eager"]
+    d = e["decode_tok_s"]
+    assert set(d) == {"median", "min", "max"} and 0 < d["min"] <= d["median"] <= d["max"]
+    assert e["prefill_tok_s"]["median"] > 0
+    assert e["tokens_match_eager"] is True and e["max_rel_logit_err"] == 0.0
+    assert e["kernels_per_step"] is None and e["roofline_fraction"] is None and e["peak_mem_gb"] is None
+    assert e["compile_s"] is None and "CUDA-only" in e["note"]
+
+
+@pytest.mark.skipif(_tensorrt_installed(), reason="torch_tensorrt is installed here")
+def test_cpu_run_lists_torch_tensorrt_as_not_installed(cpu_result):
+    row = cpu_result["backends"]["torch_tensorrt"]
+    assert row["note"] == "not installed"
+    assert all(row[k] is None for k in ROW_KEYS)
+
+
+def test_teacher_forcing_eager_reproduces_generate_logits(tiny_model, tiny_prompt):
+    """Teacher-forcing the greedy tokens must give back exactly the logits whose argmax chose them."""
+    from dsv41.model import generate
+    prompt = tiny_prompt[:20]
+    out = generate(tiny_model, prompt, 4)
+    logits = bench.teacher_forced_logits(tiny_model, prompt, out.tokens)
+    assert logits.shape == (1, 3, tiny_model.config.vocab_size)
+    assert torch.equal(logits.argmax(-1), out.tokens[:, 1:])
+
+
+def test_run_benchmark_rejects_bad_sizes_before_building():
+    with pytest.raises(ValueError, match="new_tokens >= 2"):
+        bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=1, device="cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        bench.run_benchmark("tiny", "eager,nope", prompt_len=8, new_tokens=4, device="cpu")
+
+
+def test_bench_main_writes_json_png_and_prints_the_table_last(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_benchmark", lambda *a, **k: _fake_result())
+    out = tmp_path / "r.json"
+    assert bench.main(["--backends", "eager", "--json", str(out), "--png"]) == 0
+    assert json.loads(out.read_text())["backends"]["eager"]["decode_tok_s"]["median"] == 10.0
+    _assert_png(tmp_path / "r.png")
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert "decode benchmark" in "\n".join(printed[-12:]) and printed[-1].startswith("└")
+
+
+# ------------------------------------------------------------------------------------------ the plot
+def _fake_result():
+    row = dict.fromkeys(ROW_KEYS)
+    return {"preset": "tiny", "weight_mode": "checkpoint", "prompt_len": 20, "new_tokens": 4, "repeats": 2,
+            "gpu": "Fake GPU", "copy_bandwidth_tb_s": 4.0, "decode_bytes_per_step": 2.5e8, "decode_context": 22,
+            "roofline_tok_s": 16.0,
+            "backends": {"eager": {**row, "decode_tok_s": {"median": 10.0, "min": 9.0, "max": 11.0},
+                                   "prefill_tok_s": {"median": 5.0, "min": 5.0, "max": 5.0}, "kernels_per_step": 900,
+                                   "roofline_fraction": 10 / 16, "tokens_match_eager": True, "note": None},
+                         "dsv41": {**row, "decode_tok_s": {"median": 14.0, "min": 13.0, "max": 15.0},
+                                   "kernels_per_step": 120, "compile_s": 30.0, "tokens_match_eager": True},
+                         "torch_tensorrt": {**row, "note": "not installed"}}}
+
+
+def _assert_png(path):
+    """A PNG signature, an IHDR chunk with a correct CRC, a positive size, and an IEND at the end."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, ctype = struct.unpack(">I4s", data[8:16])
+    assert ctype == b"IHDR" and length == 13
+    w, h = struct.unpack(">II", data[16:24])
+    assert w > 100 and h > 100
+    (crc,) = struct.unpack(">I", data[16 + length:20 + length])
+    assert crc == zlib.crc32(data[12:16 + length]) & 0xFFFFFFFF
+    assert data[-8:-4] == b"IEND"
+    return w, h
+
+
+def test_plot_is_written_as_a_valid_png(tmp_path):
+    from dsv41.plots import plot_benchmark
+    path = plot_benchmark(_fake_result(), tmp_path / "sub" / "plot.png")
+    w, h = _assert_png(tmp_path / "sub" / "plot.png")
+    assert str(path).endswith("plot.png")
+    import matplotlib.image
+    img = matplotlib.image.imread(str(path))
+    assert img.shape[:2] == (h, w)
+    assert img[..., :3].std() > 0.01  # something was drawn
+
+
+def test_plot_rejects_a_result_without_backends():
+    from dsv41.plots import benchmark_png
+    with pytest.raises(ValueError, match="backends"):
+        benchmark_png({"backends": {}})
+    with pytest.raises(TypeError):
+        benchmark_png([1, 2])
+
+
+def test_dsv41_rows_carry_the_fusion_report_of_their_compile(monkeypatch):
+    import dsv41
+    from dsv41.compiler.report import FusionReport, GraphReport
+    from dsv41.passes.base import MatchRecord, PassRecord
+    rep = FusionReport()
+    m = MatchRecord("dispatch", "linear_fp8_block", "dsv41::linear_fp8_block", None, ("mm",), ("aten.mm",), "8", "4")
+    rep.add_graph(GraphReport(0, "0/0", (PassRecord("dispatch", True, (m, m)), PassRecord("rope_fp4", False))))
+    monkeypatch.setattr(dsv41, "last_report", lambda: rep)
+    full, ablation = {"note": None}, {"note": None}
+    bench._attach_report(full, True)
+    bench._attach_report(ablation, False)
+    assert full["fusion_matches"]["dispatch"] == 2 and full["fusion_matches"]["rope_fp4"] == 0
+    assert full["report"]["families"]["dispatch"]["matches"] == 2
+    assert "report" not in ablation and ablation["fusion_matches"] == full["fusion_matches"]
+    monkeypatch.setattr(dsv41, "last_report", lambda: None)
+    missing = {"note": None}
+    bench._attach_report(missing, True)
+    assert "no fusion report" in missing["note"]
+
+
+def test_table_prints_notes_with_brackets_verbatim():
+    import io
+
+    from rich.console import Console
+    res = _fake_result()
+    res["backends"]["dsv41"]["note"] = "failed: KeyError: [bold]x[/bold] [min, max]"
+    buf = io.StringIO()
+    bench.print_table(res, Console(file=buf, width=400))
+    text = buf.getvalue()
+    assert "[bold]x[/bold] [min, max]" in text and "decode tok/s med [min, max]" in text
