@@ -15,81 +15,24 @@ bf16, 2^-10 for fp16).
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs  # noqa: F401
 
-from dsv41.kernels import quant_gemv as qg  # noqa: E402  (after the environment check above)
+from dsv41.kernels import quant_gemv as qg  # noqa: E402
 
-# ------------------------------------------------------------------------------------------- run in interpreter
-_INTERPRETED: list[str] = []
-_CHILD: dict = {}
-_NODE: dict = {}
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _child_results() -> dict:
-    """Run this file's interpreter tests once in a child pytest with TRITON_INTERPRET=1; parse its JUnit XML."""
-    if "results" in _CHILD:
-        return _CHILD["results"]
-    import tempfile
-    xml_path = os.path.join(tempfile.mkdtemp(prefix="dsv41_interp_"), "junit.xml")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
-           "-k", " or ".join(_INTERPRETED), f"--junitxml={xml_path}"]
-    proc = subprocess.run(cmd, env=env, cwd=_REPO, capture_output=True, text=True, timeout=1500)
-    results = {}
-    if os.path.exists(xml_path):
-        for case in ET.parse(xml_path).getroot().iter("testcase"):
-            outcome, text = "passed", ""
-            for child in case:
-                if child.tag in ("failure", "error", "skipped"):
-                    outcome = child.tag
-                    text = (child.get("message") or "") + "\n" + (child.text or "")
-            results[case.get("name")] = (outcome, text)
-    _CHILD["results"] = results
-    _CHILD["log"] = (proc.stdout[-4000:] + proc.stderr[-4000:])
-    return results
-
-
-def interpreted(fn):
-    """Mark a test that launches Triton on CPU tensors: run here under the interpreter, or in the child."""
-    _INTERPRETED.append(fn.__name__)
-    if IN_INTERPRETER:
-        return fn
-
-    @functools.wraps(fn)
-    def from_child(*args, **kwargs):
-        name = _NODE["name"]
-        outcome, text = _child_results().get(name, ("missing", _CHILD.get("log", "")))
-        if outcome == "skipped":
-            pytest.skip(text.strip().splitlines()[0] if text.strip() else "skipped in interpreter child")
-        if outcome != "passed":
-            pytest.fail(f"[TRITON_INTERPRET=1 child] {name}: {outcome}\n{text}", pytrace=False)
-
-    return from_child
-
-
-@pytest.fixture(autouse=True)
-def _record_node(request):
-    _NODE["name"] = request.node.name
+_harness = InterpreterHarness(__file__)
+interpreted = _harness.interpreted
+_record_node = _harness.record_node_fixture()
 
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Make every output/workspace the launcher allocates start as NaN (floats) or 0xAB (bytes)."""
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else 0xAB
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    monkeypatch.setattr(qg, "_empty", poisoned)
+    poison_outputs(monkeypatch, qg)
 
 
 # ------------------------------------------------------------------------------------------- float64 reference
