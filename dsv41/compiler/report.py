@@ -80,6 +80,7 @@ class GraphReport:
         raise KeyError(f"no family {family!r} in this graph; families: {[r.family for r in self.records]}")
 
     def to_dict(self) -> dict:
+        """Plain-JSON form of this graph's report: index, compile id, cache hit, kernel counts, records."""
         return {"index": self.index, "compile_id": self.compile_id, "from_cache": self.from_cache,
                 "kernels": None if self.kernels is None else dict(self.kernels.__dict__),
                 "records": [r.to_dict() for r in self.records],
@@ -131,6 +132,7 @@ class FusionReport:
 
     # -------------------------------------------------------------------------------------------- views
     def family_names(self) -> list[str]:
+        """Family names in pass order, then any extra family seen in a graph's records."""
         names = [n for n in FAMILY_ORDER]
         for g in self.graphs:
             names += [r.family for r in g.records if r.family not in names]

@@ -164,10 +164,12 @@ class PassRecord:
 
     @property
     def match_count(self) -> int:
+        """Number of fused matches."""
         return len(self.matches)
 
     @property
     def nodes_replaced(self) -> int:
+        """Graph nodes removed by all matches of this record."""
         return sum(len(m.nodes_replaced) for m in self.matches)
 
     def to_dict(self) -> dict:
@@ -176,6 +178,7 @@ class PassRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "PassRecord":
+        """Inverse of `to_dict` (used by the record cache next to Inductor's FX-graph cache)."""
         def loc(x):
             if x is None:
                 return None
@@ -206,6 +209,7 @@ class FusionFamily:
     summary: str = ""
 
     def run(self, gm: fx.GraphModule) -> PassRecord:  # pragma: no cover - interface
+        """Rewrite `gm` in place and return what was matched, skipped and why (abstract: each family implements it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
 
@@ -376,6 +380,7 @@ class RegionEvaluator:
         self.max_nodes = max_nodes
 
     def evaluate(self, nodes: Iterable[fx.Node], env: Mapping[fx.Node, Any]) -> dict[fx.Node, Any]:
+        """Run the region's own ATen nodes eagerly on real probe tensors `env` (node -> value); value per node."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.utils._python_dispatch import _disable_current_modes
 

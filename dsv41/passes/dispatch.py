@@ -70,6 +70,7 @@ class DispatchFamily(FusionFamily):
     summary = "dequantize(block-FP8 / FP4 weight) [+ FP8 1x32 activation fake-quant] -> matmul"
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Replace every verified dequantise -> matmul chain in `gm` with the fused GEMV op; returns the record."""
         graph = gm.graph
         start = set(graph.nodes)
         ev = RegionEvaluator(gm)

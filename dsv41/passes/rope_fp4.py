@@ -89,6 +89,7 @@ class RopeFp4Family(FusionFamily):
     summary = "interleaved RoPE on the last R channels -> FP4 E2M1 quant (E4M3 1x16 / UE8M0 1x32) [-> cache write]"
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Replace every verified RoPE -> FP4 quantisation chain (and its cache write) with the fused op."""
         graph = gm.graph
         start = set(graph.nodes)
         ev = RegionEvaluator(gm)
