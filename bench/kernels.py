@@ -46,9 +46,9 @@ ROPE_SHAPES = [
     ("index_q_fake", (1, 1, 32), 128, 32, 32, False, "fake"),
     ("bank_quant_prefill", (1, 256), 512, 32, 16, True, "quant"),
 ]
-#: (BLOCK_N, BLOCK_K, num_warps) tried by --sweep at M = 1.
-SWEEP = [(128, 128, 4), (256, 128, 8), (128, 128, 8), (128, 64, 4), (64, 128, 4), (64, 256, 4), (256, 64, 4),
-         (32, 256, 4)]
+#: (BLOCK_N, BLOCK_K, num_warps, K_ITERS) tried by --sweep at M = 1.
+SWEEP = [(128, 128, 4, 1), (128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 8, 2), (64, 128, 4, 1), (64, 128, 4, 4),
+         (128, 256, 4, 1), (128, 256, 8, 1), (64, 256, 4, 2), (256, 128, 8, 1), (32, 512, 4, 1), (64, 64, 2, 4)]
 
 
 def _bench(fn, reps_ms: float) -> float:
@@ -151,14 +151,14 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
                     _bench_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in wds], reps_ms), bf16_bytes))
     del wd, wds
     if sweep and m == 1:
-        for bn, bk, nw in SWEEP:
+        for bn, bk, nw, ki in SWEEP:
             try:
-                t = _bench_graph([lambda w=w, s=s: tri(x, w, s, True, block_n=bn, block_k=bk, num_warps=nw)
-                                  for w, s in ws], reps_ms / 4)
+                t = _bench_graph([lambda w=w, s=s: tri(x, w, s, True, block_n=bn, block_k=bk, num_warps=nw,
+                                                       k_iters=ki) for w, s in ws], reps_ms / 4)
             except Exception as exc:  # a config that does not compile (registers, shared memory)
-                print(f"  sweep {name} bn={bn} bk={bk} w={nw}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"  sweep {name} bn={bn} bk={bk} w={nw} it={ki}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            rows.append(row(f"sweep bn={bn} bk={bk} w={nw}", t))
+            rows.append(row(f"sweep bn={bn} bk={bk} w={nw} it={ki}", t))
     return rows
 
 
@@ -232,7 +232,9 @@ def main(argv=None) -> int:
         if args.only and spec[0] not in args.only:
             continue
         rows += bench_rope(*spec, bw, args.reps_ms, gen)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    import datetime
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__,
                 python=platform.python_version(), copy_bw_TBps=bw / 1e12, pdl=args.pdl,
                 timing="triton.testing.do_bench median, L2 flushed per rep")
     if args.json:

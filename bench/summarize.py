@@ -23,10 +23,23 @@ def main(folder: str) -> None:
                 rows.append(f"{name:34s} {b:22s} decode {dec.get('median', float('nan')):8.2f} tok/s "
                             f"(min {dec.get('min', float('nan')):.2f}, max {dec.get('max', float('nan')):.2f})  "
                             f"match {r.get('tokens_match_eager')}")
-        elif "kernels" in d:
-            for k in d["kernels"]:
-                rows.append(f"{name:34s} {k.get('name', '')[:40]:40s} {k.get('us', float('nan')):9.2f} us  "
-                            f"{k.get('fraction_of_copy_bw', float('nan')):.2f} of copy BW")
+        elif "rows" in d:  # bench/kernels.py: the plan's row and the best sweep row per (kernel, shape, M)
+            best: dict = {}
+            for k in d["rows"]:
+                key = (k["kernel"], k["shape"], k["M"])
+                if k["variant"] == "triton (graph)" or k["variant"].startswith("sweep"):
+                    slot = best.setdefault(key, {})
+                    tag = "plan" if k["variant"] == "triton (graph)" else "sweep"
+                    if tag not in slot or k["time_us"] < slot[tag]["time_us"]:
+                        slot[tag] = k
+            for (kern, shape, m), slot in best.items():
+                line = f"{name:34s} {kern:18s} {shape:18s} M={m}"
+                for tag in ("plan", "sweep"):
+                    if tag in slot:
+                        k = slot[tag]
+                        line += (f"  {tag} {k['time_us']:8.2f} us {k['frac_of_copy']:5.0%}"
+                                 + (f" [{k['variant'][6:]}]" if tag == "sweep" else ""))
+                rows.append(line)
     print("\n".join(["=" * 100, "summary"] + rows))
 
 

@@ -410,7 +410,7 @@ def _fail(e: Exception) -> str:
 # ------------------------------------------------------------------------------------------ the run
 def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repeats: int = 5,
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
-                  dtype: str | None = None) -> dict:
+                  dtype: str | None = None, warm_compile: bool = True) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -419,6 +419,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         prompt_len: prompt tokens (>= 1); new_tokens: tokens per run (>= 2: decode tok/s needs two timestamps).
         repeats: measured runs per backend (>= 1); device: `cpu` / `cuda` (default cuda when available).
         options: dsv41 options for the `dsv41` row and the base of every ablation.
+        warm_compile: False skips the warm-cache recompile (step 3): the discarded warm-up run then reuses the
+            cold-compiled runner and `compile_warm_s` stays None (saves one compile per backend on a tight
+            GPU budget; recorded as `warm_compile: false` in the result).
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -445,7 +448,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, "repeats": repeats,
+           "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile,
            "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
                       "active_decode": b.active_params_decode},
            "kv_bytes_per_token": {"logical": b.kv_bytes_per_token, "allocated": b.kv_bytes_per_token_allocated},
@@ -494,9 +497,12 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 if n == "eager":
                     notes[n].append("eager does not compile")
                 try:
-                    torch.compiler.reset()
+                    if warm_compile:
+                        # Without a warm recompile the runners compiled here are the measured ones: a reset
+                        # would drop them (Dynamo keeps one cache entry per backend, so none is needed).
+                        torch.compiler.reset()
                     _use_cache_dir(os.path.join(cache_root, n))
-                    runner = _make_runner(model, n, options)
+                    runner = runners[n] = _make_runner(model, n, options)
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda)["wall_s"]
                     if n.startswith("dsv41"):
                         _attach_report(rows[n], n == "dsv41")
@@ -508,15 +514,20 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             # One reset, then every backend recompiles from its own warm cache dir: the discarded warm-up run.
-            torch.compiler.reset()
-            task = prog.add_task("warm compile + warm-up run", total=len(runnable))
+            if warm_compile:
+                torch.compiler.reset()
+            what = "warm compile + warm-up run" if warm_compile else "warm-up run"
+            task = prog.add_task(what, total=len(runnable))
             for n in list(runnable):
-                prog.update(task, description=f"warm compile + warm-up run: {n}")
+                prog.update(task, description=f"{what}: {n}")
                 try:
-                    _use_cache_dir(os.path.join(cache_root, n))
-                    runners[n] = _make_runner(model, n, options)
-                    warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda)["wall_s"]
-                    say(f"{n}: warm compile + warm-up run {warm_wall[n]:.1f} s")
+                    if warm_compile:
+                        _use_cache_dir(os.path.join(cache_root, n))
+                        runners[n] = _make_runner(model, n, options)
+                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda)["wall_s"]
+                    else:
+                        _timed_run(runners[n], prompt, new_tokens, cuda)
+                    say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
                     runnable.remove(n)
@@ -637,6 +648,8 @@ def main(argv=None) -> int:
     p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
+                   help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument("--png", nargs="?", const="", default=None,
                    help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
@@ -645,7 +658,7 @@ def main(argv=None) -> int:
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
-                        a.weight_mode, a.device, dtype=a.dtype)
+                        a.weight_mode, a.device, dtype=a.dtype, warm_compile=a.warm_compile)
     from rich.console import Console
     console = Console()
     if not console.is_terminal:

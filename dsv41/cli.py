@@ -155,7 +155,8 @@ def main(argv=None) -> int:
                    help="default: small on a GPU, tiny on CPU")
     r.add_argument("--prompt-len", type=int, default=None, help="default 4096 on GPU, 32 on CPU")
     r.add_argument("--new-tokens", type=int, default=None, help="default 64 on GPU, 16 on CPU")
-    r.add_argument("--backend", choices=BACKENDS, default="eager")
+    r.add_argument("--backend", choices=BACKENDS, default="dsv41",
+                   help="default dsv41: compile, check the greedy tokens against eager, print the fusion report")
     r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     r.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
     r.add_argument("--dtype", choices=sorted(_DTYPES), default=None)

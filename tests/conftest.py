@@ -16,3 +16,27 @@ def tiny_prompt():
     """BENCHMARK.md workload prompt for `tiny`: 40 ids (longer than the window 16 and top-k 8)."""
     from dsv41.model import ModelConfig, benchmark_prompt
     return benchmark_prompt(ModelConfig.preset("tiny"), 40)
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv41(tmp_path_factory):
+    """`tiny` decoded through `backend="dsv41"` in a FRESH interpreter (tests/fresh_tiny_dsv41.py), once per session.
+
+    The only full-model dsv41 compile of the test suite (Inductor's CPU compile of `tiny` takes minutes on 2
+    cores): tests of the backend and of every family read its result dict (tokens, logit error, report with
+    the graphs before/after the passes). See the script's docstring for the keys.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("tiny_dsv41") / "result.json"
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("DSV41_REPORT", None)
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tests", "fresh_tiny_dsv41.py"), str(out), "32"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)

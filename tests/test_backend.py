@@ -52,6 +52,20 @@ def test_backend_resolves_by_name_in_a_fresh_interpreter_and_matches_eager():
     assert "dsv41 fusion report" in proc.stdout  # DSV41_REPORT=1 printed the report
 
 
+def test_tiny_in_a_fresh_interpreter_decodes_like_eager_over_32_steps(tiny_dsv41):
+    # tests/fresh_tiny_dsv41.py: `tiny` (float32, checkpoint weights) compiled with fullgraph=True in a process
+    # that never imported dsv41's compiler before torch.compile found the backend through its entry point.
+    r = tiny_dsv41
+    assert r["compiler_imported_before_compile"] is False and r["compiler_imported_after_compile"] is True
+    assert len(r["eager_tokens"][0]) == 32
+    assert r["compiled_tokens"] == r["eager_tokens"]
+    assert r["teacher_forced_argmax_equal"]
+    # Stated tolerance: 1e-4 of the largest |logit| per step (measured 3.6e-7: FP32 rounding through 8 layers).
+    assert r["max_rel_logit_error"] < 1e-4
+    # One graph for 32 decode positions + the teacher-forced pass: no graph break, no recompile.
+    assert r["unique_graphs"] == 1 and len(r["report"]["graphs"]) == 1
+
+
 def test_unknown_option_is_rejected_naming_it_and_the_valid_keys():
     with pytest.raises(ValueError) as e:
         parse_options({"report": True, "reportt": True})
@@ -218,8 +232,34 @@ def test_normalize_removes_value_preserving_detours_only():
 def test_families_run_in_the_documented_order():
     import dsv41
 
-    assert FAMILY_ORDER == ("normalize", "rope_fp4", "dispatch")
+    assert FAMILY_ORDER == ("normalize", "rope_fp4", "mhc", "dispatch")
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(_FP8Linear(), backend="dsv41")(torch.randn(1, 64))
     assert [r.family for r in dsv41.last_report().graphs[0].records] == list(FAMILY_ORDER)
+
+
+def test_cuda_graph_and_pdl_options_default_to_on_for_cuda_only():
+    o = parse_options({})
+    assert (o.use_cuda_graphs(True), o.use_pdl(True)) == (True, True)
+    assert (o.use_cuda_graphs(False), o.use_pdl(False)) == (False, False)
+    o = parse_options({"cuda_graphs": False})
+    assert (o.use_cuda_graphs(True), o.use_pdl(True)) == (False, False)
+    o = parse_options({"cuda_graphs": False, "pdl": True})
+    assert (o.use_cuda_graphs(True), o.use_pdl(True), o.use_pdl(False)) == (False, True, False)
+    assert o.to_dict()["cuda_graphs"] is False and o.to_dict()["pdl"] is True
+    with pytest.raises(TypeError, match="'cuda_graphs'"):
+        parse_options({"cuda_graphs": "yes"})
+
+
+def test_cpu_compile_ignores_cuda_graphs_and_leaves_pdl_off():
+    import dsv41
+    from dsv41.kernels import pdl_enabled
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        y = torch.compile(lambda t: torch.relu(t) * 2, backend="dsv41", options={"cuda_graphs": True, "pdl": True})(x)
+    assert torch.equal(y, torch.relu(x) * 2)
+    assert dsv41.last_report().options.to_dict()["cuda_graphs"] is True
+    assert not pdl_enabled()

@@ -307,3 +307,11 @@ def test_table_prints_notes_with_brackets_verbatim():
     bench.print_table(res, Console(file=buf, width=400))
     text = buf.getvalue()
     assert "[bold]x[/bold] [min, max]" in text and "decode tok/s med [min, max]" in text
+
+
+def test_without_warm_compile_the_cold_runner_is_measured():
+    r = bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=2, repeats=1, device="cpu",
+                            warm_compile=False)
+    assert r["warm_compile"] is False
+    e = r["backends"]["eager"]
+    assert e["compile_warm_s"] is None and e["decode_tok_s"]["median"] > 0 and e["tokens_match_eager"] is True

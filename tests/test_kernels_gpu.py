@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
 
 import dsv41.kernels as kernels  # noqa: E402
+from dsv41.kernels import mhc as mk  # noqa: E402
 from dsv41.kernels import quant_gemv as qg  # noqa: E402
 from dsv41.kernels import rope_fp4 as rp  # noqa: E402
 
@@ -35,6 +36,7 @@ def _load(name):
 
 G = _load("test_kernels_quant_gemv")
 R = _load("test_kernels_rope_fp4")
+H = _load("test_kernels_mhc")
 DEV = torch.device("cuda")
 
 #: (name, fp4, N, K) of the h200 decode GEMVs.
@@ -123,7 +125,8 @@ def test_split_k_is_deterministic_and_counters_reset():
     assert plan["SPLIT_K"] > 1
     ys = [qg.triton_linear_fp8_block(x, w, s, True) for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
-    counters = qg._COUNTERS[(x.device.index, torch.cuda.current_stream().cuda_stream)]
+    from dsv41.kernels import _common
+    counters = _common._COUNTERS[x.device.index]
     assert int(counters.abs().sum()) == 0
     _check(ys[0], x, w, s, True, False)
 
@@ -205,3 +208,40 @@ def test_rope_fp4_ops_are_bit_exact_on_gpu(case, dtype):
         untouched = torch.ones(b, n_rows, dtype=torch.bool, device=DEV)
         untouched[bi, rows] = False
         assert bool((cc[untouched] == 0xAB).all()) and bool((scc[untouched] == 0xCD).all())
+
+
+@pytest.mark.parametrize("cfg", [(128, 128, 4, 2), (128, 128, 8, 2), (64, 128, 4, 4), (128, 256, 4, 1),
+                                 (64, 256, 4, 2), (32, 512, 4, 1), (64, 64, 2, 4)],
+                         ids=lambda c: "bn{}-bk{}-w{}-it{}".format(*c))
+@pytest.mark.parametrize("shape", [GEMV_SHAPES[1], GEMV_SHAPES[5]], ids=["wo_b", "expert_w1"])
+def test_gemv_sweep_configs_are_correct(shape, cfg):
+    # bench/kernels.py --sweep times these launch configurations; each must compute the same result.
+    name, fp4, n, k = shape
+    bn, bk, nw, it = cfg
+    w, s = _weights(n, k, fp4, seed=n + 3 * k)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 2
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    _check(fn(x, w, s, True, block_n=bn, block_k=bk, num_warps=nw, k_iters=it), x, w, s, True, fp4)
+
+
+@pytest.mark.parametrize("d", [1024, 5120], ids=["small", "h200"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mhc_kernels_match_float64_reference_at_model_widths(d, dtype):
+    hh, fn, base, scale = (t.to(DEV) for t in H.make_mix_inputs(1, 1, d, dtype, d))
+    plan = mk.mixes_plan(1, d)
+    assert plan["SPLIT"] > 1  # decode spreads the fn read over programs
+    pre, post, comb = mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, H.ITERS)
+    rp_, rq, rc = H.ref_mixes(hh.cpu(), fn.cpu(), base.cpu(), scale.cpu())
+    H.assert_close(pre.cpu(), rp_, 2e-5, 1e-4, "pre")
+    H.assert_close(post.cpu(), rq, 2e-5, 1e-4, "post")
+    H.assert_close(comb.cpu(), rc, 2e-5, 1e-4, "comb")
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(1)) * 0.1 + 1).to(dtype).to(DEV)
+    x = mk.triton_mhc_collapse_rmsnorm(hh, pre, w, H.NORM_EPS)
+    H.assert_rounded(x.cpu(), H.ref_collapse_rmsnorm(hh.cpu(), pre.cpu(), w.cpu()), dtype, "collapse_rmsnorm",
+                     roundings=2)
+    y = torch.randn(1, 1, d, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+    out = mk.triton_mhc_expand(y, hh, post, comb)
+    H.assert_rounded(out.cpu(), H.ref_expand(y.cpu(), hh.cpu(), post.cpu(), comb.cpu()), dtype, "expand")
+    ys = [mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, H.ITERS)[2] for _ in range(3)]
+    assert all(torch.equal(ys[0], c) for c in ys[1:])  # split-K combine is deterministic
+

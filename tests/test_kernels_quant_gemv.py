@@ -232,6 +232,22 @@ def test_split_k_result_is_deterministic_and_matches_unsplit(poisoned_outputs):
     assert_close_to_ref(c, y64, abs64)
 
 
+@interpreted
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("k_iters", [2, 3, 5])
+def test_k_loop_per_program_matches_reference(k_iters, fp4, poisoned_outputs):
+    # K = 160 = 5 tiles of 32: 2 -> splits of 2, 2, 1 (the last loops past K), 3 -> 3 + 2, 5 -> no split.
+    gen = torch.Generator().manual_seed(7 + k_iters)
+    w, s = make_weights(72, 160, fp4, gen)
+    x = torch.randn(3, 160, generator=gen)
+    plan = qg.gemv_plan(3, 72, 160, fp4, block_k=32, k_iters=k_iters)
+    assert plan["SPLIT_K"] == -(-5 // k_iters) and plan["SPLIT_POW2"] >= plan["SPLIT_K"]
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    y = fn(x, w, s, True, block_k=32, k_iters=k_iters)
+    y64, abs64 = ref_linear(x, w, s, True, fp4)
+    assert_close_to_ref(y, y64, abs64)
+
+
 # ------------------------------------------------------------------------------------------- launch heuristic
 def test_gemv_plan_gives_every_sm_work_even_for_small_weights():
     small = qg.gemv_plan(1, 1280, 5120, False)  # wq_a
@@ -244,6 +260,19 @@ def test_gemv_plan_gives_every_sm_work_even_for_small_weights():
     assert qg.gemv_plan(20, 64, 64, False)["grid"][2] == 3  # x rows tiled by 8
     with pytest.raises(ValueError, match="block_k"):
         qg.gemv_plan(1, 64, 64, False, block_k=48)
+    with pytest.raises(ValueError, match="k_iters"):
+        qg.gemv_plan(1, 64, 64, False, k_iters=0)
+
+
+def test_gemv_plan_loops_over_k_only_where_programs_stay_plentiful():
+    # The rule measured on the H200 (module constants): 4 K tiles per program if >= 4096 programs remain,
+    # 2 if >= 320, else 1. head: 1010 n-tiles x 40 K tiles -> 4 (10100 programs); shared_w1 (18 x 40) -> 2;
+    # wq_a (10 x 40) -> 1, since 2 would leave 200 programs for 132 SMs.
+    head = qg.gemv_plan(1, 129280, 5120, False)
+    assert (head["K_ITERS"], head["SPLIT_K"], head["SPLIT_POW2"]) == (4, 10, 16)
+    assert qg.gemv_plan(1, 2304, 5120, True)["K_ITERS"] == 2
+    assert qg.gemv_plan(1, 1280, 5120, False)["K_ITERS"] == 1
+    assert qg.gemv_plan(1, 64, 64, False)["K_ITERS"] == 1  # never more tiles per program than K has
 
 
 # ------------------------------------------------------------------------------------------- op registration

@@ -329,3 +329,21 @@ def test_bytes_expressions_use_batch_and_length_symbols(zoo):
         n, k = s["detail"]["N"], s["detail"]["K"]
         esize = 4 if name == "float32" else 2
         assert s["bytes_before_value"] - s["bytes_after_value"] >= 2 * n * k * esize
+
+
+# ------------------------------------------------------------------------------------------- tiny model
+def test_tiny_decode_has_one_dispatch_match_per_quantised_linear(tiny_dsv41, tiny_model):
+    # Session fixture: the fresh-interpreter dsv41 run of `tiny` (tests/fresh_tiny_dsv41.py).
+    n_quant = sum(1 for m in tiny_model.modules() if isinstance(m, Linear) and m.fmt != "dense")
+    assert n_quant == 60  # tiny: 8 layers x (wq_a, wq_b, wkv, wo_b, shared w1/w2/w3) + 3 indexer wq_b + engram wkv
+    fam = tiny_dsv41["report"]["families"]["dispatch"]
+    linear_sites = [s for s in fam["sites"] if s["pattern"].startswith("linear_fp8_block")]
+    assert len(linear_sites) == n_quant
+    assert fam["near_misses"] == []
+    assert [f for f in fam["findings"] if f["kind"] == "materialised_dequant"] == []
+    after = tiny_dsv41["report"]["graphs"][0]["graph_after"]
+    assert after.count("torch.ops.dsv41.linear_fp8_block.default(") == n_quant
+    # No block-FP8 weight is dequantised in the post-pass graph: its 32x32 scale expansion is gone.
+    before = tiny_dsv41["report"]["graphs"][0]["graph_before"]
+    assert before.count("float8_e4m3fn") > after.count("float8_e4m3fn")
+

@@ -9,6 +9,8 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `disable`      | list of str       | ()      | pass families to switch off, by name (`normalize`, `rope_fp4`, `dispatch`); they show as off in the report |
 | `count_kernels`| bool              | False   | run each compiled graph once eagerly and once compiled under torch.profiler and record kernels per step before/after |
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
+| `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
+| `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: same as `cuda_graphs`): `dsv41.kernels.set_pdl(True)` for the process, and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
 
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
 non-empty value except `0`/`false`/`no` is a JSON path to write it to.
@@ -28,6 +30,8 @@ OPTION_KEYS = {
     "disable": "list of pass family names to switch off",
     "count_kernels": "bool: profile one eager and one compiled run per graph and record kernels per step",
     "debug": "bool: keep each graph's code before and after the passes in the report",
+    "cuda_graphs": "bool or None (auto: on): record CUDA graphs of graphs on CUDA (Inductor CUDA-graph trees)",
+    "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -42,11 +46,22 @@ class Options:
     disable: frozenset = frozenset()
     count_kernels: bool = False
     debug: bool = False
+    cuda_graphs: bool | None = None
+    pdl: bool | None = None
 
     def to_dict(self) -> dict:
         """JSON-friendly form (shown in the report)."""
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
-                "count_kernels": self.count_kernels, "debug": self.debug}
+                "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
+                "pdl": self.pdl}
+
+    def use_cuda_graphs(self, on_cuda: bool) -> bool:
+        """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
+        return on_cuda and self.cuda_graphs is not False
+
+    def use_pdl(self, on_cuda: bool) -> bool:
+        """Whether kernels of a graph on CUDA launch with PDL (default: with CUDA graphs; never on CPU)."""
+        return on_cuda and (self.use_cuda_graphs(on_cuda) if self.pdl is None else self.pdl)
 
 
 def _bool(key: str, v: Any) -> bool:
@@ -95,5 +110,9 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
     if bad:
         raise ValueError(f"dsv41 option 'disable' names unknown pass families {bad}; valid families: "
                          f"{', '.join(FAMILY_ORDER)}")
+    tri = {}
+    for key in ("cuda_graphs", "pdl"):
+        v = options.get(key)
+        tri[key] = None if v is None else _bool(key, v)
     return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
-                   _bool("debug", options.get("debug", False)))
+                   _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"])

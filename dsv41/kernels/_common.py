@@ -33,7 +33,7 @@ import triton.language as tl
 
 __all__ = [
     "set_pdl", "pdl_enabled", "launch_pdl_supported", "is_interpreted", "use_pdl_for", "require_launchable",
-    "check_tensor", "check_same_device", "next_power_of_2",
+    "check_tensor", "check_same_device", "next_power_of_2", "split_k_counters", "prepare_device", "COUNTER_SLOTS",
     "round_bf16", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
     "e2m1_value_scaled_down", "E2M1_HALF_SCALE",
 ]
@@ -124,6 +124,45 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+# Split-K arrival counters, one int32 per output tile, one buffer per device. Every split-K launch leaves the
+# counters it used at 0 and touches them only after its `gdc_wait()`, so kernels on one stream share them even
+# under PDL. (Kernels running concurrently on two streams would need a buffer each: there are none yet.)
+_COUNTERS: dict = {}
+#: Counters per device: far more output tiles than any decode launch has (the 129280-row head: 1010 tiles).
+COUNTER_SLOTS = 1 << 16
+
+
+def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeroed arrival counters for a split-K launch on `device` (CPU: fresh zeros).
+
+    One buffer of `COUNTER_SLOTS` per CUDA device, allocated by `prepare_device` (the compiler calls it
+    before CUDA-graph trees start recording: a buffer first allocated during recording would live in the
+    graph's memory pool, which CUDA-graph trees reject) or else on first use.
+    Raises: RuntimeError when a launch needs more counters than the buffer has while a CUDA graph is being
+    captured (growing it there would allocate inside the graph).
+    """
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(index)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-K launch needs {n} counters on cuda:{index} but only "
+                               f"{0 if buf is None else buf.numel()} exist and a CUDA graph is being captured; "
+                               "call dsv41.kernels.prepare_device(device) before capturing")
+        buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=torch.device("cuda", index))
+        _COUNTERS[index] = buf
+    return buf
+
+
+def prepare_device(device: torch.device) -> None:
+    """Allocate the per-device state dsv41's kernels keep across launches (the split-K counters) now,
+    outside any CUDA-graph memory pool. A no-op on CPU and when already done."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        split_k_counters(device, COUNTER_SLOTS)
 
 
 # ------------------------------------------------------------------------------------------- Triton helpers

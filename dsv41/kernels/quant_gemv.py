@@ -30,11 +30,12 @@ stores its FP32 partial to a workspace, then bumps a per-output-tile counter; th
 sums the partials in K order (deterministic) and writes y, then resets the counter. One launch, no memset:
 the counters live in a per-(device, stream) buffer that each launch leaves at zero.
 
-Measured on the H200 (bench/kernels.py, CUDA-graph replay, M = 1, bf16 x, act_quant; fraction of the
-4.25 TB/s copy bandwidth): head 129280x5120 62 % (64 % with PDL), wq_b 44 %, wo_b 39 %; the 3-7 MB weights
-(wq_a, shared experts, FP4 experts) take 8-12 us, launch/latency-bound, on par with a bf16 cuBLAS GEMV
-that reads 2-4x the bytes. Limits: the FP4 decode is ALU-bound (21 % on a 134 MB FP4 weight), and M = 4-8
-costs M FMAs per weight byte (head: 21 % at M = 4). Both are the next things to optimise.
+Measured on the H200 (bench/kernels.py --sweep --pdl, CUDA-graph replay over weight copies larger than L2,
+M = 1, bf16 x, act_quant; fraction of the 4.25 TB/s copy bandwidth; bench/results/2026-11-29_h200_kernels_v2):
+head 129280x5120 71 %, wq_b 45 %, wo_b 46 %; the 3-7 MB weights (wq_a, shared experts, FP4 experts) take 5.6-8.2
+us, latency-bound, on par with or faster than a bf16 cuBLAS GEMV that reads 2-4x the bytes. Not reached: the
+80 % target (the FP8 decode + FMA per weight byte and the split-K combine are what remains; the FP4 decode is
+ALU-bound), and M = 4-8 costs M FMAs per weight byte.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
 
 from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round,
-                      exp2_int, next_power_of_2, require_launchable, round_bf16, ue8m0_exponent, use_pdl_for)
+                      exp2_int, next_power_of_2, require_launchable, round_bf16, split_k_counters, ue8m0_exponent,
+                      use_pdl_for)
 
 __all__ = [
     "linear_fp8_block", "linear_fp4",
@@ -60,13 +62,17 @@ __all__ = [
 #: op dequantises and calls cuBLAS (prefill).
 MAX_TRITON_M = 8
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Tile shape by weight format (False: fp8, True: fp4) and warps per program, from the H200 sweep of
-#: bench/kernels.py (Triton 3.6, 2026-11-29): [128, 128] FP8 tiles (16 KB, 91 registers) were the fastest or
-#: within 5 % of it at every h200 shape, [64, 512] tiles ran 10x slower, 8 warps 2-4x slower. FP4 uses 64
-#: rows (its decode needs 160 registers at 128 rows; 64 and 128 rows timed the same). See `gemv_plan`.
-_BLOCK_N = {False: 128, True: 64}
+#: Tile shape by weight format (False: fp8, True: fp4) and warps per program, from the H200 sweeps of
+#: bench/kernels.py (Triton 3.6, 2026-11-29, bench/results/2026-11-29_h200_kernels*/): [128, 128] tiles with 4
+#: warps were the fastest or within 5 % of it at every h200 shape for both formats (FP4 at 128 rows: 8.2 us vs
+#: 10.4 us at 64 rows on expert_w1), [64, 512] tiles ran 10x slower, 8 warps 2-4x slower. See `gemv_plan`.
+_BLOCK_N = {False: 128, True: 128}
 _BLOCK_K = 128
 _NUM_WARPS = 4
+#: K tiles per program (`gemv_plan`): 4 while that still leaves >= 4096 programs, else 2 while >= 320,
+#: else 1. Measured (sweep with PDL, CUDA-graph replay): head 129280x5120 239 -> 221 us (65 % -> 71 % of the
+#: copy bandwidth) at 4, shared_w1 / expert_w1 9.1 / 9.3 -> 8.2 us at 2, wq_a best at 1 (400 programs).
+_K_ITERS_RULE = ((4, 4096), (2, 320))
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -130,25 +136,10 @@ def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _quant_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPLIT_K,
-    FP4: tl.constexpr, ACT_QUANT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # One [BLOCK_N, BLOCK_K] weight tile per program, loaded with every request in flight at once; the
-    # K tiles of one output tile (SPLIT_K = grid dim 1) are combined by the last program to finish.
-    NKB: tl.constexpr = BLOCK_K // 32
-    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    kb = tl.arange(0, NKB)
-    j32 = tl.arange(0, 32)
-    n_ok = offs_n < N
-    k0 = pid_k * BLOCK_K
+def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_m, M, K, stride_xm, stride_wn,
+               stride_sn, FP4: tl.constexpr, ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile)."""
     k_ok = (k0 + kb * 32) < K
     w_mask = n_ok[:, None, None] & k_ok[None, :, None]
     s_mask = n_ok[:, None] & k_ok[None, :]
@@ -187,7 +178,6 @@ def _quant_gemv_kernel(
     if X_FP16:
         w3 = (w3 * s16[:, :, None]).to(tl.float16).to(tl.float32)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for mm in tl.static_range(BLOCK_M):
         m = pid_m * BLOCK_M + mm
         # Row validity as a vector: the interpreter mis-types scalar-bool & block-bool (int32 mask).
@@ -213,6 +203,36 @@ def _quant_gemv_kernel(
             part = part * sw
         acc += tl.where((offs_m == m)[:, None], tl.sum(part, axis=1)[None, :], 0.0)
 
+    return acc
+
+
+@triton.jit
+def _quant_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    FP4: tl.constexpr, ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (n-tile, k-split, m-tile) multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles, each
+    # loaded with every request in flight at once; the K splits of one output tile (SPLIT_K = grid dim 1) are
+    # combined by the last program to finish.
+    NKB: tl.constexpr = BLOCK_K // 32
+    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.arange(0, NKB)
+    j32 = tl.arange(0, 32)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(K_ITERS):
+        acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
+                         pid_m, M, K, stride_xm, stride_wn, stride_sn,
+                         FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL)
+
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mask_mn = (offs_m[:, None] < M) & n_ok[None, :]
@@ -228,13 +248,14 @@ def _quant_gemv_kernel(
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if arrived == SPLIT_K - 1:
-            # A while loop, not range(SPLIT_K): Triton 3.6's interpreter cannot range() over a runtime
-            # scalar with NumPy 2 (it calls int() on a 1-element array).
-            s = pid_k * 0
-            while s < SPLIT_K:
-                # .cg: read from L2, never a stale L1 line.
-                total += tl.load(p_ptrs + s.to(tl.int64) * M * N, mask=mask_mn, other=0.0, cache_modifier=".cg")
-                s += 1
+            # All SPLIT_K partials in one load (independent requests, not a dependent chain of L2 round
+            # trips), summed over the split axis by a fixed reduction tree: deterministic. .cg: read from L2,
+            # never a stale L1 line.
+            sp = tl.arange(0, SPLIT_POW2)
+            parts = tl.load(p_ptrs[None, :, :] + sp[:, None, None].to(tl.int64) * M * N,
+                            mask=(sp < SPLIT_K)[:, None, None] & mask_mn[None, :, :], other=0.0,
+                            cache_modifier=".cg")
+            total = tl.sum(parts, axis=0)
             tl.atomic_xchg(cnt_ptr + tile, 0)
         mask_mn = mask_mn & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
     if y_ptr.dtype.element_ty == tl.bfloat16:
@@ -247,36 +268,25 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# Split-K arrival counters, one int32 per (m-tile, n-tile), per (device, stream); each launch leaves them 0.
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, block_k: int | None = None,
-              num_warps: int | None = None) -> dict:
+              num_warps: int | None = None, k_iters: int | None = None) -> dict:
     """Launch parameters of the GEMV kernel for x [m, k] and an [n, k] weight (the documented heuristic).
 
     One program per weight tile [BLOCK_N, BLOCK_K] and x row tile (grid = n tiles x k tiles x m tiles):
     a program issues all of its tile's loads at once, and the GPU overlaps programs, so no K loop stalls on
     latency. Choices (measured on the H200 with bench/kernels.py --sweep):
     - BLOCK_M = next power of two >= min(m, 8) (rows of x per program).
-    - BLOCK_N = 128 rows for FP8, 64 for FP4 (whose decode needs more registers); at most 64 for
-      BLOCK_M >= 4 (the per-row partial sums add registers).
+    - BLOCK_N = 128 rows; at most 64 for BLOCK_M >= 4 (the per-row partial sums add registers).
     - BLOCK_K = 128: 128 weight bytes per row per program for FP8, with K tiles as separate programs, even
       wq_a (1280 x 5120) gets 10 x 40 programs, so every SM has loads in flight.
-    - SPLIT_K = number of K tiles; when > 1 the last program of an output tile sums the FP32 partials.
+    - K_ITERS = K tiles per program (`_K_ITERS_RULE`: fewer, longer programs where there are many); SPLIT_K = ceil(K tiles / K_ITERS) programs
+      per output tile; when > 1 the last program of an output tile sums the FP32 partials, all SPLIT_K of them
+      in one vector load (SPLIT_POW2 = SPLIT_K rounded up to a power of two).
     Explicit arguments override the heuristic (tests and benchmarks use this).
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps and the grid (n tiles, k tiles, m tiles).
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps and the grid
+    (n tiles, K splits, m tiles).
+    Raises: ValueError for a block_n / block_k that is not a power of two (block_k also a multiple of 32) or
+    k_iters < 1.
     """
     block_m = min(next_power_of_2(max(m, 1)), MAX_TRITON_M)
     if block_n is None:
@@ -291,9 +301,17 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
         block_k = _BLOCK_K
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two and a multiple of 32")
-    split_k = -(-k // block_k)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                num_warps=num_warps or _NUM_WARPS, grid=(n_tiles, split_k, m_tiles))
+    k_tiles = -(-k // block_k)
+    if k_iters is None:
+        k_iters = next((it for it, min_programs in _K_ITERS_RULE
+                        if n_tiles * m_tiles * -(-k_tiles // it) >= min_programs), 1)
+    if k_iters < 1:
+        raise ValueError(f"k_iters={k_iters} must be >= 1")
+    k_iters = min(k_iters, k_tiles)
+    split_k = -(-k_tiles // k_iters)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters, SPLIT_K=split_k,
+                SPLIT_POW2=next_power_of_2(split_k), num_warps=num_warps or _NUM_WARPS,
+                grid=(n_tiles, split_k, m_tiles))
 
 
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
@@ -315,7 +333,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     n_tiles, split_k, m_tiles = plan["grid"]
     if split_k > 1:
         part = _empty((split_k, m, n), torch.float32, x.device)
-        cnt = _counters(x.device, n_tiles * m_tiles)
+        cnt = split_k_counters(x.device, n_tiles * m_tiles)
     else:  # not read when SPLIT_K == 1, but typed like the real workspace (no kernel launch to allocate)
         part = torch.empty(1, dtype=torch.float32, device=x.device)
         cnt = torch.empty(1, dtype=torch.int32, device=x.device)
@@ -323,8 +341,8 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     extra = {"launch_pdl": True} if pdl else {}
     _quant_gemv_kernel[plan["grid"]](
         x2, weight, scale, y, part, cnt,
-        m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0), split_k,
-        FP4=fp4, ACT_QUANT=bool(act_quant),
+        m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        FP4=fp4, ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
         BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl,
         num_warps=plan["num_warps"], **extra)
     return y.reshape(*lead, n)

@@ -4,7 +4,8 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
 
     1. normalize  remove value-preserving detours first, so later families see one form of each chain
     2. rope_fp4   RoPE -> FP4 quantisation (-> cache write)
-    3. dispatch   dequantize -> matmul; runs last because it also audits what stays on a slow path
+    3. mhc        mHC coefficients (projection + Sinkhorn), collapse + RMSNorm, expand + residual
+    4. dispatch   dequantize -> matmul; runs last because it also audits what stays on a slow path
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
@@ -29,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import FusionFamily, PassRecord
 from .dispatch import DispatchFamily
+from .mhc import MhcFamily
 from .normalize import NormalizeFamily
 from .rope_fp4 import RopeFp4Family
 
@@ -38,10 +40,12 @@ __all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult"]
 FAMILIES: dict[str, type[FusionFamily]] = {
     NormalizeFamily.name: NormalizeFamily,
     RopeFp4Family.name: RopeFp4Family,
+    MhcFamily.name: MhcFamily,
     DispatchFamily.name: DispatchFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
-_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")
+_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
+              "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand")
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,11 @@ class GraphPassResult:
 
 
 def _source_files() -> list[str]:
+    # Every pass module and every model module: passes verify their matches against the model's reference
+    # math (formats, RoPE, norm, mHC, ...), so a change there can change what a pass accepts.
     here = os.path.dirname(os.path.abspath(__file__))
     model = os.path.join(os.path.dirname(here), "model")
-    files = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))
-    return files + [os.path.join(model, "formats.py"), os.path.join(model, "rope.py")]
+    return [os.path.join(d, f) for d in (here, model) for f in sorted(os.listdir(d)) if f.endswith(".py")]
 
 
 class PassManager(CustomGraphPass):

@@ -1,0 +1,56 @@
+"""Child-process script (not a test module): the `tiny` model through `backend="dsv41"` in a fresh interpreter.
+
+Run as `python tests/fresh_tiny_dsv41.py OUT.json [N]` by the session fixture `tiny_dsv41` (tests/conftest.py).
+It builds `tiny` (float32, checkpoint weights, seed 0), generates N greedy tokens (default 32) from the 40-token
+benchmark prompt eagerly and through `torch.compile(model, backend="dsv41", fullgraph=True)` (prefill eager,
+decode compiled, as `generate` does), computes the teacher-forced logits of both along eager's tokens, and
+writes tokens, logit errors, the fusion report (debug: graphs before/after the passes), the number of Dynamo
+graphs and whether dsv41's compiler was imported before the compile. The package `dsv41` itself is imported
+(the model lives there) but never its compiler: the backend must be found through the entry point.
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+assert "dsv41" not in sys.modules
+out_path = sys.argv[1]
+n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 32
+
+from dsv41.model import DeepseekV41Flash, ModelConfig, benchmark_prompt, generate  # noqa: E402
+
+cfg = ModelConfig.preset("tiny")
+model = DeepseekV41Flash(cfg, "checkpoint", torch.float32).init_random(0).eval()
+prompt = benchmark_prompt(cfg, 40)
+compiler_imported_before = "dsv41.compiler" in sys.modules
+
+with torch.no_grad():
+    eager = generate(model, prompt, n_tokens)
+    compiled = torch.compile(model, backend="dsv41", fullgraph=True, dynamic=False, options={"debug": True})
+    t0 = time.perf_counter()
+    got = generate(compiled, prompt, n_tokens)
+    compile_and_decode_s = time.perf_counter() - t0
+    from dsv41.bench import teacher_forced_logits  # noqa: E402  (after the compile: no compiler import before)
+    ref = teacher_forced_logits(model, prompt, eager.tokens).double()
+    tf = teacher_forced_logits(compiled, prompt, eager.tokens).double()
+
+import dsv41  # noqa: E402
+
+report = dsv41.last_report()
+scale = ref.abs().amax(-1)
+result = {
+    "compiler_imported_before_compile": compiler_imported_before,
+    "compiler_imported_after_compile": "dsv41.compiler" in sys.modules,
+    "eager_tokens": eager.tokens.tolist(),
+    "compiled_tokens": got.tokens.tolist(),
+    "max_rel_logit_error": float(((tf - ref).abs().amax(-1) / scale).max()),
+    "teacher_forced_argmax_equal": bool(torch.equal(tf.argmax(-1), ref.argmax(-1))),
+    "unique_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+    "compile_and_decode_s": compile_and_decode_s,
+    "report": report.to_dict(),
+}
+with open(out_path, "w") as f:
+    json.dump(result, f, default=str)
+print("wrote", out_path, f"{compile_and_decode_s:.1f} s")
