@@ -98,8 +98,20 @@ def _compile_check():
 
     compiled = torch.compile(model, fullgraph=True, backend=recording_eager_backend)(first, pos)
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    return {"plan": plan, "graphs": len(graphs), "all_reduce": sum("all_reduce" in t for t in targets),
-            "max_diff": (compiled - eager).abs().max().item()}
+    out = {"plan": plan, "graphs": len(graphs), "all_reduce": sum("all_reduce" in t for t in targets),
+           "max_diff": (compiled - eager).abs().max().item()}
+    # The same step through the dsv41 backend: every family on, the functional collectives inside the graph.
+    import dsv41
+    for n, b in model.named_buffers():
+        b.copy_(saved[n])
+    torch._dynamo.reset()
+    fused = torch.compile(model, fullgraph=True, backend="dsv41")(first, pos)
+    rep = dsv41.last_report().to_dict()
+    out.update(dsv41_graphs=len(rep["graphs"]),
+               dsv41_rel_err=((fused - eager).abs().max() / eager.abs().max()).item(),
+               dsv41_patterns={f: sorted(s["pattern"] for s in d["sites"]) for f, d in rep["families"].items()
+                               if f != "normalize"})
+    return out
 
 
 def _tp_worker(runs, shard_runs, extras, json_path=None):
@@ -280,6 +292,13 @@ def test_compiled_sharded_decode_step_is_one_graph_with_the_all_reduces(tp2):
         assert c["graphs"] == 1                              # fullgraph=True raised on any break; one graph
         assert c["all_reduce"] == 2                          # pre-wo_b + MoE output (one layer)
         assert c["max_diff"] == 0.0
+        # dsv41 on the sharded model (gloo, 2 ranks): one graph, logits of eager to FP32 rounding, and the MoE
+        # tail matched through the all-reduce that follows it (the collective stays a separate graph op).
+        assert c["dsv41_graphs"] == 1
+        assert c["dsv41_rel_err"] < 1e-5, c["dsv41_rel_err"]
+        pats = c["dsv41_patterns"]
+        assert pats["moe"] == ["moe_combine -> all_reduce", "moe_router"], pats["moe"]
+        assert sum(p.startswith("grouped_linear_fp4") for p in pats["dispatch"]) == 3  # this rank's experts
 
 
 # ---------------------------------------------------------------------------------------- errors

@@ -6,7 +6,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | key            | type              | default | meaning |
 |----------------|-------------------|---------|---------|
 | `report`       | bool or str path  | False   | True: print the fusion report after each graph compiles; a path: write it there as JSON |
-| `disable`      | list of str       | ()      | pass families to switch off, by name (`normalize`, `rope_fp4`, `dispatch`); they show as off in the report |
+| `disable`      | list of str       | ()      | pass families to switch off, by name (`dsv41.passes.FAMILY_ORDER`); they show as off in the report |
 | `count_kernels`| bool              | False   | run each compiled graph once eagerly and once compiled under torch.profiler and record kernels per step before/after |
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |

@@ -4,13 +4,17 @@ Importing this package registers every op under the `dsv41::` namespace:
 
 - `dsv41::linear_fp8_block`, `dsv41::linear_fp4` (quant_gemv.py): quantised-weight GEMV, the dispatch target.
 - `dsv41::rope_fp4_quant`, `dsv41::rope_fp4_fake_quant`, `dsv41::rope_fp4_quant_store` (rope_fp4.py).
+- `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
+- `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
 - `dsv41::mhc_mixes`, `dsv41::mhc_collapse_rmsnorm`, `dsv41::mhc_expand` (mhc.py): mHC coefficients, pre-mix + RMSNorm, post-mix.
+- `dsv41::moe_router`, `dsv41::moe_combine` (moe.py): MoE router (GEMV + sqrt-softplus + biased top-k) and tail.
+- `dsv41::engram_lookup`, `dsv41::engram_gate` (engram.py): Engram hash -> FP8 row gather -> dequantise; gate + residual.
 
 Each op has a CPU reference (the model's own math), a CUDA implementation launching Triton, and a fake.
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import mhc, quant_gemv, rope_fp4
+from . import c2_compressor, engram, grouped_gemv, mhc, moe, quant_gemv, rope_fp4
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["mhc", "quant_gemv", "rope_fp4", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "grouped_gemv", "mhc", "moe", "quant_gemv", "rope_fp4", "set_pdl", "pdl_enabled", "prepare_device"]

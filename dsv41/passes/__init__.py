@@ -1,6 +1,8 @@
 """dsv41 fusion passes: one family per module, run in a fixed order by `PassManager` (manager.py).
 
-Families: `normalize` (normalize.py), `rope_fp4` (rope_fp4.py), `dispatch` (dispatch.py). Each returns an
+Families, in `FAMILY_ORDER`: `normalize` (normalize.py), `c2_compressor` (c2_compressor.py), `rope_fp4`
+(rope_fp4.py), `mhc` (mhc.py), `engram` (engram.py), `moe` (moe.py), `small_ops` (small_ops.py), `dispatch`
+(dispatch.py: plain and gathered-expert GEMVs). Each returns an
 immutable `PassRecord` (base.py) with its matches, near-misses and findings.
 """
 

@@ -2,10 +2,17 @@
 
 Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladder of "Fusion patterns"):
 
-    1. normalize  remove value-preserving detours first, so later families see one form of each chain
-    2. rope_fp4   RoPE -> FP4 quantisation (-> cache write)
-    3. mhc        mHC coefficients (projection + Sinkhorn), collapse + RMSNorm, expand + residual
-    4. dispatch   dequantize -> matmul; runs last because it also audits what stays on a slow path
+    1. normalize      remove value-preserving detours first, so later families see one form of each chain
+    2. c2_compressor  [pair pooling ->] RMSNorm -> RoPE -> FP4 -> bank / index-key row write (before rope_fp4:
+                      it takes the compressor's chains; rope_fp4 keeps the other RoPE -> FP4 chains)
+    3. rope_fp4       RoPE -> FP4 quantisation (-> cache write)
+    4. mhc            mHC coefficients (projection + Sinkhorn), collapse + RMSNorm, expand + residual
+    5. engram         Engram n-gram hash -> FP8 row gather -> dequantise (wkv input); per-stream gate + residual
+    6. moe            MoE router (GEMV -> sqrt-softplus -> biased top-k -> weights); tail (expert sum + shared
+                      [-> all-reduce])
+    7. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
+    8. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
+                      stays on a slow path
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
@@ -29,23 +36,32 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import FusionFamily, PassRecord
+from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
+from .engram import EngramFamily
 from .mhc import MhcFamily
+from .moe import MoeFamily
 from .normalize import NormalizeFamily
 from .rope_fp4 import RopeFp4Family
+from .small_ops import SmallOpsFamily
 
 __all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult"]
 
 #: Registered families by name, in the order they run.
 FAMILIES: dict[str, type[FusionFamily]] = {
     NormalizeFamily.name: NormalizeFamily,
+    C2CompressorFamily.name: C2CompressorFamily,
     RopeFp4Family.name: RopeFp4Family,
     MhcFamily.name: MhcFamily,
+    EngramFamily.name: EngramFamily,
+    MoeFamily.name: MoeFamily,
+    SmallOpsFamily.name: SmallOpsFamily,
     DispatchFamily.name: DispatchFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
-_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
-              "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand")
+_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
+              "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
+              "moe_router", "moe_combine", "grouped_linear_fp4")
 
 
 @dataclass(frozen=True)

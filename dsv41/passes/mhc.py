@@ -174,7 +174,7 @@ def _close(got, ref: torch.Tensor, rtol: float, atol: float) -> bool:
     """Same shape and dtype, finite, and |got - ref| <= atol + rtol |ref| elementwise."""
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(ref.shape) or got.dtype != ref.dtype:
         return False
-    g, r = got.double(), ref.double()
+    g, r = got.double().cpu(), ref.double().cpu()  # probes may have run on the graph's device
     return bool(torch.isfinite(g).all()) and bool(((g - r).abs() <= atol + rtol * r.abs()).all())
 
 
@@ -387,14 +387,16 @@ def _mix_probes(H: fx.Node, fn: fx.Node, fn_t: bool, small: list, base: fx.Node,
     scale_c = torch.zeros(3, dtype=torch.float64)
     h_a = _probe(hs, hv.dtype, gen)
     h_c = _probe(hs, hv.dtype, gen)
-    others = {n: _probe(concrete_shape(tensor_val(n)), tensor_val(n).dtype, gen)
+    # Every probe lives on its node's device: the region's own ops (and any constants it creates) run there.
+    others = {n: _probe(concrete_shape(tensor_val(n)), tensor_val(n).dtype, gen).to(tensor_val(n).device)
               for n in small if n not in (base, scale)}
     envs, refs = [], []
     for h, b, s in ((h_a, base_a, scale_a), ((h_a.double() * 1e-4).to(hv.dtype), base_a, scale_a),
                     (h_c, base_c, scale_c)):
         f32 = fn_p.float()
         env = {H: h.to(hv.device), fn: (f32.t().contiguous() if fn_t else f32).to(fv.device),
-               base: b.to(tensor_val(base).dtype), scale: s.to(tensor_val(scale).dtype)}
+               base: b.to(tensor_val(base).dtype).to(tensor_val(base).device),
+               scale: s.to(tensor_val(scale).dtype).to(tensor_val(scale).device)}
         env.update(others)
         envs.append(env)
         refs.append((h, f32, b.float(), s.float()))

@@ -1,0 +1,278 @@
+"""Grouped FP4 GEMV over gathered experts: the decode path of the routed MoE experts, fused.
+
+The model's decode path (dsv41/model/moe.py `RoutedExperts.forward_gather`, MODEL.md §2.9, §2.1) gathers the k
+selected experts' stacked FP4 weights per token, dequantises them to the activation dtype and multiplies:
+
+    w = dequantize_fp4_1x32(weight[indices], scale[indices], dtype)      # [N, k, out, K], materialised
+    y = einsum("nd,nkfd->nkf", fq8(x), w)      # w1, w3: one x row per token, shared by its k experts
+    y = einsum("nkf,nkdf->nkd", fq8(h), w)     # w2: one row per (token, expert)
+
+which writes and re-reads the dequantised weights (about 9x the FP4 bytes in bf16, 17x in fp32) every step.
+`dsv41::grouped_linear_fp4` computes the same numbers reading only the selected experts' packed bytes, once per
+(token, expert) pair.
+
+Op (`dsv41::grouped_linear_fp4(x, weight, scale, indices, act_quant) -> y`):
+    x        [N, K] (one row per token, shared by its k experts) or [N, k, K] (one row per (token, expert));
+             fp32 / bf16 / fp16, K % 32 == 0.
+    weight   uint8 [E, out, K/2]: packed E2M1 codes, two per byte along K, low nibble = even k.
+    scale    uint8 [E, out, K/32]: UE8M0 exponents e (value 2^(e-127)), one per 1x32 block along K.
+    indices  int64 [N, k]: expert of each (token, slot); values in [-E, E), negatives wrap as in `weight[indices]`.
+    act_quant: fake-quantise x to FP8 E4M3 with one UE8M0 scale per 32 along K first (the reference quantises
+             every FP4 GEMM input that way).
+    y        [N, k, out] in x.dtype: `einsum(fq8(x) if act_quant else x, dequantize_fp4_1x32(weight[indices],
+             scale[indices], x.dtype))`.
+
+Index range. CPU (the reference): an index outside [-E, E) raises IndexError naming `indices` and the bad value.
+CUDA (Triton): not checked on the host, which would need a device-to-host sync per call and break CUDA-graph
+capture; the kernel never reads outside `weight` / `scale` (an invalid expert's loads are masked off) and writes
+NaN to every element of y[n, j, :] whose index is invalid, so the error shows up in the output, not as a silent
+wrong expert or a memory fault.
+
+Kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies one [BLOCK_N, BLOCK_K]
+tile of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
+inside, FP32 accumulation); the K splits of an output tile combine through the split-K arrival counters of
+`_common.split_k_counters`, exactly as `quant_gemv` does (last program to arrive sums the partials in split
+order: deterministic). Block sizes come from `quant_gemv.gemv_plan` for M = 1 (`grouped_gemv_plan`), so a
+batch-1 decode step of the h200 preset (k = 6; w1/w3: out = 2304, K = 5120) runs 36 x 40 x 6 = 8640 programs of
+one 64 x 128 FP4 tile (4 KiB of codes) each, and every SM has loads in flight.
+Under PDL the program waits (`gdc_wait`) before reading its index (the router's top-k wrote it), so, unlike the
+plain GEMV, weight loads cannot start before the previous kernel ends.
+
+Numerics: codes and scales are decoded bit-exactly; sums are FP32 in another order than the reference's matmul,
+then rounded once to x.dtype (the fp16 path repeats the reference's fp16 roundings), as in `quant_gemv`.
+
+Only FP4 1x32 experts exist in the model: the shared expert is block-FP8 but is a plain `Linear`
+(`dsv41::linear_fp8_block`), never gathered, so there is no block-FP8 grouped variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
+
+from ._common import check_same_device, check_tensor, require_launchable, round_bf16, split_k_counters, use_pdl_for
+from .quant_gemv import _gemv_tile, gemv_plan
+
+__all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
+           "MAX_TRITON_PAIRS"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
+#: model's gather path has N * k <= E (at most 384 pairs); beyond the limit the CUDA op runs the reference.
+MAX_TRITON_PAIRS = 65535
+
+
+# ------------------------------------------------------------------------------------------- checks
+def _check_args(x, weight, scale, indices):
+    """Validate shapes/dtypes/devices; return (N, k, E, out, K, shared). Errors name the argument at fault."""
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES)
+    check_tensor("weight", weight, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("scale", scale, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("indices", indices, dtypes=(torch.int64,), ndim=2)
+    check_same_device(x=x, weight=weight, scale=scale, indices=indices)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [N, K] or [N, k, K], got shape {tuple(x.shape)}")
+    n, k = indices.shape
+    if x.shape[0] != n or (x.dim() == 3 and x.shape[1] != k):
+        want = f"[{n}, K] or [{n}, {k}, K]"
+        raise ValueError(f"x has shape {tuple(x.shape)}; indices {tuple(indices.shape)} need x {want}")
+    kk = x.shape[-1]
+    if kk % 32:
+        raise ValueError(f"x.shape[-1] = {kk} must be divisible by 32 (1x32 activation quantisation)")
+    e, out = weight.shape[0], weight.shape[1]
+    if weight.shape[2] * 2 != kk:
+        raise ValueError(f"packed FP4 weight {tuple(weight.shape)} does not match K = {kk} "
+                         f"(expected [E, out, {kk // 2}])")
+    if tuple(scale.shape) != (e, out, kk // 32):
+        raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {(e, out, kk // 32)} for weight "
+                         f"{tuple(weight.shape)}")
+    return n, k, e, out, kk, x.dim() == 2
+
+
+def _check_index_range(indices: torch.Tensor, e: int) -> None:
+    # Host-side check (a sync): only the CPU reference does it; see the module docstring for CUDA.
+    if indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < -e or hi >= e:
+        bad = lo if lo < -e else hi
+        raise IndexError(f"indices holds expert {bad}, out of range for weight with E = {e} experts "
+                         f"(valid: -{e} .. {e - 1})")
+
+
+# ------------------------------------------------------------------------------------------- reference
+def reference_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
+                                 act_quant: bool) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::grouped_linear_fp4`: the model's gather -> dequantise -> einsum.
+
+    Args:
+        x: [N, K] (shared by the k experts of a token) or [N, k, K]; fp32/bf16/fp16, K % 32 == 0.
+        weight: uint8 [E, out, K/2] packed E2M1. scale: uint8 [E, out, K/32] UE8M0.
+        indices: int64 [N, k], values in [-E, E). act_quant: fake-quantise x to FP8 1x32 first.
+    Returns: [N, k, out] in x.dtype.
+    Raises: TypeError / ValueError for wrong dtypes or shapes, IndexError for an index outside [-E, E) (all name
+        the argument).
+    Source: dsv41/model/moe.py `RoutedExperts.forward_gather` / `dequantized_weight`; MODEL.md §2.9, §2.1.
+    """
+    _, _, e, _, _, shared = _check_args(x, weight, scale, indices)
+    _check_index_range(indices, e)
+    w = dequantize_fp4_1x32(weight[indices], scale[indices], x.dtype)  # [N, k, out, K]
+    xq = fake_quant_fp8_1x32(x) if act_quant else x
+    if shared:
+        return torch.einsum("nd,nkfd->nkf", xq, w)
+    return torch.einsum("nkd,nkfd->nkf", xq, w)
+
+
+# ------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _grouped_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr,
+    P, N_OUT, K, E, X_ROW_DIV, stride_xr, stride_we, stride_wn, stride_se, stride_sn,
+    ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (n-tile, k-split, pair): pair = token * k + slot owns y[pair, n-tile]; it reads the x row
+    # pair // X_ROW_DIV (X_ROW_DIV = k when the token's row is shared by its experts, else 1).
+    NKB: tl.constexpr = BLOCK_K // 32
+    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pair = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.arange(0, NKB)
+    j32 = tl.arange(0, 32)
+    if USE_PDL:
+        # The expert index is the previous kernel's output (router top-k): wait before reading it.
+        tl.extra.cuda.gdc_wait()
+    e = tl.load(idx_ptr + pair)
+    e = tl.where(e < 0, e + E, e)
+    # Index validity as a vector (the interpreter mis-types scalar-bool & block-bool).
+    e_vec = offs_n.to(tl.int64) * 0 + e
+    e_ok = (e_vec >= 0) & (e_vec < E)
+    e_safe = tl.where((e >= 0) & (e < E), e, 0).to(tl.int64)
+    n_ok = (offs_n < N_OUT) & e_ok
+    x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
+    w_exp = w_ptr + e_safe * stride_we
+    s_exp = s_ptr + e_safe * stride_se
+    zero = pair * 0  # a tensor 0 (the tile helper calls .to() on its row index)
+    offs_m = tl.arange(0, 1)
+    acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for it in range(K_ITERS):
+        acc = _gemv_tile(x_row, w_exp, s_exp, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
+                         zero, 1, K, 0, stride_wn, stride_sn,
+                         True, ACT_QUANT, X_FP16, 1, BLOCK_N, NKB, False)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    acc1 = tl.sum(acc, axis=0)  # [BLOCK_N] (one row)
+    out_ok = offs_n < N_OUT
+    y_ptrs = y_ptr + pair.to(tl.int64) * N_OUT + offs_n
+    if SPLIT_K == 1:
+        total = acc1
+        store_ok = out_ok
+    else:
+        p_ptrs = part_ptr + pair.to(tl.int64) * N_OUT + offs_n
+        tl.store(p_ptrs + pid_k.to(tl.int64) * P * N_OUT, acc1, mask=out_ok)
+        # Every thread's partial must be visible before the counter moves (release at GPU scope).
+        tl.debug_barrier()
+        tile = pair * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if arrived == SPLIT_K - 1:
+            # All partials in one load, summed by a fixed tree over the split axis (deterministic); .cg reads L2.
+            sp = tl.arange(0, SPLIT_POW2)
+            parts = tl.load(p_ptrs[None, :] + sp[:, None].to(tl.int64) * P * N_OUT,
+                            mask=(sp < SPLIT_K)[:, None] & out_ok[None, :], other=0.0, cache_modifier=".cg")
+            total = tl.sum(parts, axis=0)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+        store_ok = out_ok & ((offs_n * 0 + arrived) == SPLIT_K - 1)
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        total = round_bf16(total)  # RNE on the bits; exact for the cast below
+    total = tl.where(e_ok, total, float("nan"))
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=store_ok)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised result/workspace allocation; a seam the tests replace to poison outputs with NaN."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
+    """Launch parameters for `pairs` (token, expert) pairs of an [n, k] FP4 expert weight.
+
+    The tile shape, K split and warps are `quant_gemv.gemv_plan(1, n, k, fp4=True)` (one x row per pair; the
+    heuristic and its H200 measurements are documented there); the grid is (n tiles, K splits, pairs).
+    `overrides` (block_n, block_k, num_warps, k_iters) are passed on. Returns gemv_plan's dict with `grid`
+    replaced. Raises ValueError as gemv_plan does.
+    """
+    plan = gemv_plan(1, n, k, True, **overrides)
+    n_tiles, split_k, _ = plan["grid"]
+    return dict(plan, grid=(n_tiles, split_k, pairs))
+
+
+def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
+                              act_quant: bool, **overrides) -> torch.Tensor:
+    """Run the grouped Triton GEMV on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
+
+    Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
+    range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
+    (block_n, block_k, num_warps, k_iters) replace the `quant_gemv.gemv_plan` heuristic.
+    Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
+        (token, expert) pairs.
+    """
+    n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
+    require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
+    pairs = n * k
+    if pairs > MAX_TRITON_PAIRS:
+        raise ValueError(f"{pairs} (token, expert) pairs exceed the {MAX_TRITON_PAIRS} one launch takes")
+    y = _empty((n, k, out), x.dtype, x.device)
+    if pairs == 0 or out == 0:
+        return y
+    x2 = x.reshape(n if shared else pairs, kk)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    idx = indices.reshape(pairs).contiguous()
+    plan = grouped_gemv_plan(pairs, out, kk, **overrides)
+    n_tiles, split_k, _ = plan["grid"]
+    if split_k > 1:
+        part = _empty((split_k, pairs, out), torch.float32, x.device)
+        cnt = split_k_counters(x.device, n_tiles * pairs)
+    else:  # not read when SPLIT_K == 1, but typed like the real workspace
+        part = torch.empty(1, dtype=torch.float32, device=x.device)
+        cnt = torch.empty(1, dtype=torch.int32, device=x.device)
+    pdl = use_pdl_for(_grouped_gemv_kernel, x.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    _grouped_gemv_kernel[plan["grid"]](
+        x2, weight, scale, idx, y, part, cnt,
+        pairs, out, kk, e, k if shared else 1, x2.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
+        scale.stride(1),
+        ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
+        BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+    return y
+
+
+# ------------------------------------------------------------------------------------------- op
+@torch.library.custom_op("dsv41::grouped_linear_fp4", mutates_args=(), device_types="cpu")
+def grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
+                       act_quant: bool) -> torch.Tensor:
+    """`y[n, j] = fq8(x[n] or x[n, j]) @ dequant_fp4(weight[indices[n, j]])^T`; see the module docstring."""
+    return reference_grouped_linear_fp4(x, weight, scale, indices, act_quant)
+
+
+@grouped_linear_fp4.register_kernel("cuda")
+def _grouped_linear_fp4_cuda(x, weight, scale, indices, act_quant):
+    if indices.numel() <= MAX_TRITON_PAIRS:
+        return triton_grouped_linear_fp4(x, weight, scale, indices, act_quant)
+    return reference_grouped_linear_fp4(x, weight, scale, indices, act_quant)
+
+
+@grouped_linear_fp4.register_fake
+def _grouped_linear_fp4_fake(x, weight, scale, indices, act_quant):
+    return x.new_empty((indices.shape[0], indices.shape[1], weight.shape[1]))

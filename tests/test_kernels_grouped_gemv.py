@@ -1,0 +1,390 @@
+"""Tests of dsv41::grouped_linear_fp4 (dsv41/kernels/grouped_gemv.py): FP4 GEMV over gathered experts.
+
+Reference: an independent float64 model of MODEL.md §2.1 / §2.9 written here (E4M3 and E2M1 grids enumerated
+from their bit layouts, nearest-even by grid index, UE8M0 ceil from frexp, the expert of each (token, slot)
+picked with an explicit Python loop), never the code under test. The CPU op is also checked bit for bit against
+the model's own gather -> dequantise -> einsum (dsv41/model/moe.py).
+
+Interpreter tests (`@interpreted`) run in a TRITON_INTERPRET=1 child pytest unless this process already has the
+variable (tests/interp_harness.py). Outputs and workspaces are poisoned (NaN) before the kernels run.
+Tolerance: |y - ref| <= 2^-16 sum|terms| (FP32 accumulation in another order) + half an output ulp (2^-8 |ref|
+for bf16, 2^-10 for fp16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs
+
+from dsv41.kernels import grouped_gemv as gg
+
+_harness = InterpreterHarness(__file__)
+interpreted = _harness.interpreted
+_record_node = _harness.record_node_fixture()
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every output/workspace the launcher allocates starts as NaN."""
+    poison_outputs(monkeypatch, gg)
+
+
+# ------------------------------------------------------------------------------------------- float64 reference
+def _e4m3_grid() -> torch.Tensor:
+    vals = []
+    for code in range(127):
+        e, m = code >> 3, code & 7
+        vals.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+E4M3_GRID = _e4m3_grid()
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def _round_to_grid(a: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    a = a.contiguous()
+    hi = torch.searchsorted(grid, a).clamp(max=len(grid) - 1)
+    lo = (hi - 1).clamp(min=0)
+    dlo, dhi = a - grid[lo], grid[hi] - a
+    return torch.where((dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0)), hi, lo)
+
+
+def ref_fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 1x32 fake quant with a UE8M0 ceil scale (amax floored at 1e-4 in FP32); float64 of x.dtype values."""
+    shp = x.shape
+    xb = x.double().reshape(*shp[:-1], shp[-1] // 32, 32)
+    amax32 = xb.abs().amax(-1).float().clamp(min=float(torch.tensor(1e-4, dtype=torch.float32)))
+    m, e = torch.frexp((amax32 / 448.0).double())
+    scale = torch.pow(2.0, torch.where(m == 0.5, e - 1, e).double())
+    q = (xb / scale[..., None]).clamp(-448.0, 448.0)
+    val = E4M3_GRID[_round_to_grid(q.abs(), E4M3_GRID)] * torch.sign(q) * scale[..., None]
+    return val.reshape(shp).to(x.dtype).double()
+
+
+def ref_dequant_expert(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 [out, K] of one expert's packed E2M1 (low nibble = even k) times 2^(e-127) per 1x32 block."""
+    codes = torch.stack(((w & 15).long(), (w >> 4).long()), -1).reshape(w.shape[0], -1)
+    vals = E2M1_GRID[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    sc = torch.pow(2.0, s.double() - 127).to(dtype).double().repeat_interleave(32, 1)
+    return (vals * sc).to(dtype).double()
+
+
+def ref_grouped(x, w, s, idx, act_quant: bool):
+    """(y64 [N, k, out], abs64): y[n, j] = xq[n (, j)] @ W_{idx[n, j] mod E}^T, one (token, slot) at a time."""
+    n, k = idx.shape
+    e = w.shape[0]
+    xq = ref_fake_quant_fp8(x) if act_quant else x.double()
+    y = torch.zeros(n, k, w.shape[1], dtype=torch.float64)
+    mag = torch.zeros_like(y)
+    for t in range(n):
+        for j in range(k):
+            ex = int(idx[t, j]) % e
+            wd = ref_dequant_expert(w[ex], s[ex], x.dtype)
+            row = xq[t] if x.dim() == 2 else xq[t, j]
+            y[t, j] = wd @ row
+            mag[t, j] = wd.abs() @ row.abs()
+    return y, mag
+
+
+def assert_close_to_ref(y, y64, abs64):
+    rel = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}[y.dtype]
+    assert not torch.isnan(y).any(), "output has NaN (an element was never written)"
+    err = (y.double() - y64).abs()
+    tol = 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"max err/tol = {worst:.3g} (max err {err.max().item():.3g})"
+
+
+def make_experts(e, out, k, gen):
+    """Random packed FP4 stacks [E, out, K/2] and UE8M0 scales [E, out, K/32] (2^-10 .. 2^-4)."""
+    w = torch.randint(0, 256, (e, out, k // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(117, 124, (e, out, k // 32), dtype=torch.uint8, generator=gen)
+    return w, s
+
+
+def make_indices(n, k, e, gen, negative=False):
+    """[n, k] distinct experts per token (as the router picks them); some negative (wrapping) when asked."""
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    if negative:
+        idx = torch.where(torch.arange(n * k).view(n, k) % 2 == 1, idx - e, idx)
+    return idx
+
+
+def make_x(n, k, kdim, dtype, shared, gen):
+    shape = (n, kdim) if shared else (n, k, kdim)
+    return (torch.randn(*shape, generator=gen) * 2).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- CPU op (reference)
+@pytest.mark.parametrize("shared", [True, False], ids=["x_per_token", "x_per_expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_op_matches_float64_model(dtype, shared):
+    gen = torch.Generator().manual_seed(1)
+    w, s = make_experts(6, 40, 96, gen)
+    idx = make_indices(3, 2, 6, gen, negative=True)
+    x = make_x(3, 2, 96, dtype, shared, gen)
+    y = torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True)
+    assert y.shape == (3, 2, 40) and y.dtype == dtype
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, True))
+
+
+def test_reference_op_is_the_models_gather_dequantise_einsum():
+    """Bit for bit what RoutedExperts.forward_gather computes for w1 (x per token) and w2 (x per expert)."""
+    from dsv41.model import ModelConfig
+    from dsv41.model.formats import fake_quant_fp8_1x32
+    from dsv41.model.moe import RoutedExperts
+
+    cfg = ModelConfig.preset("tiny")
+    for dtype in (torch.float32, torch.bfloat16):
+        m = RoutedExperts(cfg, "checkpoint", dtype)
+        m.init_random(torch.Generator().manual_seed(0))
+        gen = torch.Generator().manual_seed(2)
+        idx = make_indices(3, cfg.num_experts_per_tok, cfg.n_routed_experts, gen)
+        x = torch.randn(3, cfg.hidden_size, generator=gen).to(dtype)
+        want = torch.einsum("nd,nkfd->nkf", fake_quant_fp8_1x32(x), m.dequantized_weight("w1", idx))
+        assert torch.equal(torch.ops.dsv41.grouped_linear_fp4(x, m.w1, m.w1_scale, idx, True), want)
+        h = torch.randn(3, cfg.num_experts_per_tok, cfg.moe_intermediate_size, generator=gen).to(dtype)
+        want = torch.einsum("nkf,nkdf->nkd", fake_quant_fp8_1x32(h), m.dequantized_weight("w2", idx))
+        assert torch.equal(torch.ops.dsv41.grouped_linear_fp4(h, m.w2, m.w2_scale, idx, True), want)
+
+
+def test_reference_rejects_out_of_range_indices_naming_them():
+    gen = torch.Generator().manual_seed(3)
+    w, s = make_experts(5, 40, 64, gen)
+    x = make_x(2, 2, 64, torch.float32, True, gen)
+    for bad in (5, -6, 1000):
+        idx = torch.tensor([[0, 1], [bad, 2]])
+        with pytest.raises(IndexError, match=rf"indices holds expert {bad}, out of range .*E = 5"):
+            gg.reference_grouped_linear_fp4(x, w, s, idx, True)
+        with pytest.raises(IndexError, match="indices"):
+            torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True)
+
+
+# ------------------------------------------------------------------------------------------- Triton (interpreted)
+GROUPED_CASES = [
+    # (N, k, E, out, K, dtype, x per token, act_quant, overrides)
+    (1, 2, 8, 64, 128, torch.float32, True, True, {}),                      # tiny decode: w1 / w3
+    (1, 2, 8, 128, 64, torch.float32, False, True, {}),                     # tiny decode: w2
+    (3, 2, 5, 40, 96, torch.bfloat16, True, True, {}),                      # odd out, half-empty K tile
+    (3, 2, 5, 40, 160, torch.float32, False, True, {"block_k": 32}),        # x per expert, 5 K splits
+    (2, 3, 7, 72, 64, torch.float16, False, True, {}),                      # fp16 roundings
+    (1, 6, 9, 40, 96, torch.bfloat16, True, False, {"block_n": 16}),        # no act quant, 3 out tiles
+    (4, 1, 3, 24, 256, torch.float32, True, True, {"block_k": 64, "k_iters": 3}),  # K loop: splits 3 + 1
+]
+
+
+def _case_id(c):
+    n, k, e, out, kdim, dtype, shared, aq, ov = c
+    tail = "-".join(f"{a}{b}" for a, b in ov.items())
+    return f"{n}x{k}of{e}-{out}x{kdim}-{str(dtype)[6:]}-{'tok' if shared else 'exp'}-aq{int(aq)}-{tail}"
+
+
+@interpreted
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=_case_id)
+def test_triton_grouped_gemv_matches_float64_reference(case, poisoned_outputs):
+    n, k, e, out, kdim, dtype, shared, act_quant, overrides = case
+    gen = torch.Generator().manual_seed(n * 1000 + out * 7 + kdim)
+    w, s = make_experts(e, out, kdim, gen)
+    idx = make_indices(n, k, e, gen)
+    x = make_x(n, k, kdim, dtype, shared, gen)
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, act_quant, **overrides)
+    assert y.shape == (n, k, out) and y.dtype == dtype
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, act_quant))
+
+
+@interpreted
+def test_triton_reads_strided_stacks_and_activations(poisoned_outputs):
+    # Experts sliced out of a bigger stack (row stride 2 x the packed row) and x a transposed view.
+    gen = torch.Generator().manual_seed(11)
+    w_big, s_big = make_experts(4, 80, 96, gen)
+    w, s = w_big[:, 1::2], s_big[:, 1::2]
+    x = torch.randn(96, 3, generator=gen).t()
+    idx = make_indices(3, 2, 4, gen)
+    assert not w.is_contiguous() and not x.is_contiguous()
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, True)
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, True))
+
+
+@interpreted
+def test_split_k_is_deterministic_and_matches_one_k_tile(poisoned_outputs):
+    gen = torch.Generator().manual_seed(5)
+    w, s = make_experts(6, 40, 256, gen)
+    idx = make_indices(2, 3, 6, gen)
+    x = make_x(2, 3, 256, torch.float32, False, gen)
+    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, block_k=32)  # 8 K splits per output tile
+    b = gg.triton_grouped_linear_fp4(x, w, s, idx, True, block_k=32)
+    c = gg.triton_grouped_linear_fp4(x, w, s, idx, True, block_k=256)
+    assert torch.equal(a, b)
+    y64, abs64 = ref_grouped(x, w, s, idx, True)
+    assert_close_to_ref(a, y64, abs64)
+    assert_close_to_ref(c, y64, abs64)
+
+
+@interpreted
+def test_negative_indices_wrap_like_weight_indexing(poisoned_outputs):
+    gen = torch.Generator().manual_seed(6)
+    w, s = make_experts(5, 40, 64, gen)
+    idx = make_indices(3, 2, 5, gen)
+    x = make_x(3, 2, 64, torch.bfloat16, True, gen)
+    pos = gg.triton_grouped_linear_fp4(x, w, s, idx, True)
+    neg = gg.triton_grouped_linear_fp4(x, w, s, idx - 5, True)
+    assert torch.equal(pos, neg)
+    assert torch.equal(gg.reference_grouped_linear_fp4(x, w, s, idx - 5, True),
+                       gg.reference_grouped_linear_fp4(x, w, s, idx, True))
+
+
+@interpreted
+def test_triton_marks_an_out_of_range_expert_with_nan_rows(poisoned_outputs):
+    # CUDA behaviour (module docstring): no host check; the bad (token, slot) row is NaN, the others are exact.
+    gen = torch.Generator().manual_seed(8)
+    w, s = make_experts(5, 40, 64, gen)
+    idx = make_indices(3, 2, 5, gen)
+    x = make_x(3, 2, 64, torch.float32, True, gen)
+    good = gg.triton_grouped_linear_fp4(x, w, s, idx, True)
+    for bad in (5, -6, 1 << 40):
+        b = idx.clone()
+        b[1, 0] = bad
+        y = gg.triton_grouped_linear_fp4(x, w, s, b, True)
+        assert torch.isnan(y[1, 0]).all()
+        keep = torch.ones(3, 2, dtype=torch.bool)
+        keep[1, 0] = False
+        assert torch.equal(y[keep], good[keep])
+
+
+# ------------------------------------------------------------------------------------------- launch plan
+def test_decode_plan_gives_every_sm_work():
+    # h200 preset decode, batch 1: k = 6 experts; w1/w3 [2304, 5120], w2 [5120, 2304].
+    for out, kdim in ((2304, 5120), (5120, 2304)):
+        plan = gg.grouped_gemv_plan(6, out, kdim)
+        n_tiles, split, pairs = plan["grid"]
+        assert pairs == 6 and n_tiles == -(-out // plan["BLOCK_N"]) and split == plan["SPLIT_K"]
+        assert n_tiles * split * pairs >= 8 * 132  # the H200's SMs, eight programs each
+    with pytest.raises(ValueError, match="block_k"):
+        gg.grouped_gemv_plan(2, 64, 64, block_k=48)
+
+
+# ------------------------------------------------------------------------------------------- op registration
+def _small(shared: bool, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(9)
+    w, s = make_experts(5, 40, 64, gen)
+    return make_x(3, 2, 64, dtype, shared, gen), w, s, make_indices(3, 2, 5, gen)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["x_per_token", "x_per_expert"])
+def test_op_passes_torch_library_opcheck(shared):
+    x, w, s, idx = _small(shared)
+    op = torch.ops.dsv41.grouped_linear_fp4.default
+    torch.library.opcheck(op, (x, w, s, idx, True))
+    torch.library.opcheck(op, (x.bfloat16(), w, s, idx, False))
+
+
+def test_fake_function_gives_shape_and_dtype_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        w = torch.empty(8, 40, 32, dtype=torch.uint8)
+        s = torch.empty(8, 40, 2, dtype=torch.uint8)
+        idx = torch.empty(5, 3, dtype=torch.int64)
+        y1 = torch.ops.dsv41.grouped_linear_fp4(torch.empty(5, 64, dtype=torch.bfloat16), w, s, idx, True)
+        y2 = torch.ops.dsv41.grouped_linear_fp4(torch.empty(5, 3, 64, dtype=torch.float16), w, s, idx, False)
+    assert y1.shape == (5, 3, 40) and y1.dtype == torch.bfloat16
+    assert y2.shape == (5, 3, 40) and y2.dtype == torch.float16
+
+
+def test_bad_inputs_raise_errors_naming_the_argument():
+    x, w, s, idx = _small(True)
+    ref = gg.reference_grouped_linear_fp4
+    with pytest.raises(TypeError, match="x has dtype"):
+        ref(x.long(), w, s, idx, True)
+    with pytest.raises(TypeError, match="weight"):
+        ref(x, w.float(), s, idx, True)
+    with pytest.raises(TypeError, match="indices has dtype"):
+        ref(x, w, s, idx.int(), True)
+    with pytest.raises(ValueError, match="indices must have 2 dims"):
+        ref(x, w, s, idx.flatten(), True)
+    with pytest.raises(ValueError, match="weight must have 3 dims"):
+        ref(x, w[0], s, idx, True)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 64\); indices \(3, 2\)"):
+        ref(x[:2], w, s, idx, True)
+    with pytest.raises(ValueError, match=r"x has shape \(3, 3, 64\)"):
+        ref(torch.zeros(3, 3, 64), w, s, idx, True)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ref(x[:, :48], w[..., :24], s, idx, True)
+    with pytest.raises(ValueError, match="packed FP4 weight"):
+        ref(x, w[..., :16], s, idx, True)
+    with pytest.raises(ValueError, match="scale has shape"):
+        ref(x, w, s[:, :, :1], idx, True)
+    with pytest.raises(ValueError, match="scale has shape"):
+        gg.triton_grouped_linear_fp4(x, w, s[:4], idx, True)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checks the error raised when Triton is NOT interpreting")
+def test_cpu_launch_without_interpreter_says_how_to_enable_it():
+    x, w, s, idx = _small(True)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True)
+
+
+def test_float64_reference_guards_its_own_roundings():
+    """The test's E4M3 rounding puts the tie cases where MODEL.md §2.1 says (nearest even)."""
+    got = E4M3_GRID[_round_to_grid(torch.tensor([1.0625, 1.1875, 1.9375, 0.5 * 2 ** -9, 432.0],
+                                                dtype=torch.float64), E4M3_GRID)]
+    assert torch.equal(got, torch.tensor([1.0, 1.25, 2.0, 0.0, 448.0], dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------- compiled (CUDA)
+_GPU = torch.cuda.is_available() and not IN_INTERPRETER
+_needs_gpu = pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU and TRITON_INTERPRET unset (compiled kernel)")
+
+
+@_needs_gpu
+@pytest.mark.parametrize("name,out,kdim,shared", [("w1", 2304, 5120, True), ("w2", 5120, 2304, False)])
+def test_cuda_grouped_gemv_at_h200_decode_shapes(name, out, kdim, shared):
+    # h200 preset, batch-1 decode: 6 of 96 experts; the float64 reference runs on the CPU copy.
+    gen = torch.Generator().manual_seed(12)
+    w, s = make_experts(96, out, kdim, gen)
+    idx = make_indices(1, 6, 96, gen)
+    x = make_x(1, 6, kdim, torch.bfloat16, shared, gen)
+    dev = torch.device("cuda")
+    y = torch.ops.dsv41.grouped_linear_fp4(x.to(dev), w.to(dev), s.to(dev), idx.to(dev), True)
+    assert y.shape == (1, 6, out) and y.dtype == torch.bfloat16
+    assert_close_to_ref(y.cpu(), *ref_grouped(x, w, s, idx, True))
+
+
+@_needs_gpu
+def test_cuda_pdl_and_graph_replay_match_and_bad_index_gives_nan():
+    from dsv41 import kernels
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(13)
+    w, s = (t.to(dev) for t in make_experts(16, 256, 512, gen))
+    idx = make_indices(2, 3, 16, gen).to(dev)
+    x = make_x(2, 3, 512, torch.bfloat16, True, gen).to(dev)
+
+    def step():
+        return torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True)
+
+    kernels.set_pdl(False)
+    want = step()
+    try:
+        kernels.set_pdl(True)
+        assert torch.equal(step(), want)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compile and size the split-K counters outside capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    finally:
+        kernels.set_pdl(False)
+    bad = idx.clone()
+    bad[0, 1] = 16
+    y = torch.ops.dsv41.grouped_linear_fp4(x, w, s, bad, True)
+    assert torch.isnan(y[0, 1]).all() and not torch.isnan(y[1]).any()
