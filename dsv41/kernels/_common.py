@@ -34,8 +34,8 @@ import triton.language as tl
 __all__ = [
     "set_pdl", "pdl_enabled", "launch_pdl_supported", "is_interpreted", "use_pdl_for", "require_launchable",
     "check_tensor", "check_same_device", "next_power_of_2", "split_k_counters", "prepare_device", "COUNTER_SLOTS",
-    "round_bf16", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
-    "e2m1_value_scaled_down", "E2M1_HALF_SCALE",
+    "round_bf16", "round_to", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
+    "e2m1_value_scaled_down", "E2M1_HALF_SCALE", "fp4_block_scale", "e2m1_code",
 ]
 
 _PDL = False
@@ -174,6 +174,17 @@ def round_bf16(v):
 
 
 @triton.jit
+def round_to(v, DT: tl.constexpr):
+    """fp32 value of `v` rounded to dtype DT (fp32: unchanged; bf16 to nearest even on the bits, since the
+    interpreter's .to() truncates; fp16 by .to(), correct on both), as eager's cast between two ops rounds."""
+    if DT == tl.bfloat16:
+        v = round_bf16(v)
+    elif DT == tl.float16:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def e4m3_round(a):
     """Nearest FP8 E4M3 value (ties to even) of fp32 `a` with 0 <= a <= 448, as fp32.
 
@@ -235,3 +246,30 @@ def e2m1_value_scaled_down(code):
     """
     h = ((code & 7) << 9) | ((code & 8) << 12)
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp4_block_scale(amax, E4M3_SCALE: tl.constexpr):
+    """(scale fp32, scale byte int32) of FP4 E2M1 blocks whose absolute maximum is `amax` (any shape).
+
+    E4M3_SCALE: scale = e4m3_RNE(clamp(amax / 6, 2^-9, 448)), byte = its E4M3 encoding (exponent field with bias 7
+    and 3 mantissa bits, or the multiple of 2^-9 for subnormal scales < 2^-6): the bank rows, MODEL.md §2.8.
+    Else UE8M0: amax floored at 6 * 2^-126, byte e = ceil(log2(amax / 6)) on the IEEE bits, scale = 2^(e - 127):
+    the index keys. Source: dsv41/model/formats.py quantize_fp4_e4m3_1x16 / quantize_fp4_ue8m0_1x32.
+    """
+    if E4M3_SCALE:
+        scale = e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))
+        sbits = scale.to(tl.int32, bitcast=True)
+        normal_byte = ((((sbits >> 23) & 0xFF) - 120) << 3) | ((sbits >> 20) & 7)
+        sbyte = tl.where(scale < 0.015625, (scale * 512.0).to(tl.int32), normal_byte)
+    else:
+        sbyte = ue8m0_exponent(tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0))
+        scale = exp2_int(sbyte)
+    return scale, sbyte
+
+
+@triton.jit
+def e2m1_code(x, scale):
+    """4-bit E2M1 code (sign in bit 3) of x / scale, the division correctly rounded as the reference's fp32 `/`."""
+    q = tl.math.div_rn(x, scale)
+    return e2m1_magnitude(q) | tl.where(q < 0, 8, 0)

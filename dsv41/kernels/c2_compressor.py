@@ -39,8 +39,8 @@ import triton.language as tl
 
 from dsv41.model.norm import rms_norm
 
-from ._common import (check_same_device, check_tensor, e2m1_magnitude, e4m3_round, exp2_int, next_power_of_2,
-                      require_launchable, round_bf16, ue8m0_exponent, use_pdl_for)
+from ._common import (check_same_device, check_tensor, e2m1_code, fp4_block_scale, next_power_of_2,
+                      require_launchable, round_to, use_pdl_for)
 from .rope_fp4 import _check as _check_rope_fp4
 from .rope_fp4 import _check_store, reference_rope_fp4_quant_store
 
@@ -126,16 +126,6 @@ def reference_c2_pool_norm_rope_fp4_store(k, g, prev_k, prev_g, weight, eps, out
 
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _round_to(v, dtype: tl.constexpr):
-    # The model casts to its dtype between stages; bf16 by the bits (the interpreter's .to() truncates).
-    if dtype == tl.bfloat16:
-        v = round_bf16(v)
-    elif dtype == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _c2_kernel(
     x_ptr, k_ptr, g_ptr, pk_ptr, pg_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, lat_ptr, codes_ptr, scales_ptr,
     T, eps, cache_rows,
@@ -192,16 +182,16 @@ def _c2_kernel(
         e11 = tl.exp(g1 - m1)
         a = tl.math.div_rn(e00 * pk0 + e01 * k0, e00 + e01)
         b = tl.math.div_rn(e10 * pk1 + e11 * k1, e10 + e11)
-        a = _round_to(a, lat_ty)
-        b = _round_to(b, lat_ty)
+        a = round_to(a, lat_ty)
+        b = round_to(b, lat_ty)
         a = tl.where(ok, a, 0.0)
         b = tl.where(ok, b, 0.0)
 
     # rms_norm: FP32 mean of squares over the whole row, x * rsqrt(mean + eps) * w, cast to the latent dtype.
     ms = tl.math.div_rn(tl.sum(tl.sum(a * a + b * b, axis=1), axis=0), D * 1.0)
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    a = _round_to(a * inv * w_a, lat_ty)
-    b = _round_to(b * inv * w_b, lat_ty)
+    a = round_to(a * inv * w_a, lat_ty)
+    b = round_to(b * inv * w_b, lat_ty)
     lat = lat_ptr + tok * D + 2 * p
     st = ok & mine[:, None]
     tl.store(lat, a.to(lat_ty), mask=st)
@@ -210,22 +200,13 @@ def _c2_kernel(
     # apply_rope on the latent: each product and the sum rounded separately (FMA contraction off).
     ar = a * c - b * s
     br = a * s + b * c
-    a = _round_to(tl.where(rot, ar, a), lat_ty)
-    b = _round_to(tl.where(rot, br, b), lat_ty)
+    a = round_to(tl.where(rot, ar, a), lat_ty)
+    b = round_to(tl.where(rot, br, b), lat_ty)
 
     amax = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))  # [NB_P2]
-    if E4M3_SCALE:
-        scale = e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))
-        sbits = scale.to(tl.int32, bitcast=True)
-        normal_byte = ((((sbits >> 23) & 0xFF) - 120) << 3) | ((sbits >> 20) & 7)
-        sbyte = tl.where(scale < 0.015625, (scale * 512.0).to(tl.int32), normal_byte)
-    else:
-        sbyte = ue8m0_exponent(tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0))
-        scale = exp2_int(sbyte)
-    qa = tl.math.div_rn(a, scale[:, None])
-    qb = tl.math.div_rn(b, scale[:, None])
-    code_a = e2m1_magnitude(qa) | tl.where(qa < 0, 8, 0)
-    code_b = e2m1_magnitude(qb) | tl.where(qb < 0, 8, 0)
+    scale, sbyte = fp4_block_scale(amax, E4M3_SCALE)
+    code_a = e2m1_code(a, scale[:, None])
+    code_b = e2m1_code(b, scale[:, None])
     packed = (code_a | (code_b << 4)).to(tl.uint8)
     w_ok = (dst >= 0) & (dst < cache_rows)
     tl.store(codes_ptr + bi * sco0 + dst[:, None] * sco1 + p, packed, mask=st & w_ok[:, None])

@@ -50,7 +50,7 @@ import triton.language as tl
 from dsv41.model.engram import engram_row_ids, engram_update
 from dsv41.model.formats import dequantize_fp8_1x32
 
-from ._common import (check_same_device, check_tensor, exp2_int, next_power_of_2, require_launchable, round_bf16,
+from ._common import (check_same_device, check_tensor, exp2_int, next_power_of_2, require_launchable, round_to,
                       use_pdl_for)
 
 __all__ = [
@@ -164,16 +164,6 @@ def reference_engram_gate(H: torch.Tensor, keys: torch.Tensor, value: torch.Tens
 
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _round_to(v, DT: tl.constexpr):
-    """fp32 value of `v` rounded to dtype DT (nearest even; bf16 on the bits, as the interpreter truncates)."""
-    if DT == tl.bfloat16:
-        v = round_bf16(v)
-    elif DT == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _engram_lookup_kernel(
     u_ptr, m_ptr, p_ptr, o_ptr, w_ptr, s_ptr, x_ptr,
     T, su_b, su_t, su_m, s_mult, s_prime, s_off, sw_row, ss_row, n_rows,
@@ -209,7 +199,7 @@ def _engram_lookup_kernel(
     # NaN in E4M3 (fn); the interpreter decodes it as a finite number, so it is set explicitly.
     v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     v = tl.where((codes & 0x7F) == 0x7F, float("nan"), v) * exp2_int(e.to(tl.int32))
-    v = _round_to(v, x_ptr.dtype.element_ty)
+    v = round_to(v, x_ptr.dtype.element_ty)
     tl.store(x_ptr + tok.to(tl.int64) * (R * C) + j * C + cols, v.to(x_ptr.dtype.element_ty), mask=ok)
 
 
@@ -265,7 +255,7 @@ def _engram_gate_kernel(
         ok = cols < D
         h = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(v_row + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _round_to(h + g * v, out_ptr.dtype.element_ty)
+        y = round_to(h + g * v, out_ptr.dtype.element_ty)
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

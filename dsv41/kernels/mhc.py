@@ -45,7 +45,7 @@ from dsv41.model.mhc import HC_MULT, mhc_collapse, mhc_expand
 from dsv41.model.mhc import mhc_mixes as _model_mhc_mixes
 from dsv41.model.norm import rms_norm
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_bf16,
+from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
 
 __all__ = [
@@ -170,16 +170,6 @@ def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, c
 
 
 # ------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _round_to(v, DT: tl.constexpr):
-    """fp32 value of `v` rounded to dtype DT (nearest even; bf16 on the bits, as the interpreter truncates)."""
-    if DT == tl.bfloat16:
-        v = round_bf16(v)
-    elif DT == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
-
-
 @triton.jit
 def _mhc_mixes_kernel(
     h_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, cnt_ptr,
@@ -306,10 +296,10 @@ def _mhc_collapse_rmsnorm_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # mhc_collapse casts to H.dtype; rms_norm reads that tensor back in FP32.
-    x = _round_to(acc, x_ptr.dtype.element_ty)
+    x = round_to(acc, x_ptr.dtype.element_ty)
     ms = tl.math.div_rn(tl.sum(x * x, axis=0), D * 1.0)
     r = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    y = _round_to((x * r) * w, x_ptr.dtype.element_ty)
+    y = round_to((x * r) * w, x_ptr.dtype.element_ty)
     tl.store(x_ptr + row.to(tl.int64) * D + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
 
 
@@ -339,7 +329,7 @@ def _mhc_expand_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out = post[:, None] * y[None, :] + mixed
-    out = _round_to(out, out_ptr.dtype.element_ty)
+    out = round_to(out, out_ptr.dtype.element_ty)
     o_row = out_ptr + row.to(tl.int64) * (4 * D)
     tl.store(o_row + i4[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[None, :])
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_bf16,
+from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
 
 __all__ = [
@@ -182,16 +182,6 @@ def reference_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.
 
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _round_to(v, DT: tl.constexpr):
-    """fp32 value of `v` rounded to dtype DT (nearest even; bf16 on the bits, as the interpreter truncates)."""
-    if DT == tl.bfloat16:
-        v = round_bf16(v)
-    elif DT == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _sqrt_softplus(l):
     """sqrt(softplus(l)) in FP32: l above the threshold 20, else log1p(exp(l)) via log(1 + u) * u / ((1 + u) - 1)
     (the quotient cancels the rounding of 1 + u, so small u keeps full relative precision)."""
@@ -297,7 +287,7 @@ def _moe_combine_kernel(
     sh = tl.load(sh_ptr + row * ss_r + cols, mask=ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    out = _round_to(acc + sh, o_ptr.dtype.element_ty)
+    out = round_to(acc + sh, o_ptr.dtype.element_ty)
     tl.store(o_ptr + row * D + cols, out.to(o_ptr.dtype.element_ty), mask=ok)
 
 

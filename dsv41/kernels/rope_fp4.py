@@ -38,8 +38,8 @@ from dsv41.model.formats import (fake_quant_fp4_e4m3_1x16, fake_quant_fp4_ue8m0_
                                  quantize_fp4_ue8m0_1x32)
 from dsv41.model.rope import apply_rope
 
-from ._common import (check_same_device, check_tensor, e2m1_magnitude, e2m1_value, e4m3_round, exp2_int,
-                      next_power_of_2, require_launchable, round_bf16, ue8m0_exponent, use_pdl_for)
+from ._common import (check_same_device, check_tensor, e2m1_code, e2m1_value, fp4_block_scale, next_power_of_2,
+                      require_launchable, round_bf16, use_pdl_for)
 
 __all__ = [
     "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
@@ -211,23 +211,9 @@ def _rope_fp4_kernel(
         b = b.to(tl.float16).to(tl.float32)
 
     amax = tl.maximum(tl.max(tl.abs(a), axis=2), tl.max(tl.abs(b), axis=2))  # [ROWS, NB_P2]
-    if E4M3_SCALE:
-        # scale = e4m3_RNE(clamp(amax / 6, 2^-9, 448)); byte = exponent field (bias 7) and 3 mantissa bits,
-        # or for subnormal scales (< 2^-6) the multiple of 2^-9.
-        scale = e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))
-        sbits = scale.to(tl.int32, bitcast=True)
-        normal_byte = ((((sbits >> 23) & 0xFF) - 120) << 3) | ((sbits >> 20) & 7)
-        sbyte = tl.where(scale < 0.015625, (scale * 512.0).to(tl.int32), normal_byte)
-    else:
-        # UE8M0: amax floored at 6 * 2^-126, e = ceil(log2(amax / 6)) on the IEEE bits.
-        sbyte = ue8m0_exponent(tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0))
-        scale = exp2_int(sbyte)
-
-    # E2M1 codes of x / scale (correctly rounded division, as the reference's fp32 `/`).
-    qa = tl.math.div_rn(a, scale[:, :, None])
-    qb = tl.math.div_rn(b, scale[:, :, None])
-    code_a = e2m1_magnitude(qa) | tl.where(qa < 0, 8, 0)
-    code_b = e2m1_magnitude(qb) | tl.where(qb < 0, 8, 0)
+    scale, sbyte = fp4_block_scale(amax, E4M3_SCALE)
+    code_a = e2m1_code(a, scale[:, :, None])
+    code_b = e2m1_code(b, scale[:, :, None])
 
     if MODE == 1:
         va = e2m1_value(code_a) * scale[:, :, None]
