@@ -382,3 +382,24 @@ def test_small_ops_does_not_share_across_in_place_mutations():
     assert torch.equal(pe, pc) and torch.equal(eager_m.start, comp_m.start)
     # small_ops does merge here (constant mask pieces), yet every merge must keep eager's values
     assert fam["sites"]
+
+
+# ------------------------------------------------------------------------------------------- scale probes
+def test_wide_scale_probes_cover_every_byte_and_expose_a_clamped_exponent():
+    # The helper dispatch and engram use after their finite-range probe (bytes 116..131 / 112..140).
+    from dsv41.passes.base import agree_where_representable, wide_scale_probes
+
+    scale = torch.zeros(4, 10, dtype=torch.uint8)  # 40 entries: 7 probes to hold all 254 bytes
+    probes = wide_scale_probes(scale)
+    assert all(p.shape == scale.shape and p.dtype == torch.uint8 for p in probes)
+    assert set(torch.cat([p.flatten() for p in probes]).tolist()) == set(range(1, 255))
+    codes = torch.linspace(-6, 6, 40).reshape(4, 10)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hits = 0
+        for p in probes:
+            e = p.to(torch.int32) - 127
+            ref = (codes * torch.exp2(e.double())).to(dtype)
+            assert agree_where_representable(ref.clone(), ref)
+            clamped = (codes * torch.exp2(e.clamp(-11, 4).double())).to(dtype)
+            hits += not agree_where_representable(clamped, ref)
+        assert hits > 0, dtype

@@ -31,6 +31,7 @@ __all__ = [
     "BATCH", "LENGTH", "token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "is_dataflow_op", "is_view_op",
     "is_table_lookup", "sourced_nodes",
     "RegionEvaluator", "RegionNotClosed", "collect_region", "insert_node", "size_args", "dsv41_op", "node_label",
+    "wide_scale_probes", "agree_where_representable",
 ]
 
 #: Symbols of the per-match byte expressions: batch size and sequence extent of the step's activations.
@@ -488,3 +489,32 @@ def size_args(graph: fx.Graph, before: fx.Node, src: fx.Node, dims: Iterable[int
         else:
             out.append(int(s))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ probes
+def wide_scale_probes(scale: torch.Tensor) -> list:
+    """Probe scale tensors (uint8, shaped like `scale`) that together hold every UE8M0 byte 1..254.
+
+    The first probe keeps its exponents in 2^-11 .. 2^4 so that products stay finite in float16; a region that
+    equals the reference there but clamps or saturates other exponents (e.g. `exp2((e - 127).clamp(-11, 4))`)
+    would pass it, so the weight is also compared on these. Bytes 0 and 255 (2^-127, NaN) are left out: spellings
+    may legitimately differ there. At most 8 probes (small scale tensors see fewer bytes).
+    """
+    n = scale.numel()
+    gen = torch.Generator().manual_seed(4321)
+    out = []
+    for i in range(min(8, -(-254 // max(n, 1)))):
+        vals = (torch.arange(n) + i * n) % 254 + 1
+        out.append(vals[torch.randperm(n, generator=gen)].reshape(scale.shape).to(torch.uint8).to(scale.device))
+    return out
+
+
+def agree_where_representable(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """`got` equals `ref` (2 ulps) at every element where the reference is 0 or a normal number of its dtype;
+    overflowed and subnormal reference values are not compared (rounding spellings may differ there)."""
+    if got.shape != ref.shape:
+        return False
+    g, r = got.double(), ref.double()
+    fi = torch.finfo(ref.dtype)
+    keep = (r == 0) | ((r.abs() >= fi.tiny) & (r.abs() <= fi.max))
+    return bool(torch.allclose(g[keep], r[keep], rtol=2 * fi.eps, atol=0.0))

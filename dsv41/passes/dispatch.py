@@ -52,8 +52,9 @@ import torch.fx as fx
 
 from ..model import formats
 from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, collect_region, concrete_shape, dsv41_op, insert_node, is_dataflow_op,
-                   is_table_lookup, is_view_op, node_label, same_shape, sourced_nodes, tensor_val, token_rows)
+                   SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op, insert_node,
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, same_shape, sourced_nodes, tensor_val,
+                   token_rows, wide_scale_probes)
 
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]
 
@@ -344,34 +345,6 @@ def _probe_weight(cand: _Weight, device) -> tuple:
     return codes.to(torch.uint8).to(device), scale.to(torch.uint8).to(device)
 
 
-def _wide_scales(scale: torch.Tensor) -> list:
-    """Probe scale tensors (uint8, shaped like `scale`) that together hold every UE8M0 byte 1..254.
-
-    The first probe keeps its exponents in 2^-11 .. 2^4 so that products stay finite in float16; a region that
-    equals the reference there but clamps or saturates other exponents (e.g. `exp2((e - 127).clamp(-11, 4))`)
-    would pass it, so the weight is also compared on these. Bytes 0 and 255 (2^-127, NaN) are left out: spellings
-    may legitimately differ there. At most 8 probes (small scale tensors see fewer bytes).
-    """
-    n = scale.numel()
-    gen = torch.Generator().manual_seed(4321)
-    out = []
-    for i in range(min(8, -(-254 // max(n, 1)))):
-        vals = (torch.arange(n) + i * n) % 254 + 1
-        out.append(vals[torch.randperm(n, generator=gen)].reshape(scale.shape).to(torch.uint8).to(scale.device))
-    return out
-
-
-def _agree_where_representable(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """`got` equals `ref` (2 ulps) at every element where the reference is 0 or a normal number of its dtype;
-    overflowed and subnormal reference values are not compared (rounding spellings may differ there)."""
-    if got.shape != ref.shape:
-        return False
-    g, r = got.double(), ref.double()
-    fi = torch.finfo(ref.dtype)
-    keep = (r == 0) | ((r.abs() >= fi.tiny) & (r.abs() <= fi.max))
-    return bool(torch.allclose(g[keep], r[keep], rtol=2 * fi.eps, atol=0.0))
-
-
 _SCALE_RANGE_REASON = ("the region equals the UE8M0 dequantisation only for scale exponents 2^-11 .. 2^4: it "
                        "differs for other scale bytes (clamped or saturated exponent; bytes 1..254 probed)")
 
@@ -405,9 +378,9 @@ def _verify_weight(cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str]:
     ref = _reference_weight(cand.fmt, codes, scale, val.dtype)
     if not _close(got, ref):
         return (False, *_diagnose_weight(cand, codes, scale, got, ref))
-    for wide in _wide_scales(scale):
+    for wide in wide_scale_probes(scale):
         got = ev.evaluate([cand.node], {cand.codes: codes, cand.scale: wide})[cand.node]
-        if not _agree_where_representable(got.t() if cand.transposed else got,
+        if not agree_where_representable(got.t() if cand.transposed else got,
                                           _reference_weight(cand.fmt, codes, wide, val.dtype)):
             return False, "scale_range", _SCALE_RANGE_REASON
     return True, "", ""
@@ -706,10 +679,10 @@ class _GatheredMatcher:
             return (False, "weight_shape", f"the dequantised tensor has shape {tuple(got.shape)}; FP4 1x32 of the "
                     f"gathered codes has shape {tuple(ref.shape)}", None)
         if _close(got, ref.reshape(got.shape)):
-            for wide in _wide_scales(scale):
+            for wide in wide_scale_probes(scale):
                 g = self.ev.evaluate([dq], {gc: codes, gs: wide})[dq]
                 r = formats.dequantize_fp4_1x32(codes, wide, g.dtype)
-                if not _agree_where_representable(g, r.reshape(g.shape)):
+                if not agree_where_representable(g, r.reshape(g.shape)):
                     return False, "scale_range", _SCALE_RANGE_REASON, None
             return True, "", "", got
         flat = _Weight(dq, gc, gs, "fp4", ref.numel() // kdim, kdim, False)

@@ -57,9 +57,9 @@ import torch.fx as fx
 
 from ..model.engram import engram_row_ids, engram_update
 from ..model.formats import dequantize_fp8_1x32
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, sourced_nodes, tensor_val, token_rows)
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   agree_where_representable, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
+                   is_view_op, node_label, sourced_nodes, tensor_val, token_rows, wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 
@@ -414,6 +414,13 @@ def _dequant_ends(gw: fx.Node, gs: fx.Node, ev, sourced: set):
         c = _shape(gw)[-1]
         flat = (codes.reshape(-1, c), scales.reshape(-1, c // 32))
         ok = [n for n in cands if _close_exact(got[n].reshape(-1), dequantize_fp8_1x32(*flat, _dtype(n)).reshape(-1))]
+        # The probe's scale bytes 112..140 keep products finite; also compare on every byte 1..254, so a spelling
+        # that clamps or saturates other exponents is not taken for the UE8M0 rule.
+        for wide in wide_scale_probes(scales) if ok else ():
+            got_w = ev.evaluate(ok, {gw: codes, gs: wide})
+            ref_w = (codes.reshape(-1, c), wide.reshape(-1, c // 32))
+            ok = [n for n in ok if agree_where_representable(got_w[n].reshape(-1),
+                                                             dequantize_fp8_1x32(*ref_w, _dtype(n)).reshape(-1))]
     if not ok:
         return [], ("dequant_values", "the gathered E4M3 rows and UE8M0 scales are not dequantised as "
                     "codes * 2^(scale - 127) per 1x32 block (MODEL.md §2.1; dsv41/model/formats.py "
