@@ -33,16 +33,13 @@ from torch import nn
 
 pytest.importorskip("dsv41.kernels.mhc", reason="dsv41.kernels.mhc (the fused ops) is not importable")
 import dsv41.kernels.mhc  # noqa: E402,F401
+from zoo_sites import site_markers, site_of  # noqa: E402
 
 _OPS = ("mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand")
 if not all(hasattr(torch.ops.dsv41, op) for op in _OPS):
     pytest.skip(f"dsv41 ops {_OPS} are not all registered", allow_module_level=True)
 
-SITES = {}
-for _i, _line in enumerate(open(__file__).read().splitlines(), 1):
-    _m = re.search(r"# site:(\w+)$", _line)
-    if _m:
-        SITES[_m.group(1)] = _i
+SITES = site_markers(__file__)
 
 D = 32
 
@@ -168,12 +165,7 @@ def _fam(report):
 
 
 def _site_of(s):
-    """The zoo site (marker name) of a match / near-miss: the zoo line in its stack."""
-    for frame in reversed(s["location"]["stack"]):
-        if "test_pass_mhc.py" in frame and frame.endswith("(forward)"):
-            line = int(frame.split(":")[1].split(" ")[0])
-            return next((k for k, v in SITES.items() if v == line), line)
-    return None
+    return site_of(s, __file__, SITES)
 
 
 # ------------------------------------------------------------------------------------------- zoo tests

@@ -45,16 +45,13 @@ from torch import nn
 
 pytest.importorskip("dsv41.kernels.moe", reason="dsv41.kernels.moe (the fused ops) is not importable")
 import dsv41.kernels.moe  # noqa: E402,F401
+from zoo_sites import site_markers, site_of  # noqa: E402
 
 _OPS = ("moe_router", "moe_combine")
 if not all(hasattr(torch.ops.dsv41, op) for op in _OPS):
     pytest.skip(f"dsv41 ops {_OPS} are not all registered", allow_module_level=True)
 
-SITES = {}
-for _i, _line in enumerate(open(__file__).read().splitlines(), 1):
-    _m = re.search(r"# site:(\w+)$", _line)
-    if _m:
-        SITES[_m.group(1)] = _i
+SITES = site_markers(__file__)
 
 D, F_INTER, E, K = 32, 16, 8, 3
 
@@ -189,12 +186,7 @@ def _fam(report):
 
 
 def _site_of(s, fn="forward"):
-    """The zoo site (marker name) of a match / near-miss: the test-file line in its stack."""
-    for frame in reversed(s["location"]["stack"]):
-        if "test_pass_moe.py" in frame and frame.endswith(f"({fn})"):
-            line = int(frame.split(":")[1].split(" ")[0])
-            return next((k for k, v in SITES.items() if v == line), line)
-    return None
+    return site_of(s, __file__, SITES, fn)
 
 
 # ------------------------------------------------------------------------------------------- zoo tests

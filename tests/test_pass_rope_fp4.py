@@ -31,16 +31,13 @@ pytest.importorskip("dsv41.kernels", reason="dsv41.kernels (the fused ops) is no
 import dsv41.kernels  # noqa: E402,F401
 from dsv41.model import formats as fm  # noqa: E402
 from dsv41.model.rope import apply_rope  # noqa: E402
+from zoo_sites import site_markers, site_of  # noqa: E402
 
 _OPS = ("rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")
 if not all(hasattr(torch.ops.dsv41, op) for op in _OPS):
     pytest.skip(f"dsv41 ops {_OPS} are not all registered", allow_module_level=True)
 
-SITES = {}
-for _i, _line in enumerate(open(__file__).read().splitlines(), 1):
-    _m = re.search(r"# site:(\w+)$", _line)
-    if _m:
-        SITES[_m.group(1)] = _i
+SITES = site_markers(__file__)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 R = 16
@@ -187,12 +184,7 @@ def _fam(report):
 
 
 def _site_of(s):
-    """Marker of a match/near-miss: the zoo line in its stack (the RoPE's caller)."""
-    for frame in reversed(s["location"]["stack"]):
-        if "test_pass_rope_fp4.py" in frame and frame.endswith("(forward)"):
-            line = int(frame.split(":")[1].split(" ")[0])
-            return next((k for k, v in SITES.items() if v == line), line)
-    return None
+    return site_of(s, __file__, SITES)
 
 
 # ------------------------------------------------------------------------------------------- tests

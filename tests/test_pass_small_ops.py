@@ -25,12 +25,9 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv41.passes.small_ops import SmallOpsFamily, mutated_inputs, step_nodes
+from zoo_sites import site_markers, site_of  # noqa: E402
 
-SITES = {}
-for _i, _line in enumerate(open(__file__).read().splitlines(), 1):
-    _m = re.search(r"# site:(\w+)$", _line)
-    if _m:
-        SITES[_m.group(1)] = _i
+SITES = site_markers(__file__)
 
 W, D, LAYERS = 8, 16, 3
 
@@ -100,12 +97,7 @@ def _fam(report):
 
 
 def _site_of(s):
-    """Zoo marker of a match / near-miss: the innermost frame of its stack inside this file."""
-    for frame in reversed(s["location"]["stack"]):
-        if "test_pass_small_ops.py" in frame and frame.endswith("(forward)"):
-            line = int(frame.split(":")[1].split(" ")[0])
-            return next((k for k, v in SITES.items() if v == line), line)
-    return None
+    return site_of(s, __file__, SITES)
 
 
 # ------------------------------------------------------------------------------------------- zoo tests

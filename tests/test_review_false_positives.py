@@ -33,13 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
+from zoo_sites import site_markers, site_of  # noqa: E402
 
-FILE = "test_review_false_positives.py"
-SITES = {}
-for _i, _line in enumerate(open(__file__).read().splitlines(), 1):
-    _m = re.search(r"# site:(\w+)$", _line)
-    if _m:
-        SITES[_m.group(1)] = _i
+SITES = site_markers(__file__)
 
 D, E, K = 32, 8, 2
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -50,14 +46,7 @@ def _param(t):
 
 
 def _site_of(s):
-    """The zoo site (marker name) of a match / near-miss: a line of this file in its stack, or None."""
-    for frame in reversed(s["location"]["stack"]):
-        if FILE in frame:
-            line = int(frame.split(":")[1].split(" ")[0])
-            name = next((k for k, v in SITES.items() if v == line), None)
-            if name is not None:
-                return name
-    return None
+    return site_of(s, __file__, SITES, fn=None, names_only=True)
 
 
 def _close(a, b, rtol=1e-4):

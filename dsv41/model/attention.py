@@ -109,6 +109,8 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: dict) -> torch.Tensor:
+        """One attention sublayer: x [B, T, d] at positions int64 [B, T] -> [B, T, d] in x.dtype; reads and
+        writes the static caches and publishes/reads CSA selections in `shared` (see the class docstring)."""
         if self.ring_codes is None:
             raise RuntimeError("Attention.forward before setup_cache(batch_size, max_seq_len)")
         b, t, _ = x.shape

@@ -163,6 +163,7 @@ class _Tally:
         row["prefill_bytes"] += prefill * b
 
     def total(self, column: str, group: str | None = None) -> int:
+        """Sum of `column` over all rows (or the rows of `group`), in that column's unit."""
         return sum(r[column] for c, r in self.rows.items() if group is None or self.groups[c] == group)
 
 

@@ -90,6 +90,8 @@ class Linear(nn.Module):
         self.set_weight(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x.dtype: `F.linear` on the dense weight, or on the dequantised FP8/FP4 weight
+        with x fake-quantised to FP8 1x32 first (MODEL.md §2.1 "Quantized GEMM semantics")."""
         if self.fmt == "dense":
             return F.linear(x, self.weight)
         w = self.dequantized_weight(x.dtype)

@@ -65,6 +65,8 @@ class Block(nn.Module):
 
     def forward(self, H: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor, shared: dict,
                 engram_rows: torch.Tensor | None = None):
+        """One block: residual streams H [B, T, 4, d] and this layer's pre mix -> (H', next pre mix); see the class
+        docstring for the mHC / attention / Engram / MoE order (MODEL.md §2.3, §3)."""
         if self.engram is not None:
             H = self.engram(H, engram_rows)
         a_pre, a_post, a_comb = self.mixes("attn", H)
@@ -225,6 +227,8 @@ class DeepseekV41Flash(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Logits FP32 [B, T or 1, V] for input_ids int64 [B, T] at positions int64 [B, T] (`last_only`: only the
+        last position). Raises RuntimeError before `setup_cache`, ValueError for bad shapes, positions or batch size."""
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
         self._check_inputs(input_ids, positions)

@@ -35,4 +35,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., d] (FP32 statistics, eps of the module) -> x.dtype."""
         return rms_norm(x, self.weight, self.eps)

@@ -73,5 +73,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", f.to(device) if device is not None else f, persistent=False)
 
     def forward(self, positions: torch.Tensor):
+        """(cos, sin) FP32 [*positions.shape, R/2] for int64 positions."""
         ang = positions.to(torch.float32)[..., None] * self.inv_freq
         return torch.cos(ang), torch.sin(ang)

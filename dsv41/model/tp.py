@@ -253,6 +253,8 @@ class ExpertParallelRoutedExperts(RoutedExperts):
     n_global_experts: int = 0
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed output, FP32 [N, d]: x [N, d], global weights FP32 / indices int64
+        [N, k]; experts held by other ranks get weight 0 (their sum arrives through the all-reduce)."""
         local = indices - self.expert_start
         mine = (local >= 0) & (local < self.n_experts)
         weights = torch.where(mine, weights.float(), torch.zeros_like(weights, dtype=torch.float32))

@@ -104,6 +104,8 @@ class MhcFamily(FusionFamily):
                "collapse -> RMSNorm")
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Replace every verified mHC coefficient, expand and collapse + RMSNorm chain of `gm` with the dsv41::mhc_*
+        ops; returns the record (matches, near-misses with the failed check)."""
         _register_ops()
         graph = gm.graph
         start = set(graph.nodes)

@@ -161,6 +161,7 @@ class NormalizeFamily(FusionFamily):
     summary = "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases"
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Remove the value-preserving detours of `gm` in place; returns the record of what was rewritten."""
         global _PASS
         if _PASS is None:
             _PASS = _build()
