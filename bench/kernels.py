@@ -12,16 +12,21 @@ Usage:
 `--sweep` also times a small grid of GEMV launch configurations per shape (to tune `gemv_plan`).
 Shapes are the h200 preset's decode shapes (MODEL.md §4.3): wq_b 32768x1280, wo_b 5120x8192, wq_a 1280x5120,
 shared w1 2304x5120, w2 5120x2304, FP4 expert 2304x5120 / 5120x2304, head-like 129280x5120 (fp8).
+`--families` times the fusion-family ops instead (Engram lookup / gate, MoE router / tail, grouped FP4 experts,
+C2 bank writes; byte formulas in the comment above `_FAMILY_MAX_COPIES`) at h200 shapes; with `--tiny` at tiny
+shapes with one timed call per variant, also on `--device cpu` under TRITON_INTERPRET=1 (an end-to-end check).
 Exits with status 2 and a message when no CUDA device is present.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
+import time
 
 import torch
 
@@ -162,6 +167,28 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
     return rows
 
 
+#: The FP8 projections of one h200 decode layer, in model order (attention q/o paths and the shared expert).
+CHAIN = ("wq_a", "wq_b", "wo_b", "shared_w1", "shared_w2")
+
+
+def bench_gemv_chain(bw, reps_ms, gen):
+    """One row: the FP8 GEMVs of one decode layer (`CHAIN`) back to back in one CUDA graph, as a decode step runs
+    them (PDL overlaps each kernel's weight loads with the previous one's tail), over enough layer copies that
+    the weights exceed L2. Bytes = all weights + scales + activations read and outputs written."""
+    from dsv41.kernels import quant_gemv as qg
+    shapes = [(n, k) for name, fmt, n, k in GEMV_SHAPES if name in CHAIN]
+    layer_bytes = sum(n * k + (-(-n // 32)) * (k // 32) for n, k in shapes)
+    layers = [[_random_fp8_weight(n, k, gen) for n, k in shapes] for _ in range(_copies_for(layer_bytes))]
+    xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen) for n, k in shapes]
+    calls = [lambda x=x, w=w, s=s: qg.triton_linear_fp8_block(x, w, s, True)
+             for layer in layers for x, (w, s) in zip(xs, layer)]
+    t = _bench_graph(calls, reps_ms) * len(shapes)  # seconds per layer
+    moved = layer_bytes + sum(2 * k + 2 * n for n, k in shapes)
+    return [dict(kernel="linear_fp8_block chain", shape="+".join(CHAIN), M=1, N=sum(n for n, _ in shapes),
+                 K=0, variant="triton (graph), one layer", bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
+                 eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw)]
+
+
 def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
     """Rows for one RoPE+FP4 case: Triton and the eager reference, 16 calls per graph, plus eager Triton."""
     from dsv41.kernels import rope_fp4 as rp
@@ -203,6 +230,398 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
     return out
 
 
+# ------------------------------------------------------------------------------------------- fusion families
+# `--families`: the ops of the fusion families (dsv41/kernels/{engram,moe,grouped_gemv,c2_compressor}.py) at the
+# decode shapes of a preset (h200; tiny with --tiny), every size from dsv41.model.ModelConfig, activations bf16.
+# Rows follow the GEMV/RoPE schema; M = token rows of the decode step (--m), N and K as listed per op below.
+#
+# Byte floor of each op = what it must read + write at minimum (elt(t) = bytes per element of t; not counted:
+# split-K partials and arrival counters, the router's logit workspace, re-reads that hit L2):
+#   engram_lookup  tokens * (M_ng * 8                      u, the look-back ids (int64)
+#                            + R * (C + C/32)              the R gathered table rows: E4M3 bytes + UE8M0 scales
+#                            + R * C * elt(x))             the dequantised wkv input written
+#                  + (M_ng + 2 R) * 8                      multipliers, primes, offsets
+#                  M_ng = engram_max_ngram, R = (M_ng - 1) * engram_n_heads, C = engram_row_dim; N = R*C, K = C
+#   engram_gate    tokens * (4d [H] + 4d [keys] + d [value] + 4d [H' written]) * elt + 2 * 4d * elt [q/k weights]
+#                  d = hidden_size; N = 4d, K = d
+#   moe_router     tokens * d * elt(x) + E * d * elt(W) + E * 4 [bias fp32] + tokens * k * (4 + 8) [weights, ids]
+#                  E = n_routed_experts, k = num_experts_per_tok; N = E, K = d
+#   moe_combine    tokens * (k * d * elt(y) + d * elt(shared) + d * elt(out))    (V4.1's tail: weights = None)
+#                  N = d, K = k
+#   grouped_fp4    U * out * (K/2 + K/32)                  codes + scales of the U distinct experts the ids name
+#                  + x bytes (tokens x K for w1/w3, tokens x k x K for w2) + tokens * k * 8 [ids]
+#                  + tokens * k * out * elt(y); shapes w1w3: out = moe_intermediate_size, K = d; w2: the reverse
+#   c2_pool_store  tokens * (4 D * 4 [k, g, prev_k, prev_g fp32] + 2 * R/2 * 4 [cos, sin] + 8 [row]
+#                            + D * elt(latent) + D/2 + D/16 [latent, FP4 codes, E4M3 scales written]) + D * elt(w)
+#                  D = head_dim, R = qk_rope_head_dim (bank rows: E2M1 + E4M3 scale per 16); N = D, K = R
+#   c2_norm_store  as c2_pool_store with tokens * D * elt(x) read instead of the four fp32 projections
+#
+# Timing (CUDA, default): a CUDA graph of back-to-back calls over input copies (rotated so one replay touches
+# >= 3x the 60 MB L2 where <= _FAMILY_MAX_COPIES copies suffice; `copies` and `graph_data_MB` in each row say
+# how much), triton.testing.do_bench median with L2 flushed per replay, divided by the calls per graph. The big
+# shared tables (Engram rows, expert stacks) are not copied: each call gathers other rows / experts. References
+# are graph-captured too, except the bank writes, whose reference scatters through boolean indexing (a host
+# sync): "reference (eager)". The grouped GEMV's reference is the model's gather -> dequantise -> einsum
+# without `reference_grouped_linear_fp4`'s host-side index range check (a sync a graph cannot capture).
+# `--tiny` (and `--device cpu`, where the kernels run in the Triton interpreter under TRITON_INTERPRET=1): one
+# timed call after one warm-up call, no graphs; that checks the code end to end, the times mean little.
+# Every row also carries `check`: the Triton output against the reference on the first input copy.
+
+#: Most input copies one timing graph rotates over.
+_FAMILY_MAX_COPIES = 1024
+#: Most copies a reference graph replays (the references launch ~10 kernels per call).
+_FAMILY_MAX_REF_COPIES = 256
+#: The H200's L2 (bytes): one replay should touch 3x this.
+_L2_BYTES = 60 << 20
+#: Bank rows of the compressor caches the c2 rows write into.
+_C2_CACHE_ROWS = 4096
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if t is not None else 0
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _family_copies(nbytes: int) -> int:
+    """Input copies so that one graph replay touches >= 3x the L2 (at most `_FAMILY_MAX_COPIES`)."""
+    return max(1, min(_FAMILY_MAX_COPIES, -(-3 * _L2_BYTES // max(nbytes, 1))))
+
+
+def _randn(shape, gen, dev, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
+
+
+def _grouped_reference_graphable(x, weight, scale, indices, act_quant):
+    """`grouped_gemv.reference_grouped_linear_fp4` minus its host-side index range check: the model's
+    gather -> dequantise -> einsum (dsv41/model/moe.py `RoutedExperts.forward_gather`). Shapes as the op."""
+    from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
+    w = dequantize_fp4_1x32(weight[indices], scale[indices], x.dtype)
+    xq = fake_quant_fp8_1x32(x) if act_quant else x
+    return torch.einsum("nd,nkfd->nkf" if x.dim() == 2 else "nkd,nkfd->nkf", xq, w)
+
+
+def _case_engram_lookup(cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import engram as ek
+    from dsv41.model.engram import EngramHash
+    layer = cfg.engram_layer_ids[0]
+    if "engram" not in state:  # the layer's table: ~3.1M rows x (256 + 8) B at h200, shared by every copy
+        h = EngramHash(cfg)
+        consts = tuple(torch.tensor(v, dtype=torch.int64, device=dev)
+                       for v in (h.multipliers(layer), h.primes(layer), h.offsets(layer)))
+        c = cfg.engram_row_dim
+        w = torch.randint(0, 256, (h.num_rows(layer), c), dtype=torch.uint8, device=dev, generator=gen)
+        w[(w & 0x7F) == 0x7F] = 0x38  # no NaN codes, so that `check` compares finite values
+        s = torch.randint(110, 140, (h.num_rows(layer), c // 32), dtype=torch.uint8, device=dev, generator=gen)
+        state["engram"] = (consts, w, s)
+    consts, w, s = state["engram"]
+    m_ng, r, c = cfg.engram_max_ngram, consts[1].numel(), w.shape[1]
+
+    def make():
+        u = torch.randint(0, cfg.engram_compressed_vocab_size, (n, 1, m_ng), device=dev, generator=gen)
+        return (u, *consts, w, s, dt)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + n * r * (c + c // 32) + n * r * c * _elt(dt) + (m_ng + 2 * r) * 8
+
+    return dict(shape=f"R{r}xC{c}", N=r * c, K=c, make=make, nbytes=nbytes, tri=ek.triton_engram_lookup,
+                ref=ek.reference_engram_lookup, ref_graph=True)
+
+
+def _case_engram_gate(cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import engram as ek
+    d, hc = cfg.hidden_size, cfg.hc_mult
+
+    def make():
+        H = _randn((n, 1, hc, d), gen, dev, 2.0, dt)
+        kv = _randn((n, 1, (hc + 1) * d), gen, dev, 1.0, dt)  # the wkv output; keys / value are views of it
+        qw = (1 + _randn((hc, d), gen, dev, 0.1)).to(dt)
+        kw = (1 + _randn((hc, d), gen, dev, 0.1)).to(dt)
+        return (H, kv[..., :hc * d].unflatten(-1, (hc, d)), kv[..., hc * d:], qw, kw, cfg.rms_norm_eps)
+
+    def nbytes(a):
+        H, keys, value, qw, kw, _ = a
+        return 2 * _nbytes(H) + _nbytes(keys) + _nbytes(value) + _nbytes(qw) + _nbytes(kw)
+
+    return dict(shape=f"{hc}x{d}", N=hc * d, K=d, make=make, nbytes=nbytes, tri=ek.triton_engram_gate,
+                ref=ek.reference_engram_gate, ref_graph=True)
+
+
+def _case_moe_router(cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import moe as mk
+    e, d, k = cfg.n_routed_experts, cfg.hidden_size, cfg.num_experts_per_tok
+
+    def make():
+        x = _randn((n, d), gen, dev, 1.0, dt)
+        W = _randn((e, d), gen, dev, d ** -0.5, dt)  # dsv41.model.moe.Gate.init_random's scale
+        bias = _randn((e,), gen, dev, 0.01)
+        return (x, W, bias, k, cfg.gate_temp, cfg.routed_scaling_factor, 1e-20)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + _nbytes(a[2]) + n * k * (4 + 8)
+
+    return dict(shape=f"E{e}_k{k}", N=e, K=d, make=make, nbytes=nbytes, tri=mk.triton_moe_router,
+                ref=mk.reference_moe_router, ref_graph=True)
+
+
+def _case_moe_combine(cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import moe as mk
+    d, k = cfg.hidden_size, cfg.num_experts_per_tok
+
+    def make():
+        return (_randn((n, k, d), gen, dev, 1.0, dt), _randn((n, d), gen, dev, 1.0, dt), None, dt)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + n * d * _elt(dt)
+
+    return dict(shape=f"k{k}x{d}", N=d, K=k, make=make, nbytes=nbytes, tri=mk.triton_moe_combine,
+                ref=mk.reference_moe_combine, ref_graph=True)
+
+
+def _case_grouped(which, cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import grouped_gemv as gg
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    out, kin = ((cfg.moe_intermediate_size, cfg.hidden_size) if which == "w1w3"
+                else (cfg.hidden_size, cfg.moe_intermediate_size))
+    if which not in state:  # the stacked FP4 experts (~600 MB each at h200), shared by every copy
+        w = torch.randint(0, 256, (e, out, kin // 2), dtype=torch.uint8, device=dev, generator=gen)
+        s = torch.randint(117, 124, (e, out, kin // 32), dtype=torch.uint8, device=dev, generator=gen)
+        state[which] = (w, s)
+    w, s = state[which]
+
+    def make():
+        # Each token picks k distinct experts (the router's top-k); copies pick other experts.
+        idx = torch.stack([torch.randperm(e, generator=gen, device=dev)[:k] for _ in range(n)])
+        x = _randn((n, kin) if which == "w1w3" else (n, k, kin), gen, dev, 1.0, dt)
+        return (x, w, s, idx, True)
+
+    def nbytes(a):
+        x, _, _, idx, _ = a
+        distinct = int(torch.unique(idx).numel())
+        return distinct * out * (kin // 2 + kin // 32) + _nbytes(x) + _nbytes(idx) + n * k * out * _elt(dt)
+
+    return dict(shape=which, N=out, K=kin, make=make, nbytes=nbytes, tri=gg.triton_grouped_linear_fp4,
+                ref=_grouped_reference_graphable, ref_graph=True, ref_copies=4)
+
+
+def _case_c2(pool, cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import c2_compressor as c2
+    from dsv41.kernels.rope_fp4 import FP4_MODES
+    d, r_half = cfg.head_dim, cfg.qk_rope_head_dim // 2
+    block, e4m3 = FP4_MODES[0]  # bank rows: E2M1 codes, one E4M3 scale per 16 channels
+    key = ("c2_caches", n)
+    if key not in state:  # written in place by every call (one row each), shared by the copies
+        state[key] = (torch.zeros(n, _C2_CACHE_ROWS + 1, d // 2, dtype=torch.uint8, device=dev),
+                      torch.zeros(n, _C2_CACHE_ROWS + 1, d // block, dtype=torch.uint8, device=dev))
+    cc, sc = state[key]
+    eps = float(cfg.rms_norm_eps)
+
+    def make():
+        w = (0.5 + torch.rand(d, generator=gen, device=dev)).to(dt)
+        ang = torch.rand(n, 1, r_half, generator=gen, device=dev) * 6
+        rows = torch.randint(0, _C2_CACHE_ROWS, (n, 1), device=dev, generator=gen)
+        tail = (ang.cos(), ang.sin(), block, e4m3, cc, sc, rows)
+        if pool:
+            k, g, pk, pg = (_randn((n, 1, d), gen, dev, 2.0) for _ in range(4))
+            return (k, g, pk, pg, w, eps, dt, *tail)
+        return (_randn((n, 1, d), gen, dev, 3.0, dt), w, eps, *tail)
+
+    def nbytes(a):
+        cos, sin, rows = a[-7], a[-6], a[-1]
+        inputs = sum(_nbytes(t) for t in a[:4]) if pool else _nbytes(a[0])
+        w = a[4] if pool else a[1]
+        return (inputs + _nbytes(w) + _nbytes(cos) + _nbytes(sin) + _nbytes(rows)
+                + n * (d * _elt(dt) + d // 2 + d // block))
+
+    tri = c2.triton_c2_pool_norm_rope_fp4_store if pool else c2.triton_c2_norm_rope_fp4_store
+    ref = c2.reference_c2_pool_norm_rope_fp4_store if pool else c2.reference_c2_norm_rope_fp4_store
+    return dict(shape=f"bank{d}", N=d, K=2 * r_half, make=make, nbytes=nbytes, tri=tri, ref=ref, ref_graph=False)
+
+
+#: (row kernel name, dsv41 op, case builder(cfg, tokens, device, dtype, generator, shared state) -> case dict).
+FAMILY_CASES = [
+    ("engram_lookup", "dsv41::engram_lookup", _case_engram_lookup),
+    ("engram_gate", "dsv41::engram_gate", _case_engram_gate),
+    ("moe_router", "dsv41::moe_router", _case_moe_router),
+    ("moe_combine", "dsv41::moe_combine", _case_moe_combine),
+    ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w1w3")),
+    ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w2")),
+    ("c2_pool_store", "dsv41::c2_pool_norm_rope_fp4_store", functools.partial(_case_c2, True)),
+    ("c2_norm_store", "dsv41::c2_norm_rope_fp4_store", functools.partial(_case_c2, False)),
+]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_once(fn, dev: torch.device) -> float:
+    """Seconds of one call of `fn` after one warm-up call (compiles on CUDA), host clock around a device sync."""
+    fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+def _compare(got, want) -> dict:
+    """How far `got` is from `want` (tensors or tuples of them): max |difference| of float outputs (NaN-aware),
+    the largest |reference| value, and counts of differing integer elements / NaN positions."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    out = dict(max_abs_diff=0.0, max_abs_ref=0.0, unequal_ints=0, nan_mismatch=0)
+    for g, w in zip(got, want):
+        g, w = g.detach().cpu(), w.detach().cpu()
+        if g.dtype.is_floating_point:
+            g64, w64 = g.double(), w.double()
+            out["nan_mismatch"] += int((torch.isnan(g64) != torch.isnan(w64)).sum())
+            d = (g64 - w64).abs()
+            d = d[~torch.isnan(d)]
+            if d.numel():
+                out["max_abs_diff"] = max(out["max_abs_diff"], float(d.max()))
+            finite = w64[torch.isfinite(w64)]
+            if finite.numel():
+                out["max_abs_ref"] = max(out["max_abs_ref"], float(finite.abs().max()))
+        else:
+            out["unequal_ints"] += int((g != w).sum())
+    return out
+
+
+def bench_family_case(kernel, op, builder, cfg, n, dev, dt, bw, reps_ms, graphs, gen, state, errors):
+    """Rows for one family op at `n` token rows: Triton and its reference (graph or single-call timing, see the
+    comment above `_FAMILY_MAX_COPIES`), plus eager Triton in graph mode. Failures are appended to `errors`
+    (the other rows still run)."""
+    case = builder(cfg, n, dev, dt, gen, state)
+    a0 = case["make"]()
+    nbytes = case["nbytes"](a0)
+    copies = _family_copies(nbytes) if graphs else 1
+    args = [a0] + [case["make"]() for _ in range(copies - 1)]
+    tri, ref = case["tri"], case["ref"]
+    shape = f"{cfg.name}_{case['shape']}"
+    tag = f"{kernel} {shape} M={n}"
+    try:
+        check = _compare(tri(*a0), ref(*a0))
+    except Exception as exc:  # the kernel or its reference does not run: report and go on
+        errors.append(f"{tag} check: {type(exc).__name__}: {str(exc)[:500]}")
+        print(f"  {errors[-1]}", file=sys.stderr)
+        return []
+    base = dict(kernel=kernel, op=op, shape=shape, M=n, N=case["N"], K=case["K"], bytes=nbytes,
+                floor_us=nbytes / bw * 1e6, check=check)
+
+    def graph_of(fn, cps):
+        return lambda: _bench_graph([functools.partial(fn, *a) for a in cps], reps_ms)
+
+    if graphs:
+        ref_cps = args[:min(copies, case.get("ref_copies", _FAMILY_MAX_REF_COPIES))]
+        variants = [("triton (graph)", len(args), graph_of(tri, args)),
+                    ("triton (eager, incl. launch)", 1, lambda: _bench(lambda: tri(*a0), reps_ms))]
+        if case["ref_graph"]:
+            variants.append(("reference (graph)", len(ref_cps), graph_of(ref, ref_cps)))
+        else:
+            variants.append(("reference (eager)", 1, lambda: _bench(lambda: ref(*a0), reps_ms)))
+    else:
+        variants = [("triton (single call)", 1, lambda: _time_once(lambda: tri(*a0), dev)),
+                    ("reference (single call)", 1, lambda: _time_once(lambda: ref(*a0), dev))]
+    rows = []
+    for variant, cps, timer in variants:
+        try:
+            t = timer()
+        except Exception as exc:
+            _sync(dev)
+            msg = f"{tag} {variant}: {type(exc).__name__}: {str(exc)[:500]}"
+            print(f"  {msg}", file=sys.stderr)
+            if variant != "reference (graph)":
+                errors.append(msg)
+                continue
+            try:  # a reference that cannot be captured is still timed, eagerly
+                variant, cps, t = "reference (eager)", 1, _bench(lambda: ref(*a0), reps_ms)
+            except Exception as exc2:
+                errors.append(f"{msg}; eager: {type(exc2).__name__}: {str(exc2)[:500]}")
+                continue
+        rows.append(dict(base, variant=variant, copies=cps, graph_data_MB=cps * nbytes / 2 ** 20,
+                         time_us=t * 1e6, eff_bw_TBps=nbytes / t / 1e12, frac_of_copy=nbytes / t / bw))
+    return rows
+
+
+def _cpu_copy_bandwidth() -> float:
+    """Host memory copy bandwidth in bytes/s (read + written) of a 64 MiB buffer, best of 5."""
+    src = torch.ones(1 << 26, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def main_families(args) -> int:
+    """`--families`: time the fusion-family ops (FAMILY_CASES) and print / write their rows (exit 1 if any failed).
+
+    Exits with status 2 and a message when the device cannot run the kernels (no CUDA; CPU without
+    TRITON_INTERPRET=1 set before Triton was imported).
+    """
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("bench/kernels.py --families --device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    import triton
+    import dsv41.kernels as kernels
+    from dsv41.model import ModelConfig
+    kernels.set_pdl(args.pdl)
+    cfg = ModelConfig.preset("tiny" if args.tiny else "h200")
+    graphs = dev.type == "cuda" and not args.tiny
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    if dev.type == "cuda":
+        kernels.prepare_device(dev)
+        bw = copy_bandwidth(args.reps_ms)
+    else:
+        bw = _cpu_copy_bandwidth()
+    rows, errors, state = [], [], {}
+    for kernel, op, builder in FAMILY_CASES:
+        if args.only and kernel not in args.only and op not in args.only:
+            continue
+        for m in args.m:
+            rows += bench_family_case(kernel, op, builder, cfg, m, dev, torch.bfloat16, bw, args.reps_ms, graphs,
+                                      gen, state, errors)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    import datetime
+    timing = ("CUDA graph of back-to-back calls over input copies; triton.testing.do_bench median, L2 flushed per "
+              "replay" if graphs else "one call after one warm-up call, host clock"
+              + (" (Triton interpreter)" if dev.type == "cpu" else ""))
+    meta = dict(date=datetime.date.today().isoformat(),
+                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})",
+                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                copy_bw_TBps=bw / 1e12, pdl=args.pdl, preset=cfg.name, section="families", dtype="bfloat16",
+                timing=timing, errors=errors)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  copy bandwidth "
+          f"{bw / 1e12:.4f} TB/s (read+write)  pdl={args.pdl}  preset={cfg.name}  timing: {timing}")
+    hdr = (f"{'kernel':<15}{'shape':<16}{'M':>3}{'N':>7}{'K':>6}  {'variant':<30}{'copies':>7}{'us':>12}"
+           f"{'floor us':>10}{'TB/s':>7}{'of copy':>9}{'max|d|':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['kernel']:<15}{r['shape']:<16}{r['M']:>3}{r['N']:>7}{r['K']:>6}  {r['variant']:<30}"
+              f"{r['copies']:>7}{r['time_us']:>12.2f}{r['floor_us']:>10.3f}{r['eff_bw_TBps']:>7.2f}"
+              f"{r['frac_of_copy']:>8.0%}{r['check']['max_abs_diff']:>10.2e}")
+    for e in errors:
+        print(f"ERROR {e}")
+    return 1 if errors else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here as JSON")
@@ -211,7 +630,19 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
     ap.add_argument("--m", type=int, nargs="*", default=[1], help="GEMV batch rows M to time (default: 1)")
     ap.add_argument("--pdl", action="store_true", help="launch with PDL (dsv41.kernels.set_pdl(True))")
+    ap.add_argument("--families", action="store_true",
+                    help="time the fusion-family ops (Engram, MoE router / tail, grouped FP4 experts, C2 bank "
+                         "write) instead of the GEMV / RoPE rows; --only then takes kernel or op names")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="--families only: device (cpu runs the Triton interpreter: set TRITON_INTERPRET=1)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="--families only: tiny preset shapes, one timed call per variant instead of CUDA graphs")
     args = ap.parse_args(argv)
+    if args.families:
+        return main_families(args)
+    if args.device != "cuda" or args.tiny:
+        print("--device and --tiny apply to --families only", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -228,6 +659,9 @@ def main(argv=None) -> int:
         for m in args.m:
             rows += bench_gemv(name, fmt, n, k, m, bw, args.reps_ms, args.sweep, gen)
             torch.cuda.empty_cache()
+    if not args.only or "chain" in args.only:
+        rows += bench_gemv_chain(bw, args.reps_ms, gen)
+        torch.cuda.empty_cache()
     for spec in ROPE_SHAPES:
         if args.only and spec[0] not in args.only:
             continue

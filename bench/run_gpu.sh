@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep eager backends  (default: all but sweep)
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep families eager backends tp
+#                                           (default: all but sweep, families, tp)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,12 +15,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $sections; do
   case $s in
     tests)
-      python3 -m pytest -q tests/test_kernels_gpu.py 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
     kernels)
       python3 bench/kernels.py --json "$OUTDIR/kernels.json" 2>&1 | tail -30 ;;
     sweep)
       python3 bench/kernels.py --pdl --sweep --only ${SWEEP_SHAPES:-wq_b wo_b wq_a shared_w1 expert_w1 head} \
         --json "$OUTDIR/kernels_sweep_pdl.json" 2>&1 | tail -120 ;;
+    families)
+      python3 bench/kernels.py --families --pdl --json "$OUTDIR/kernels_families.json" 2>&1 | tail -40 ;;
     eager)
       for wm in bf16 checkpoint; do
         python3 -m dsv41 run --preset small --weight-mode $wm --backend eager --device cuda \
@@ -27,6 +30,24 @@ for s in $sections; do
       done
       python3 -m dsv41 run --preset h200 --weight-mode checkpoint --backend eager --device cuda \
         --prompt-len 128 --new-tokens 8 --json "$OUTDIR/eager_h200_checkpoint.json" 2>&1 | tail -8 ;;
+    e2e)
+      # The compiled model end to end: tiny in FP32 (greedy tokens must equal eager's), then small in bf16 with
+      # kernels per step counted by the profiler (count_kernels) and the per-role static counts in the report.
+      timeout ${E2E_TINY_TIMEOUT:-150} python3 -m dsv41 run --preset tiny --device cuda --dtype fp32 --prompt-len 40 \
+        --new-tokens 16 ${E2E_OPTIONS:-} --json "$OUTDIR/run_tiny_fp32_dsv41.json" 2>&1 | tail -12
+      timeout ${E2E_SMALL_TIMEOUT:-330} python3 -m dsv41 run --preset small --device cuda --prompt-len ${PROMPT_LEN:-1024} \
+        --new-tokens ${NEW_TOKENS:-32} --option count_kernels=true ${E2E_OPTIONS:-} \
+        --json "$OUTDIR/run_small_dsv41.json" 2>&1 | tail -30 ;;
+    tp)
+      # h200 under tensor parallelism on all local GPUs (an nvidia-h200-x2 / -x4 machine): MoE TP without padding
+      # (pad to 32), TP padded to 256 columns, and EP; eager (a dsv41 compile of h200 per layout does not fit a call).
+      for cfg in "tp 32" "tp 256" "ep 32"; do
+        read -r moe pad <<< "$cfg"
+        timeout ${TP_TIMEOUT:-240} python3 -m dsv41 run --tp ${TP:-2} --tp-moe $moe --tp-pad-to $pad \
+          --preset ${TP_PRESET:-h200} --weight-mode checkpoint --backend ${TP_BACKEND:-eager} --device cuda \
+          --prompt-len ${TP_PROMPT_LEN:-64} --new-tokens ${TP_NEW_TOKENS:-8} \
+          --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
+      done ;;
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \

@@ -17,6 +17,11 @@ def main(folder: str) -> None:
             rows.append(f"{name:34s} {d.get('backend', ''):10s} prefill {d['prefill_tok_s']:10.1f} tok/s  "
                         f"decode {d['decode_tok_s']:8.2f} tok/s  peak {d.get('peak_mem_gb', float('nan')):6.1f} GB  "
                         f"match {d.get('tokens_match_eager')}")
+            if "tp" in d:
+                t = d["tp"]
+                rows.append(f"{'':34s} tp {t.get('world_size')} {t.get('moe_mode')} pad {t.get('pad_to')} "
+                            f"(inter/rank {t.get('inter_per_rank')})  ranks agree {t.get('ranks_agree')}  barrier gap "
+                            f"median {t.get('barrier_gap_us_median')} us, all-reduce {t.get('allreduce_us_median')} us")
         elif "backends" in d:
             for b, r in d["backends"].items():
                 dec = r.get("decode_tok_s") or {}

@@ -25,6 +25,15 @@ Protocol, in this order (every backend gets the same prompt, seed 42, and the sa
 graph replays included: CUPTI reports each kernel of a replayed graph); memcpy and memset activities are
 `memcpy_memset_per_step`, not kernels. Null with a note on CPU, which launches no device kernels.
 
+`kernels_per_step_by_role` (dsv41 rows): launches of one decode step per decoder-layer role, counted statically
+from the code Inductor generated for the cold compile (`dsv41/compiler/kernel_counts.py`: every Inductor kernel,
+extern / fallback / dsv41 op call and buffer copy of one call of the compiled graphs, attributed to a layer through
+Inductor's kernel provenance and mapped to roles with `ModelConfig.roles`): {swa, full, reindex, reuse: launches
+summed over the layers of that role, other: launches outside the layers, per_layer: {role: {layers, min, max,
+mean}}}. `kernels_per_step_static` is their total; on CPU it is the only count, on CUDA it stands next to the
+profiler's `kernels_per_step` (one dsv41 op may launch more than one kernel, and copies may run as memcpy), and
+`kernels_static_minus_profiler` is the difference the GPU run checks.
+
 Roofline: `decode_bytes_per_step` = `budget(config).decode_weight_bytes` + `decode_kv_read_bytes(config, C)`
 at the mean decode context C = prompt_len + new_tokens // 2; `roofline_tok_s` = device-to-device copy
 bandwidth measured in this run (bytes read + written per second) / decode_bytes_per_step; a backend's
@@ -42,7 +51,10 @@ text), and `backends` = {name: {`decode_tok_s`: {median, min, max}, `prefill_tok
 `kernels_per_step`, `memcpy_memset_per_step`, `roofline_fraction`, `compile_s`, `compile_warm_s`,
 `peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `options`, `note`}};
 the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold compile), and every dsv41 row
-`fusion_matches` {family: matches}.
+`fusion_matches` {family: matches}, `kernels_per_step_by_role`, `kernels_per_step_static` and
+`kernels_static_minus_profiler` (null on CPU). With `--speculative E` (DSpark, simulated acceptance) the top level
+has `speculative` {simulated_acceptance, block_size} (else null) and every row `mean_acceptance` and
+`mean_natural_acceptance`.
 """
 
 from __future__ import annotations
@@ -75,6 +87,9 @@ DEFINITIONS = {
     "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend",
     "kernels_per_step": "GPU kernel activities recorded by torch.profiler during one decode step after warm-up "
                         "(memcpy/memset activities are memcpy_memset_per_step); CUDA only",
+    "kernels_per_step_by_role": "dsv41 rows: static launches of one decode step (generated code of the cold "
+                                "compile) per decoder-layer role (swa, full, reindex, reuse; other = outside the "
+                                "layers), with per-layer min/mean/max; kernels_per_step_static is their total",
     "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
                  "minus the median wall time of the measured runs",
     "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
@@ -356,14 +371,16 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
     return {"kernels": kernels, "memcpy_memset": copies, "names": names}
 
 
-def _timed_run(runner, prompt, new_tokens: int, cuda: bool) -> dict:
-    """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}."""
+def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
+    """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}.
+    `speculative`: DSpark speculative decoding with simulated "match-expected" acceptance of that mean length."""
     from .model import generate
+    spec = {} if speculative is None else dict(speculative=True, simulate_acceptance=speculative)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = generate(runner, prompt, new_tokens)
+    out = generate(runner, prompt, new_tokens, **spec)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -410,7 +427,7 @@ def _fail(e: Exception) -> str:
 # ------------------------------------------------------------------------------------------ the run
 def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repeats: int = 5,
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
-                  dtype: str | None = None, warm_compile: bool = True) -> dict:
+                  dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -422,6 +439,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         warm_compile: False skips the warm-cache recompile (step 3): the discarded warm-up run then reuses the
             cold-compiled runner and `compile_warm_s` stays None (saves one compile per backend on a tight
             GPU budget; recorded as `warm_compile: false` in the result).
+        speculative: None (plain decode) or E: every timed run (cold, warm-up, measured) is DSpark speculative
+            decoding with simulated "match-expected" acceptance of mean length E (BENCHMARK.md "Speculative runs");
+            rows then carry `mean_acceptance` (measured, median over runs) and `mean_natural_acceptance` (greedy
+            agreement of the drafts), and `tokens_match_eager` is null (simulated rounds emit drafts the target
+            did not choose). The eager reference, teacher-forced logits and kernel counts stay plain M = 1 decode.
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -449,6 +471,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile,
+           "speculative": None if speculative is None else {"simulated_acceptance": speculative,
+                                                            "block_size": cfg.dspark_block_size},
            "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
                       "active_decode": b.active_params_decode},
            "kv_bytes_per_token": {"logical": b.kv_bytes_per_token, "allocated": b.kv_bytes_per_token_allocated},
@@ -503,9 +527,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         torch.compiler.reset()
                     _use_cache_dir(os.path.join(cache_root, n))
                     runner = runners[n] = _make_runner(model, n, options)
-                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda)["wall_s"]
+                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     if n.startswith("dsv41"):
-                        _attach_report(rows[n], n == "dsv41")
+                        _attach_report(rows[n], n == "dsv41", cfg.roles)
                     runnable.append(n)
                     say(f"{n}: cold compile + first run {cold_wall[n]:.1f} s")
                 except Exception as e:  # reported in the row, never silently dropped
@@ -524,9 +548,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     if warm_compile:
                         _use_cache_dir(os.path.join(cache_root, n))
                         runners[n] = _make_runner(model, n, options)
-                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda)["wall_s"]
+                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, speculative)["wall_s"]
                     else:
-                        _timed_run(runners[n], prompt, new_tokens, cuda)
+                        _timed_run(runners[n], prompt, new_tokens, cuda, speculative)
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -542,6 +566,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         k = profile_decode_step(runners[n], prompt, new_tokens)
                         rows[n]["kernels_per_step"] = k["kernels"]
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
+                        if rows[n].get("kernels_per_step_static") is not None:
+                            rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
                 try:
@@ -554,7 +580,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n]: _timed_run(r, prompt, new_tokens, cuda)) for n in runnable}
+            fns = {n: (lambda r=runners[n]: _timed_run(r, prompt, new_tokens, cuda, speculative)) for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():
                 notes[n].append("measured run failed: " + err)
@@ -570,7 +596,13 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     for n in names:
         row, runs = rows[n], outs.get(n) or []
         if runs:
-            row.update(summarize_runs([r["out"] for r in runs], ref.tokens, res["roofline_tok_s"]))
+            row.update(summarize_runs([r["out"] for r in runs], None if speculative is not None else ref.tokens,
+                                      res["roofline_tok_s"]))
+            if speculative is not None:
+                row["mean_acceptance"] = statistics.median(r["out"].mean_acceptance for r in runs)
+                row["mean_natural_acceptance"] = statistics.median(r["out"].mean_natural_acceptance for r in runs)
+                notes[n].append(f"DSpark, simulated acceptance {speculative}: measured mean "
+                                f"{row['mean_acceptance']:.3f} tokens/round; tokens not compared with eager")
             walls = statistics.median(r["wall_s"] for r in runs)
             if n != "eager" and n in cold_wall:
                 row["compile_s"] = max(0.0, cold_wall[n] - walls)
@@ -584,15 +616,21 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     return res
 
 
-def _attach_report(row: dict, full: bool) -> None:
-    """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`)."""
+def _attach_report(row: dict, full: bool, roles=None) -> None:
+    """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`), with
+    its static launches per step by layer role when the layer `roles` (`ModelConfig.roles`) are given."""
     from . import last_report
     rep = last_report()
     if rep is None:
         row["note"] = "the dsv41 backend produced no fusion report"
         return
+    if roles is not None:
+        rep.set_layer_roles(roles)
     d = rep.to_dict()
     row["fusion_matches"] = {f: v.get("matches") for f, v in d.get("families", {}).items()}
+    row["kernels_per_step_by_role"] = d.get("kernels_by_role")
+    row["kernels_per_step_static"] = (d.get("kernels_by_layer") or {}).get("total")
+    row.setdefault("kernels_static_minus_profiler", None)
     if full:
         row["report"] = d
 
@@ -650,6 +688,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
                    help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
+    p.add_argument("--speculative", type=float, default=None, metavar="E",
+                   help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument("--png", nargs="?", const="", default=None,
                    help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
@@ -658,7 +698,8 @@ def main(argv=None) -> int:
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
-                        a.weight_mode, a.device, dtype=a.dtype, warm_compile=a.warm_compile)
+                        a.weight_mode, a.device, dtype=a.dtype, warm_compile=a.warm_compile,
+                        speculative=a.speculative)
     from rich.console import Console
     console = Console()
     if not console.is_terminal:

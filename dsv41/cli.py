@@ -32,11 +32,29 @@ def build_model(preset: str, device: str, weight_mode: str = "checkpoint", dtype
     return model.init_random(seed).eval()
 
 
+def backend_options(pairs) -> dict:
+    """`--option KEY=VALUE` strings -> the dsv41 `options` dict; VALUE is read as JSON (true, 3, ["moe"]) where it
+    parses, else kept as a string. Raises ValueError for an item without `=` (the backend validates the keys)."""
+    import json
+    out = {}
+    for item in pairs or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def compile_model(model, backend: str, options: dict | None = None):
     """Wrap `model` for `backend` (one of `BACKENDS`); `eager` returns the model itself.
 
-    Raises: ValueError for an unknown backend.
+    Raises: ValueError for an unknown backend, or options given for a backend other than dsv41.
     """
+    if options and backend != "dsv41":
+        raise ValueError(f"backend options {sorted(options)} apply to the dsv41 backend only, not {backend!r}")
     if backend == "eager":
         return model
     if backend == "inductor":
@@ -90,18 +108,28 @@ def _cmd_run(args) -> int:
     prompt = benchmark_prompt(model.config, prompt_len, device=device)
     result = {**environment(device), "preset": preset, "backend": args.backend, "device": device, "weight_mode": args.weight_mode,
               "dtype": str(model.dtype).replace("torch.", ""), "prompt_len": prompt_len, "new_tokens": new_tokens}
+    if args.simulate_acceptance is not None and not args.speculative:
+        console.print("[red]--simulate-acceptance needs --speculative[/red]")
+        return 2
+    spec = dict(speculative=True, simulate_acceptance=args.simulate_acceptance) if args.speculative else {}
+    # Simulated acceptance emits drafts the target did not choose: its tokens are not compared with eager.
+    check = args.check and args.simulate_acceptance is None
+    result.update(speculative=args.speculative, simulated_acceptance=args.simulate_acceptance)
 
     ref = None
-    if args.backend != "eager" and args.check:
-        with console.status("eager reference run"):
+    if (args.backend != "eager" or args.speculative) and check:
+        with console.status("eager reference run (plain greedy)"):
             ref = generate(model, prompt, new_tokens)
-    runner = compile_model(model, args.backend)
+    runner = compile_model(model, args.backend, backend_options(args.option))
     t0 = time.perf_counter()
     with console.status(f"{args.backend}: compile + warm-up run"):
-        generate(runner, prompt, new_tokens)
+        generate(runner, prompt, new_tokens, **spec)
     result["compile_and_warmup_s"] = time.perf_counter() - t0
     with console.status(f"{args.backend}: measured run"):
-        out = generate(runner, prompt, new_tokens)
+        out = generate(runner, prompt, new_tokens, **spec)
+    if args.speculative:
+        result.update(mean_acceptance=out.mean_acceptance, mean_natural_acceptance=out.mean_natural_acceptance,
+                      acceptance=[r[0] for r in out.acceptance])
     if device.startswith("cuda"):
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     b = budget(model.config, max_seq_len=prompt_len + new_tokens)
@@ -112,7 +140,9 @@ def _cmd_run(args) -> int:
         import dsv41
         rep = dsv41.last_report()
         if rep is not None:
+            rep.set_layer_roles(model.config.roles)  # launches per layer role: the backend never sees the config
             result["report"] = rep.to_dict()
+            result["kernels_per_step_by_role"] = result["report"]["kernels_by_role"]
 
     table = Table(title=f"dsv41 run: {preset} ({args.weight_mode}, {result['dtype']}) on {device}")
     for col in ("backend", "prefill tok/s", "decode tok/s", "tokens", "KV B/token (logical / allocated)",
@@ -122,10 +152,20 @@ def _cmd_run(args) -> int:
                   f"{b.kv_bytes_per_token:g} / {b.kv_bytes_per_token_allocated:.1f}",
                   "-" if ref is None else ("yes" if result["tokens_match_eager"] else "NO"))
     out_console = Console()
+    if args.speculative:
+        sim = "" if args.simulate_acceptance is None else f" (simulated match-expected {args.simulate_acceptance})"
+        out_console.print(f"DSpark: mean acceptance length {out.mean_acceptance:.3f} tokens/round{sim}; "
+                          f"greedy (natural) {out.mean_natural_acceptance:.3f}")
     if "report" in result:
         fams = result["report"].get("families", {})
         summary = ", ".join(f"{k}: {v.get('matches', 0)}" for k, v in fams.items())
         out_console.print(f"fusion report: {summary}")
+        by_role = result.get("kernels_per_step_by_role")
+        if by_role:
+            per = by_role["per_layer"]
+            out_console.print("kernel launches per decode step by layer role (static): " + ", ".join(
+                f"{r}: {n}" + (f" ({per[r]['layers']} layers, {per[r]['mean']:.1f} each)" if r in per else "")
+                for r, n in by_role.items() if r != "per_layer"))
     out_console.print(table)
     if args.json:
         with open(args.json, "w") as f:
@@ -163,12 +203,20 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-check", dest="check", action="store_false", help="skip the eager token check")
     r.add_argument("--json", default=None, help="write the result JSON here")
+    r.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dsv41 backend option (repeatable), VALUE as JSON where it parses: --option streams=false")
+    r.add_argument("--speculative", action="store_true",
+                   help="DSpark speculative decoding (greedy; the tokens must equal plain greedy eager)")
+    r.add_argument("--simulate-acceptance", type=float, default=None, metavar="E",
+                   help="with --speculative: BENCHMARK.md match-expected acceptance of mean length E (e.g. 5.5)")
     r.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (spawned, or one per torchrun process)")
     r.add_argument("--tp-moe", choices=("tp", "ep"), default="tp", help="MoE layout under --tp")
     r.add_argument("--tp-pad-to", type=int, default=None, help="per-rank expert inter padding multiple (default 128)")
     args = p.parse_args(argv)
     if args.cmd == "run":
         if args.tp is not None:
+            if args.speculative:
+                p.error("--speculative is not supported with --tp yet")
             from .launch import run_tp
             return run_tp(args)
         return _cmd_run(args)

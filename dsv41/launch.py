@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "spawn", "run_tp", "MULTICAST_OFF_ENV"]
+__all__ = ["DistInfo", "init_distributed", "spawn", "run_tp", "MULTICAST_OFF_ENV", "barrier_gap_us",
+           "allreduce_kernel_durations_us"]
 
 #: Set before the process group is created: NVLink SHARP / multicast objects off (NCCL, torch symmetric
 #: memory, NVSHMEM). The lent multi-GPU machines must run with multicast off.
@@ -199,6 +200,8 @@ def _run_tp_rank(args) -> int:
     result.update(tokens=out.tokens[0].tolist(), prefill_tok_s=out.prefill_tok_s, decode_tok_s=out.decode_tok_s,
                   kv_bytes_per_token=b.kv_bytes_per_token, kv_bytes_per_token_allocated=b.kv_bytes_per_token_allocated,
                   tokens_match_eager=None if ref is None else bool(torch.equal(ref.tokens, out.tokens)))
+    if info.device.type == "cuda" and info.world_size > 1:
+        result["tp"].update(_profile_barrier_gap(runner, prompt, min(new_tokens, 2), info.world_size))
     # Every rank must produce the same tokens (replicated head on identical all-reduced activations).
     toks = [None] * info.world_size
     dist.all_gather_object(toks, result["tokens"])
@@ -215,10 +218,70 @@ def _run_tp_rank(args) -> int:
                       "yes" if result["tp"]["ranks_agree"] else "NO",
                       "-" if ref is None else ("yes" if result["tokens_match_eager"] else "NO"))
         Console().print(table)
+        if result["tp"].get("barrier_gap_us_median") is not None:
+            Console().print(f"all-reduce barrier gap (profiler, {result['tp']['collectives']} collectives): median "
+                            f"{result['tp']['barrier_gap_us_median']:.1f} us, max {result['tp']['barrier_gap_us_max']:.1f}"
+                            f" us; all-reduce itself median {result['tp']['allreduce_us_median']:.1f} us")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
     return 0 if ok else 1
+
+
+def allreduce_kernel_durations_us(events) -> list:
+    """Durations (us) of the NCCL all-reduce kernels among raw profiler `events`, in start order.
+
+    `events`: Kineto events (`prof.profiler.kineto_results.events()`: methods name(), device_type(), start_ns(),
+    duration_ns()); reading these directly avoids building torch.profiler's event tree, which takes minutes for
+    an eager decode of a large model. A kernel counts when it ran on the device and its name contains
+    "AllReduce" (NCCL's `ncclDevKernel_AllReduce_*` / `ncclKernel_AllReduce_*`).
+    """
+    ks = [e for e in events if "AllReduce" in e.name() and getattr(e.device_type(), "name", "") == "CUDA"]
+    ks.sort(key=lambda e: e.start_ns())
+    return [e.duration_ns() / 1e3 for e in ks]
+
+
+def barrier_gap_us(durations_per_rank: list) -> dict:
+    """Median wait at the all-reduce barrier from per-rank all-reduce kernel durations (us).
+
+    An all-reduce kernel starts when its rank arrives and ends when all ranks' data is combined, so the rank that
+    arrives first runs longest: for collective i the arrival gap is max_r d_r[i] - min_r d_r[i], and the transfer
+    itself is about min_r d_r[i]. No cross-GPU clock is needed.
+    Args: durations_per_rank: one list per rank, the same collectives in the same order (equal lengths).
+    Returns: {"collectives", "barrier_gap_us_median", "barrier_gap_us_max", "allreduce_us_median"} (None values
+    when there were no collectives).
+    Raises: ValueError when the ranks saw different numbers of collectives.
+    """
+    import statistics
+    lengths = {len(d) for d in durations_per_rank}
+    if len(lengths) != 1:
+        raise ValueError(f"ranks saw different numbers of all-reduce kernels: {sorted(lengths)}")
+    n = lengths.pop()
+    if n == 0:
+        return {"collectives": 0, "barrier_gap_us_median": None, "barrier_gap_us_max": None,
+                "allreduce_us_median": None}
+    cols = list(zip(*durations_per_rank))
+    gaps = [max(c) - min(c) for c in cols]
+    return {"collectives": n, "barrier_gap_us_median": statistics.median(gaps), "barrier_gap_us_max": max(gaps),
+            "allreduce_us_median": statistics.median(min(c) for c in cols)}
+
+
+def _profile_barrier_gap(runner, prompt, new_tokens: int, world_size: int) -> dict:
+    """Profile (device activity only) one short generation on every rank and return `barrier_gap_us` of its
+    all-reduce kernels (prefill and decode collectives together)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .model import generate
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(runner, prompt, new_tokens)
+        torch.cuda.synchronize()
+    mine = allreduce_kernel_durations_us(prof.profiler.kineto_results.events())
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    try:
+        return {"profiled_new_tokens": new_tokens, **barrier_gap_us(everyone)}
+    except ValueError as exc:
+        return {"profiled_new_tokens": new_tokens, "barrier_gap_error": str(exc)}
 
 
 def run_tp(args) -> int:

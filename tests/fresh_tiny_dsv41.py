@@ -5,7 +5,14 @@ It builds `tiny` (float32, checkpoint weights, seed 0), generates N greedy token
 benchmark prompt eagerly and through `torch.compile(model, backend="dsv41", fullgraph=True)` (prefill eager,
 decode compiled, as `generate` does), computes the teacher-forced logits of both along eager's tokens, and
 writes tokens, logit errors, the fusion report (debug: graphs before/after the passes), the number of Dynamo
-graphs and whether dsv41's compiler was imported before the compile. The package `dsv41` itself is imported
+graphs and whether dsv41's compiler was imported before the compile.
+
+The SAME compiled model then decodes from a SHORT prompt (`SHORT_PROMPT` = 5 tokens, `SHORT_NEW` = 12 new tokens:
+the context starts below tiny's sliding_window = 16 and index_topk = 8 and crosses both, so the decode graph sees
+empty ring slots and -1 selections), recorded as `short_eager_tokens`, `short_compiled_tokens`,
+`short_max_rel_logit_error` and `short_teacher_forced_argmax_equal` (teacher-forced along eager's tokens, like the
+long keys), and `short_new_graphs`: Dynamo graphs compiled by the short run (0 when the static decode graph is
+reused: the cache is reset in place, positions are tensors). The package `dsv41` itself is imported
 (the model lives there) but never its compiler: the backend must be found through the entry point.
 """
 
@@ -24,6 +31,8 @@ from dsv41.model import DeepseekV41Flash, ModelConfig, benchmark_prompt, generat
 cfg = ModelConfig.preset("tiny")
 model = DeepseekV41Flash(cfg, "checkpoint", torch.float32).init_random(0).eval()
 prompt = benchmark_prompt(cfg, 40)
+#: Short-prompt run: 5 tokens < sliding_window (16) and < index_topk (8); 12 new tokens cross both.
+SHORT_PROMPT, SHORT_NEW = 5, 12
 compiler_imported_before = "dsv41.compiler" in sys.modules
 
 with torch.no_grad():
@@ -35,6 +44,13 @@ with torch.no_grad():
     from dsv41.bench import teacher_forced_logits  # noqa: E402  (after the compile: no compiler import before)
     ref = teacher_forced_logits(model, prompt, eager.tokens).double()
     tf = teacher_forced_logits(compiled, prompt, eager.tokens).double()
+    graphs_before_short = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    short_prompt = benchmark_prompt(cfg, SHORT_PROMPT)
+    short_eager = generate(model, short_prompt, SHORT_NEW)
+    short_got = generate(compiled, short_prompt, SHORT_NEW)
+    short_ref = teacher_forced_logits(model, short_prompt, short_eager.tokens).double()
+    short_tf = teacher_forced_logits(compiled, short_prompt, short_eager.tokens).double()
+    short_new_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before_short
 
 import dsv41  # noqa: E402
 
@@ -49,6 +65,12 @@ result = {
     "teacher_forced_argmax_equal": bool(torch.equal(tf.argmax(-1), ref.argmax(-1))),
     "unique_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
     "compile_and_decode_s": compile_and_decode_s,
+    "short_prompt_len": SHORT_PROMPT,
+    "short_eager_tokens": short_eager.tokens.tolist(),
+    "short_compiled_tokens": short_got.tokens.tolist(),
+    "short_max_rel_logit_error": float(((short_tf - short_ref).abs().amax(-1) / short_ref.abs().amax(-1)).max()),
+    "short_teacher_forced_argmax_equal": bool(torch.equal(short_tf.argmax(-1), short_ref.argmax(-1))),
+    "short_new_graphs": short_new_graphs,
     "report": report.to_dict(),
 }
 with open(out_path, "w") as f:

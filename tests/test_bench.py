@@ -19,6 +19,9 @@ ROW_KEYS = {"decode_tok_s", "prefill_tok_s", "kernels_per_step", "roofline_fract
             "tokens_match_eager"}
 TOP_KEYS = {"date", "gpu", "torch", "triton", "preset", "prompt_len", "new_tokens", "copy_bandwidth_tb_s",
             "decode_bytes_per_step", "backends"}
+#: Extra fields of every dsv41 row (issue 7: kernels per step per layer role for dsv41).
+DSV41_ROW_KEYS = {"fusion_matches", "kernels_per_step_by_role", "kernels_per_step_static",
+                  "kernels_static_minus_profiler"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -295,6 +298,27 @@ def test_dsv41_rows_carry_the_fusion_report_of_their_compile(monkeypatch):
     missing = {"note": None}
     bench._attach_report(missing, True)
     assert "no fusion report" in missing["note"]
+
+
+def test_dsv41_rows_carry_static_launches_per_step_by_layer_role(monkeypatch):
+    import dsv41
+    from dsv41.compiler.kernel_counts import LayerKernelCounts
+    from dsv41.compiler.report import FusionReport, GraphReport
+    from dsv41.passes.base import PassRecord
+    rep = FusionReport()
+    # layers 0..3 with 5, 6, 9, 7 launches, 4 outside the layers: 31 in all
+    counts = LayerKernelCounts(31, ((0, 5), (1, 6), (2, 9), (3, 7)), 4)
+    rep.add_graph(GraphReport(0, "0/0", (PassRecord("dispatch", True),), layer_kernels=counts))
+    monkeypatch.setattr(dsv41, "last_report", lambda: rep)
+    row = {"note": None}
+    bench._attach_report(row, True, ["swa", "full", "reuse", "reuse"])
+    assert DSV41_ROW_KEYS <= set(row)
+    by_role = row["kernels_per_step_by_role"]
+    assert {k: v for k, v in by_role.items() if k != "per_layer"} == {"swa": 5, "full": 6, "reuse": 16, "other": 4}
+    assert by_role["per_layer"]["reuse"] == {"layers": 2, "min": 7, "max": 9, "mean": 8.0}
+    assert row["kernels_per_step_static"] == 31 and row["kernels_static_minus_profiler"] is None
+    assert row["report"]["kernels_by_role"] == by_role
+    json.dumps(row)  # plain JSON
 
 
 def test_table_prints_notes_with_brackets_verbatim():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import dsv41.cli as cli
@@ -48,3 +49,13 @@ def test_run_reports_a_token_mismatch_with_exit_status_1(tmp_path, monkeypatch):
                        "--json", str(tmp_path / "r.json")])
     assert rc == 1
     assert json.loads((tmp_path / "r.json").read_text())["tokens_match_eager"] is False
+
+
+def test_option_flags_become_the_backend_options_dict():
+    from dsv41.cli import backend_options, compile_model
+    assert backend_options(["streams=false", "disable=[\"moe\"]", "report=out.html", "cuda_graphs=null"]) == {
+        "streams": False, "disable": ["moe"], "report": "out.html", "cuda_graphs": None}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        backend_options(["streams"])
+    with pytest.raises(ValueError, match="dsv41 backend only"):
+        compile_model(torch.nn.Linear(2, 2), "inductor", {"streams": False})

@@ -364,3 +364,30 @@ def test_run_tp_rank0_writes_json_with_unsharded_tokens(tp2, reference):
     assert out["tp"]["world_size"] == 2 and out["tp"]["moe_mode"] == "tp" and out["tp"]["ranks_agree"]
     assert out["tp"]["inter_per_rank"] == DEFAULT_PAD_TO
     assert out["tokens"] == reference["generate"].tolist()
+
+
+# ------------------------------------------------------------------------------------------- barrier gap
+def test_barrier_gap_from_kernel_durations_hand_computed():
+    from dsv41.launch import barrier_gap_us
+    # rank 0 arrives early at collectives 0 and 2 (waits 30 and 10 us), rank 1 at collective 1 (waits 5 us)
+    got = barrier_gap_us([[40.0, 12.0, 20.0], [10.0, 17.0, 10.0]])
+    assert got == {"collectives": 3, "barrier_gap_us_median": 10.0, "barrier_gap_us_max": 30.0,
+                   "allreduce_us_median": 10.0}
+    assert barrier_gap_us([[], []])["barrier_gap_us_median"] is None
+    with pytest.raises(ValueError, match="different numbers"):
+        barrier_gap_us([[1.0], [1.0, 2.0]])
+
+
+def test_allreduce_kernels_are_picked_from_profiler_events_in_start_order():
+    from types import SimpleNamespace as NS
+
+    from dsv41.launch import allreduce_kernel_durations_us
+
+    def ev(name, dev, start, end):  # Kineto event: times in ns
+        return NS(name=lambda: name, device_type=lambda: NS(name=dev), start_ns=lambda: start * 1000,
+                  duration_ns=lambda: (end - start) * 1000)
+    events = [ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "CUDA", 50, 58),
+              ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "CUDA", 10, 30),
+              ev("c10d::allreduce_", "CPU", 5, 60),  # the host-side call, not the kernel
+              ev("triton_poi_fused_add_0", "CUDA", 31, 33)]
+    assert allreduce_kernel_durations_us(events) == [20.0, 8.0]

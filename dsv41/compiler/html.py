@@ -9,7 +9,8 @@ be mailed or attached to an issue as it is. Sections, in order:
 - fused sites: one row per (family, pattern, source line, layer when the match records one in its `detail`);
   a line every layer runs shows its count of matches (one per layer);
 - near-misses with the failed check and the reason; findings (what stays on a slow path);
-- kernels per step, total and per graph; the `schedule` section when the report dict has one;
+- kernels per step, total and per graph; kernel launches per decoder layer (and per layer role when the report
+  knows the roles); the `schedule` section when the report dict has one;
 - the benchmark table and plot (PNG embedded as base64) when given; each graph's code in debug mode.
 
 Every piece of text from the report is escaped with `html.escape` (family names, patterns, source code and
@@ -282,6 +283,45 @@ def _kernels(d: dict) -> str:
             + _table(["graph", "device", "before", "after", "method", "note"], rows, num_cols=("before", "after")))
 
 
+def _layer_kernels(d: dict) -> str:
+    """Static launches per call by decoder layer (and by layer role when the report knows the roles)."""
+    k = d.get("kernels_by_layer") or {}
+    by_layer = k.get("by_layer")
+    if not by_layer:
+        return ""
+    roles = d.get("layer_roles")
+
+    def role(layer):
+        if roles is None or layer == "other" or not str(layer).isdigit() or int(layer) >= len(roles):
+            return ""
+        return roles[int(layer)]
+
+    rows = [[layer, role(layer), n] for layer, n in by_layer.items()]
+    rows.append(["total", "", k.get("total")])
+    out = (f"<h2>Kernel launches per layer</h2><p>{_e(k.get('method'))}. Launches outside every decoder layer "
+           "(embedding, head, per-step math) count as <code>other</code>.</p>"
+           + _table(["layer", "role", "launches"], rows, num_cols=("launches",)))
+    by_role = d.get("kernels_by_role")
+    if by_role:
+        per = by_role.get("per_layer") or {}
+        rrows = []
+        for r, n in by_role.items():
+            if r == "per_layer":
+                continue
+            p = per.get(r)
+            rrows.append([r, p["layers"] if p else "-", n,
+                          f"{p['min']} / {p['mean']:.1f} / {p['max']}" if p else "-"])
+        out += "<h3>By layer role</h3>" + _table(["role", "layers", "launches", "per layer min / mean / max"],
+                                                 rrows, num_cols=("layers", "launches"))
+    prof = k.get("profiler")
+    if prof:
+        out += (f"<p>static launches {_e(prof.get('static'))} vs profiler count {_e(prof.get('after'))} "
+                f"({_e(prof.get('device'))}): {'equal' if prof.get('equal') else 'different'}</p>")
+    if k.get("note"):
+        out += f'<p class="empty">{_e(k["note"])}</p>'
+    return out
+
+
 def _bench(bench: dict) -> str:
     rows = []
     for name, r in (bench.get("backends") or {}).items():
@@ -364,9 +404,11 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
     meta = (f"dsv41 {report_dict.get('dsv41_version', '?')}, torch {report_dict.get('torch_version', '?')}, "
             f"{len(report_dict.get('graphs') or [])} graph(s), {len(fams)} families")
     body = [f"<h1>{_e(title)}</h1>", f'<p class="meta">{_e(meta)}</p>', _summary(report_dict), _families(fams),
-            _sites(fams), _misses(fams), _findings(fams), _kernels(report_dict)]
+            _sites(fams), _misses(fams), _findings(fams), _kernels(report_dict), _layer_kernels(report_dict)]
     if "schedule" in report_dict:
         body.append("<h2>Schedule</h2>" + _generic(report_dict["schedule"]))
+    if "buckets" in report_dict:
+        body.append("<h2>Batch-size buckets</h2>" + _generic(report_dict["buckets"]))
     if bench is not None:
         body.append(_bench(bench))
     if png is not None:
@@ -437,6 +479,7 @@ def main(argv=None) -> int:
         print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
               file=sys.stderr)
         return 1
+    rep.set_layer_roles(model.config.roles)  # launches per layer role (the backend never sees the config)
     write_html(rep, a.out, bench=bench, png_path=a.png)
     print(f"wrote {a.out} ({preset} on {device}, {len(rep.graphs)} graph(s))")
     return 0

@@ -11,6 +11,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
 | `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: same as `cuda_graphs`): `dsv41.kernels.set_pdl(True)` for the process, and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
+| `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: off until the rewrite is validated on a GPU (it has only run on CPU); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
 non-empty value except `0`/`false`/`no` is a JSON path to write it to.
@@ -32,6 +33,7 @@ OPTION_KEYS = {
     "debug": "bool: keep each graph's code before and after the passes in the report",
     "cuda_graphs": "bool or None (auto: on): record CUDA graphs of graphs on CUDA (Inductor CUDA-graph trees)",
     "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
+    "streams": "bool or None (auto: off until validated on a GPU): move off-critical-path dsv41 ops to a side stream",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -48,12 +50,13 @@ class Options:
     debug: bool = False
     cuda_graphs: bool | None = None
     pdl: bool | None = None
+    streams: bool | None = None
 
     def to_dict(self) -> dict:
         """JSON-friendly form (shown in the report)."""
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
                 "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
-                "pdl": self.pdl}
+                "pdl": self.pdl, "streams": self.streams}
 
     def use_cuda_graphs(self, on_cuda: bool) -> bool:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
@@ -62,6 +65,17 @@ class Options:
     def use_pdl(self, on_cuda: bool) -> bool:
         """Whether kernels of a graph on CUDA launch with PDL (default: with CUDA graphs; never on CPU)."""
         return on_cuda and (self.use_cuda_graphs(on_cuda) if self.pdl is None else self.pdl)
+
+    def use_streams(self, on_cuda: bool) -> tuple[bool, str]:
+        """(whether the side-stream schedule is applied to a graph on CUDA (`on_cuda`) or CPU, and why)."""
+        if self.streams is False:
+            return False, "off: option streams=False (schedule planned, not applied)"
+        if self.streams is True:
+            return True, "on: option streams=True" + ("" if on_cuda else " (CPU: fork/join are no-ops)")
+        # Auto stays off until the side-stream rewrite has been validated on a GPU (replay vs eager, counters
+        # per stream, PDL across fork/join): it has only run on CPU, where fork/join are no-ops.
+        return False, ("off: auto (not yet validated on a GPU; streams=True applies it)"
+                       + ("" if on_cuda else "; this graph is on CPU") + " (schedule planned, not applied)")
 
 
 def _bool(key: str, v: Any) -> bool:
@@ -111,8 +125,8 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
         raise ValueError(f"dsv41 option 'disable' names unknown pass families {bad}; valid families: "
                          f"{', '.join(FAMILY_ORDER)}")
     tri = {}
-    for key in ("cuda_graphs", "pdl"):
+    for key in ("cuda_graphs", "pdl", "streams"):
         v = options.get(key)
         tri[key] = None if v is None else _bool(key, v)
     return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
-                   _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"])
+                   _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"], tri["streams"])

@@ -13,6 +13,14 @@ pass records of every compiled graph are also kept in a small record cache next 
 the Dynamo graph's code and stack traces (source lines), the input shapes/dtypes, Inductor's portable config
 and the torch version. If that record is missing, the graph is compiled with Inductor's caches off, so the
 passes run and the report is always complete.
+
+The side-stream scheduler (`streams.StreamPass`, ARCHITECTURE.md "Pipeline stages" 3) is chained last in the
+same hook: it plans every graph and rewrites it with fork / join ops when the `streams` option is on; its
+schedule goes into the graph's report (and the record cache).
+
+Every compile also goes through `kernel_counts.WrapperCapture` (Inductor's `compile_fx_inner`, recording the
+post-grad graph and the generated wrapper) with Inductor's kernel provenance on, so the report counts the launches
+of one call per decoder layer without running anything; the count is kept next to the records for cache hits.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ import torch
 
 from ..passes.base import PassRecord
 from ..passes.manager import GraphPassResult, PassManager
+from .kernel_counts import WrapperCapture, graph_counts, provenance_config
 from .options import Options
 from .report import FusionReport, GraphReport, _set_last
+from .streams import StreamPass, merge_schedules
 
 __all__ = ["compile_graph"]
 
@@ -83,26 +93,26 @@ def _merge(results: list[GraphPassResult]) -> GraphPassResult:
     return GraphPassResult(tuple(merged), join(r.graph_before for r in results), join(r.graph_after for r in results))
 
 
-def _save(key: str, result: GraphPassResult) -> None:
+def _save(key: str, result: GraphPassResult, schedule: dict | None = None) -> None:
     path = os.path.join(_records_dir(), key + ".json")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"records": [r.to_dict() for r in result.records], "graph_before": result.graph_before,
-                       "graph_after": result.graph_after}, f, default=str)
+                       "graph_after": result.graph_after, "schedule": schedule}, f, default=str)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache directory only costs cache hits later, never correctness
 
 
-def _load(key: str) -> GraphPassResult | None:
+def _load(key: str) -> tuple[GraphPassResult, dict | None] | None:
     path = os.path.join(_records_dir(), key + ".json")
     try:
         with open(path) as f:
             d = json.load(f)
-        return GraphPassResult(tuple(PassRecord.from_dict(r) for r in d["records"]), d.get("graph_before"),
-                               d.get("graph_after"))
+        return (GraphPassResult(tuple(PassRecord.from_dict(r) for r in d["records"]), d.get("graph_before"),
+                                d.get("graph_after")), d.get("schedule"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -139,8 +149,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     from torch._inductor.compile_fx import compile_fx
 
     _register_ops()
-    manager = PassManager(opts.disable, opts.debug, chained=inductor_config.post_grad_custom_post_pass)
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    # The side-stream scheduler runs last, after dsv41's families and any post-grad pass installed before.
+    apply_streams, streams_reason = opts.use_streams(on_cuda)
+    stream_pass = StreamPass(apply_streams, streams_reason, debug=opts.debug)
+    prev = inductor_config.post_grad_custom_post_pass
+    prev = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
+    manager = PassManager(opts.disable, opts.debug, chained=(*prev, stream_pass))
     patches = {"post_grad_custom_post_pass": manager}
     if on_cuda and "emulate_precision_casts" in inductor_config.get_config_copy():
         # Inductor keeps fused bf16/fp16 intermediates in FP32, which is not what eager computes: measured on
@@ -158,8 +173,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         set_pdl(True)  # read at launch time by every dsv41 kernel: PDL inside the recorded graphs
         if "triton.enable_pdl" in inductor_config.get_config_copy():
             patches["triton.enable_pdl"] = True
+    if apply_streams:
+        # Inductor's peak-memory reordering does not know streams: moving a join up to its fork (or the fork
+        # down to its join) would undo the overlap the scheduler placed.
+        patches["reorder_for_peak_memory"] = False
+        if on_cuda:
+            from ..kernels.streams import prepare_side_stream
+            for t in example_inputs:  # side stream, its counters and its cuBLAS state exist before any capture
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    prepare_side_stream(t.device)
     if opts.count_kernels and not on_cuda:
         patches["cpp.enable_kernel_profile"] = True  # labels Inductor's C++ kernels for the profiler
+    patches.update(provenance_config())  # kernel -> post-grad node provenance for the per-layer launch count
     config_patches = {}
     if mode is not None and mode != "default":
         from torch._inductor import list_mode_options
@@ -169,22 +194,30 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     if uuid is not None:
         other_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_post_pass"}
         key = _record_key(gm, example_inputs, uuid, {**config_patches, **other_patches})
-    stored = _load(key) if key is not None else None
+    loaded = _load(key) if key is not None else None
+    stored, stored_schedule = loaded if loaded is not None else (None, None)
     if stored is None:
         # Without a stored record the passes must run: keep Inductor from serving this graph from its caches.
         patches["fx_graph_cache"] = False
     autograd_cache = {}
     if stored is None and hasattr(functorch_config, "enable_autograd_cache"):
         autograd_cache["enable_autograd_cache"] = False
+    capture = WrapperCapture()
+    capture.remember_dynamo_graph(gm)  # before compile_fx, which rewrites gm
     with inductor_config.patch(patches), functorch_config.patch(autograd_cache):
-        compiled = compile_fx(gm, example_inputs, config_patches=config_patches or None)
+        compiled = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
+                              config_patches=config_patches or None)
+    layer_kernels = graph_counts(capture, bool(manager.results), _records_dir() if key else None, key)
     from_cache = not manager.results and stored is not None
+    schedule = merge_schedules(stream_pass.results)
     if manager.results:
         result = _merge(manager.results)
+        if schedule is not None and "code_after" in schedule:  # debug: show the graph with its fork / join ops
+            result = GraphPassResult(result.records, result.graph_before, schedule.pop("code_after"))
         if key is not None:
-            _save(key, result)
+            _save(key, result, schedule)
     elif stored is not None:
-        result = stored
+        result, schedule = stored, stored_schedule
     else:  # Inductor had nothing to lower (e.g. a graph without ops): no post-grad graph, nothing to fuse
         from ..passes.manager import FAMILY_ORDER
         result = GraphPassResult(tuple(PassRecord(n, n not in opts.disable, note="no post-grad graph")
@@ -195,7 +228,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         from .profiling import count_step_kernels
         kernels = count_step_kernels(gm, compiled, example_inputs)
     report.add_graph(GraphReport(len(report.graphs), _compile_id(), result.records, kernels, from_cache,
-                                 result.graph_before, result.graph_after))
+                                 result.graph_before, result.graph_after, layer_kernels=layer_kernels,
+                                 schedule=schedule))
     _set_last(report)
     if opts.print_report:
         report.print()

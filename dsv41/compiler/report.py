@@ -10,6 +10,8 @@ nodes replaced, near-misses (the failed check and why), findings (slow paths lef
 moved before/after per match as sympy expressions in `B` (batch) and `L` (sequence extent of the step:
 1 at decode, the prompt length at prefill), evaluated for the compiled shapes. Kernels per step before /
 after are recorded when the `count_kernels` option is on (see `profiling.py` for what is counted).
+Kernel launches per call per decoder layer are always counted, statically from the generated code
+(`kernel_counts.py`: `kernels_by_layer`); `set_layer_roles(ModelConfig.roles)` adds `kernels_by_role`.
 
 Output: `to_dict()`, `to_json(path)`, `print()` / `str(report)` (a rich table). Source: ARCHITECTURE.md
 "Pipeline stages" 6 and "The user's view"; STYLE.md (records collected as the pipeline runs).
@@ -28,6 +30,7 @@ import sympy
 
 from ..passes.base import BATCH, LENGTH, PassRecord, SourceLocation
 from ..passes.manager import FAMILY_ORDER
+from .kernel_counts import OTHER, LayerKernelCounts, kernels_by_role, per_layer_by_role
 
 __all__ = ["FusionReport", "GraphReport", "KernelCount", "last_report"]
 
@@ -62,7 +65,8 @@ class KernelCount:
 class GraphReport:
     """One compiled graph: its index in the compile call, Dynamo's compile id, one record per family,
     kernel counts (or None), whether Inductor served it from its cache (records then come from dsv41's record
-    cache), and the graph's code before / after the passes in debug mode."""
+    cache), the graph's code before / after the passes in debug mode, and its side-stream schedule
+    (`streams.StreamPlan.to_dict`, or None when the scheduler did not run)."""
 
     index: int
     compile_id: str
@@ -71,6 +75,8 @@ class GraphReport:
     from_cache: bool = False
     graph_before: str | None = None
     graph_after: str | None = None
+    layer_kernels: LayerKernelCounts | None = None
+    schedule: dict | None = None
 
     def record(self, family: str) -> PassRecord:
         """The record of `family` (KeyError naming the valid families otherwise)."""
@@ -84,7 +90,9 @@ class GraphReport:
         return {"index": self.index, "compile_id": self.compile_id, "from_cache": self.from_cache,
                 "kernels": None if self.kernels is None else dict(self.kernels.__dict__),
                 "records": [r.to_dict() for r in self.records],
-                "graph_before": self.graph_before, "graph_after": self.graph_after}
+                "graph_before": self.graph_before, "graph_after": self.graph_after,
+                "layer_kernels": None if self.layer_kernels is None else self.layer_kernels.to_dict(),
+                "schedule": self.schedule}
 
 
 def _loc(loc: SourceLocation | None) -> dict | None:
@@ -125,6 +133,14 @@ class FusionReport:
     def __init__(self, options=None):
         self.options = options
         self.graphs: list[GraphReport] = []
+        #: batch-size buckets seen by a `buckets.BucketedModel` wrapping the compiled model (None: not wrapped).
+        self.buckets: dict | None = None
+        self.layer_roles: tuple[str, ...] | None = None
+
+    def set_layer_roles(self, roles) -> None:
+        """Name the role of each decoder layer (e.g. `ModelConfig.roles`: swa / full / reindex / reuse), so the
+        report can sum launches per role; the backend itself never sees the model config."""
+        self.layer_roles = None if roles is None else tuple(str(r) for r in roles)
 
     def add_graph(self, graph: GraphReport) -> None:
         """Append a graph's report (the compiler calls this once per compiled graph)."""
@@ -176,8 +192,70 @@ class FusionReport:
                 "method": ok[0].method if ok else (counted[0].method if counted else None),
                 "per_graph": [None if g.kernels is None else dict(g.kernels.__dict__) for g in self.graphs]}
 
+    def kernels_by_layer(self) -> dict:
+        """Static launches per call of the compiled graphs, per decoder layer (`kernel_counts.py`), summed over
+        the graphs that were counted: {total, by_layer {"0": n, ..., "other": n}, no_provenance, by_kind,
+        method, note, graphs_counted, profiler, detail {layer: {what: launches}}, per_graph (each graph's own
+        count or None)}. `profiler` compares
+        the total with the profiler's count of the same graphs when `count_kernels` was on ({device, after,
+        static, equal}; on CUDA the GPU run checks it)."""
+        counted = [g.layer_kernels for g in self.graphs if g.layer_kernels is not None]
+        if not counted:
+            return {"total": None, "by_layer": None, "no_provenance": None, "by_kind": None, "method": None,
+                    "note": "no graph counted", "graphs_counted": 0, "profiler": None, "detail": None,
+                    "per_graph": [None for _ in self.graphs]}
+        by_layer: Counter = Counter()
+        kinds: Counter = Counter()
+        detail: dict = {}
+        for c in counted:
+            by_layer.update(c.layer_dict())
+            kinds.update(dict(c.by_kind))
+            for layer, what in c.to_dict()["detail"].items():
+                detail.setdefault(layer, Counter()).update(what)
+        layers = {str(k): by_layer[str(k)] for k in sorted(int(x) for x in by_layer if x != OTHER)}
+        layers[OTHER] = by_layer[OTHER]
+        total = sum(c.total for c in counted)
+        prof = None
+        k = self.kernels()
+        if k["after"] is not None:
+            devices = sorted({g.kernels.device for g in self.graphs if g.kernels is not None})
+            prof = {"device": ",".join(devices), "after": k["after"], "static": total, "equal": k["after"] == total}
+        return {"total": total, "by_layer": layers, "no_provenance": sum(c.no_provenance for c in counted),
+                "by_kind": dict(sorted(kinds.items())), "method": counted[0].method,
+                "note": "; ".join(sorted({c.note for c in counted if c.note})), "graphs_counted": len(counted),
+                "profiler": prof, "detail": {k: dict(sorted(v.items())) for k, v in detail.items()},
+                "per_graph": [None if g.layer_kernels is None else g.layer_kernels.to_dict() for g in self.graphs]}
+
+    def kernels_by_role(self) -> dict | None:
+        """`kernels_by_layer()` summed per layer role ({role: launches, ..., "other": n}, plus
+        "per_layer": {role: {layers, min, max, mean}}), or None before `set_layer_roles` or without counts."""
+        by_layer = self.kernels_by_layer()["by_layer"]
+        if self.layer_roles is None or by_layer is None:
+            return None
+        out = kernels_by_role(by_layer, self.layer_roles)
+        out["per_layer"] = per_layer_by_role(by_layer, self.layer_roles)
+        return out
+
+    def schedule(self) -> dict | None:
+        """Side-stream schedule over the graphs (to_dict key `schedule`): whether it was applied, streams used,
+        nodes moved, step time before / after and critical path under the cost model (us, summed over graphs),
+        the regions moved (with their graph) and the dsv41 ops kept on the main stream with the reason; None when
+        no graph has a schedule."""
+        per = [(g.index, g.schedule) for g in self.graphs if g.schedule is not None]
+        if not per:
+            return None
+        return {"applied": any(s["applied"] for _, s in per), "reason": "; ".join(sorted({s["reason"] for _, s in per})),
+                "streams": max(s["streams"] for _, s in per), "moved": sum(s["moved"] for _, s in per),
+                "before_us": round(sum(s["before_us"] for _, s in per), 3),
+                "after_us": round(sum(s["after_us"] for _, s in per), 3),
+                "critical_path_us": round(sum(s["critical_path_us"] for _, s in per), 3),
+                "cost_model": per[0][1].get("cost_model"),
+                "regions": [dict(r, graph=gi) for gi, s in per for r in s["regions"]],
+                "kept_on_main": [dict(k, graph=gi) for gi, s in per for k in s["kept_on_main"]]}
+
     def to_dict(self) -> dict:
-        """Plain-JSON view: families (aggregated), kernels, bytes (sympy strings + evaluated), graphs."""
+        """Plain-JSON view: families (aggregated), kernels, bytes (sympy strings + evaluated), graphs, and
+        `schedule` / `buckets` when present."""
         import torch
 
         from .. import __version__
@@ -192,10 +270,15 @@ class FusionReport:
                         "L": "sequence extent of the step (leading dim 1: 1 at decode, prompt length at prefill)"},
             "families": fams,
             "kernels": self.kernels(),
+            "kernels_by_layer": self.kernels_by_layer(),
+            "layer_roles": None if self.layer_roles is None else list(self.layer_roles),
+            "kernels_by_role": self.kernels_by_role(),
             "bytes": {"before": str(bb), "after": str(ba),
                       "before_value": sum(f["bytes_before_value"] for f in fused),
                       "after_value": sum(f["bytes_after_value"] for f in fused)},
             "graphs": [g.to_dict() for g in self.graphs],
+            **({"schedule": sched} if (sched := self.schedule()) is not None else {}),
+            **({"buckets": self.buckets} if self.buckets is not None else {}),
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -271,9 +354,76 @@ class FusionReport:
                     t.add_row(str(g.index), g.compile_id, kc.device, str(kc.before), str(kc.after), kc.note)
             t.add_row("total", "", "", str(k["before"]), str(k["after"]), "")
             out.append(t)
+        out += self._layer_tables(d)
+        sc = d.get("schedule")
+        if sc is not None:
+            t = Table(title=f"side-stream schedule ({'applied' if sc['applied'] else 'planned only'}: {sc['reason']})",
+                      title_justify="left")
+            for col in ("streams", "moved", "step before (us)", "step after (us)", "critical path (us)"):
+                t.add_column(col, justify="right")
+            t.add_row(str(sc["streams"]), str(sc["moved"]), f"{sc['before_us']:.2f}", f"{sc['after_us']:.2f}",
+                      f"{sc['critical_path_us']:.2f}")
+            out.append(t)
+            if sc["regions"]:
+                t = Table(title="on the side stream", title_justify="left")
+                for col in ("graph", "slot", "op", "where", "fork after", "launch after", "join before", "overlap us"):
+                    t.add_column(col)
+                for r in sc["regions"]:
+                    t.add_row(str(r["graph"]), str(r["slot"]), r["op"], r["where"], r["fork_after"], r["launch_after"],
+                              r["join_before"], f"{r['overlap_us']:.2f}")
+                out.append(t)
+            kept = Counter((k["op"], k["reason"]) for k in sc["kept_on_main"])
+            if kept:
+                t = Table(title="kept on the main stream", title_justify="left")
+                for col in ("op", "reason", "count"):
+                    t.add_column(col)
+                for (op, why), c in kept.items():
+                    t.add_row(op, why, str(c))
+                out.append(t)
+        bk = d.get("buckets")
+        if bk is not None:
+            t = Table(title=f"batch-size buckets {bk['buckets']}", title_justify="left")
+            for col in ("batch", "runs as", "calls"):
+                t.add_column(col)
+            for row in bk["seen"]:
+                t.add_row(str(row["batch"]), row["runs_as"], str(row["calls"]))
+            out.append(t)
         cached = sum(g.from_cache for g in self.graphs)
         if cached:
             out.append(f"{cached} graph(s) came from Inductor's FX-graph cache; their records from dsv41's record cache.")
+        return out
+
+    def _layer_tables(self, d: dict) -> list:
+        from rich.table import Table
+
+        kl, roles = d["kernels_by_layer"], d["layer_roles"]
+        if kl["total"] is None:
+            return []
+        t = Table(title=f"launches per call by layer (static, {kl['total']} total)", title_justify="left")
+        for col in ("layer", "role", "launches"):
+            t.add_column(col, justify="right" if col == "launches" else "left")
+        for k, v in kl["by_layer"].items():
+            role = roles[int(k)] if roles is not None and k != OTHER and int(k) < len(roles) else ""
+            t.add_row(k, role, str(v))
+        out: list[Any] = [t]
+        by_role = d["kernels_by_role"]
+        if by_role is not None:
+            t = Table(title="launches per call by layer role", title_justify="left")
+            for col in ("role", "layers", "launches", "per layer min / mean / max"):
+                t.add_column(col, justify="left" if col == "role" else "right")
+            for r, v in by_role.items():
+                if r == "per_layer":
+                    continue
+                p = by_role["per_layer"].get(r)
+                t.add_row(r, str(p["layers"]) if p else "-", str(v),
+                          f"{p['min']} / {p['mean']:.1f} / {p['max']}" if p else "-")
+            out.append(t)
+        prof = kl["profiler"]
+        if prof is not None:
+            out.append(f"static launches {prof['static']} vs profiler count {prof['after']} ({prof['device']}): "
+                       + ("equal" if prof["equal"] else "DIFFERENT"))
+        if kl["note"]:
+            out.append(f"launch count note: {kl['note']}")
         return out
 
     def print(self, file=None) -> None:

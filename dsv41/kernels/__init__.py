@@ -8,13 +8,16 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
 - `dsv41::mhc_mixes`, `dsv41::mhc_collapse_rmsnorm`, `dsv41::mhc_expand` (mhc.py): mHC coefficients, pre-mix + RMSNorm, post-mix.
 - `dsv41::moe_router`, `dsv41::moe_combine` (moe.py): MoE router (GEMV + sqrt-softplus + biased top-k) and tail.
+- `dsv41::indexer_scores`, `dsv41::indexer_candidates`, `dsv41::indexer_topk` (indexer.py): CSA2 index scores, candidate blocks, top-k.
 - `dsv41::engram_lookup`, `dsv41::engram_gate` (engram.py): Engram hash -> FP8 row gather -> dequantise; gate + residual.
+- `dsv41::sparse_fp4_attention` (sparse_attention.py): attention over [FP8 window ; gathered FP4 bank rows] with sink + inverse RoPE.
+- `dsv41::stream_fork`, `dsv41::stream_launch`, `dsv41::stream_join` (streams.py): side-stream regions placed by the scheduler.
 
 Each op has a CPU reference (the model's own math), a CUDA implementation launching Triton, and a fake.
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import c2_compressor, engram, grouped_gemv, mhc, moe, quant_gemv, rope_fp4
+from . import c2_compressor, engram, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention, streams
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["c2_compressor", "engram", "grouped_gemv", "mhc", "moe", "quant_gemv", "rope_fp4", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "set_pdl", "pdl_enabled", "prepare_device"]

@@ -21,7 +21,11 @@ from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope
 
-__all__ = ["Compressor", "Indexer", "select_topk", "candidate_mask", "visible_rows"]
+__all__ = ["Compressor", "Indexer", "select_topk", "candidate_mask", "visible_rows", "SPEC_TRAIL_ROWS"]
+
+#: Rows of a multi-token call whose (k, g) the ratio-2 compressor keeps (`kv_trail`, `score_trail`), so that a
+#: speculative verify of up to this many rows can roll the pending state back to its last accepted row.
+SPEC_TRAIL_ROWS = 16
 
 
 class Compressor(nn.Module):
@@ -31,6 +35,8 @@ class Compressor(nn.Module):
     the per-channel softmax-over-the-pair pooling of k, cast to the model dtype, then RMSNorm. The even
     token of a pair is parked in a per-sequence state (`kv_state`, `score_state`, FP32 [B, hd]) across
     decode steps and prefill chunks. Ratio 1: `latent = norm(wkv x)` for every token (BF16, no gate).
+    A call of 2..`SPEC_TRAIL_ROWS` tokens (a speculative verify) also keeps every row's (k, g) in `kv_trail`,
+    `score_trail` FP32 [B, SPEC_TRAIL_ROWS, hd], which `dsv41.model.speculative` uses to roll the state back.
 
     Weights: `wkv.weight [hd, d]`, `wgate.weight [hd, d]` (ratio 2, held in FP32 like the reference),
     `norm.weight [hd]`.
@@ -47,8 +53,8 @@ class Compressor(nn.Module):
         self.wkv = Linear(d, hd, "dense", pdtype, device)
         self.wgate = Linear(d, hd, "dense", pdtype, device) if ratio == 2 else None
         self.norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
-        self.register_buffer("kv_state", None, persistent=False)
-        self.register_buffer("score_state", None, persistent=False)
+        for name in ("kv_state", "score_state", "kv_trail", "score_trail"):
+            self.register_buffer(name, None, persistent=False)
 
     def setup_cache(self, batch_size: int, device, dtype=torch.float32) -> None:
         """Allocate the pending-token state (ratio 2 only): FP32 [batch_size, hd] each."""
@@ -58,12 +64,17 @@ class Compressor(nn.Module):
                                  persistent=False)
             self.register_buffer("score_state", torch.full((batch_size, hd), float("-inf"), dtype=torch.float32,
                                                            device=device), persistent=False)
+            for name in ("kv_trail", "score_trail"):
+                self.register_buffer(name, torch.zeros(batch_size, SPEC_TRAIL_ROWS, hd, dtype=torch.float32,
+                                                       device=device), persistent=False)
 
     def reset_cache(self) -> None:
         """Forget the pending token (in place, addresses unchanged)."""
         if self.kv_state is not None:
             self.kv_state.zero_()
             self.score_state.fill_(float("-inf"))
+            self.kv_trail.zero_()
+            self.score_trail.zero_()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, trash_row: int):
         """Latents for the tokens `x` [B, T, d] at `positions` [B, T] (int64, contiguous per sequence).
@@ -90,6 +101,10 @@ class Compressor(nn.Module):
         # The last token becomes the pending one; only an even (group-opening) token is ever read back.
         self.kv_state.copy_(k[:, -1])
         self.score_state.copy_(g[:, -1])
+        t = k.shape[1]
+        if 1 < t <= SPEC_TRAIL_ROWS:  # static shape: decode steps (t = 1) and prefills never record
+            self.kv_trail[:, :t].copy_(k)
+            self.score_trail[:, :t].copy_(g)
         return latent, positions - 1, rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -39,11 +39,27 @@ class GenerateResult:
     tokens: int64 [B, N] generated ids (N = max_new_tokens; the first comes from the prefill logits).
     timestamps: seconds from the start of prefill to each generated token, len N.
     prompt_len: prompt tokens per sequence.
+    Speculative runs only (empty / None otherwise): acceptance: tokens emitted per verify round (accepted drafts
+    + the bonus token), one list of B per round; natural_acceptance: the same under greedy acceptance (equal to
+    `acceptance` unless simulated); simulated_acceptance: the "match-expected" mean length, or None.
     """
 
     tokens: torch.Tensor
     timestamps: List[float] = field(default_factory=list)
     prompt_len: int = 0
+    acceptance: List[List[int]] = field(default_factory=list)
+    natural_acceptance: List[List[int]] = field(default_factory=list)
+    simulated_acceptance: Optional[float] = None
+
+    @property
+    def mean_acceptance(self) -> float:
+        """Measured mean acceptance length (tokens per verify round); NaN for a plain run."""
+        return _mean(self.acceptance)
+
+    @property
+    def mean_natural_acceptance(self) -> float:
+        """Measured mean greedy acceptance length (what the drafts really earned); NaN for a plain run."""
+        return _mean(self.natural_acceptance)
 
     @property
     def prefill_s(self) -> float:
@@ -63,13 +79,47 @@ class GenerateResult:
         return (len(self.timestamps) - 1) / (self.timestamps[-1] - self.timestamps[0])
 
 
+def _mean(rounds: List[List[int]]) -> float:
+    vals = [v for r in rounds for v in r]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def _base(model):
     return getattr(model, "_orig_mod", model)
 
 
+class _Clock:
+    """Marks on the host clock (CPU) or CUDA events (GPU); `seconds()` = each mark after the first, from the first."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> List[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks[1:]]
+        return [m - self.marks[0] for m in self.marks[1:]]
+
+
 @torch.no_grad()
-def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False) -> GenerateResult:
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
+             speculative: bool = False, simulate_acceptance: float | None = None, drafter=None) -> GenerateResult:
     """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
+
+    With `speculative=True`: DSpark speculative decoding instead (`speculative.generate_speculative`): each round
+    drafts `dspark_block_size` tokens, verifies block + 1 rows in one forward, keeps the longest agreeing prefix plus
+    one and rolls every cache back; greedy output equals the plain greedy output. `simulate_acceptance` (e.g. 5.5,
+    BENCHMARK.md "match-expected") forces the acceptance lengths for benchmarks; `drafter` replaces the eager
+    `model.mtp` (e.g. a compiled one). The result reports the measured mean acceptance length.
 
     Args:
         model: a `DeepseekV41Flash` or a `torch.compile` wrapper of one. Decode steps go through `model`;
@@ -81,8 +131,15 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:
-        ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings.
+        ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings;
+        `simulate_acceptance` or `drafter` without `speculative`.
     """
+    if speculative:
+        from .speculative import generate_speculative
+        return generate_speculative(model, prompt_ids, max_new_tokens, compiled_prefill=compiled_prefill,
+                                    simulate_acceptance=simulate_acceptance, drafter=drafter)
+    if simulate_acceptance is not None or drafter is not None:
+        raise ValueError("simulate_acceptance and drafter need speculative=True")
     base = _base(model)
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids[None]
@@ -96,17 +153,8 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         base.setup_cache(b, need)
     dev = base.embed.weight.device
     ids = prompt_ids.to(dev)
-    cuda = dev.type == "cuda"
-    marks = []
-
-    def mark():
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            marks.append(e)
-        else:
-            marks.append(time.perf_counter())
-
+    clock = _Clock(dev)
+    mark = clock.mark
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=dev)
     mark()
     pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
@@ -121,9 +169,4 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         out[:, i] = tok
         pos += 1
         mark()
-    if cuda:
-        torch.cuda.synchronize()
-        ts = [marks[0].elapsed_time(e) / 1e3 for e in marks[1:]]
-    else:
-        ts = [m - marks[0] for m in marks[1:]]
-    return GenerateResult(tokens=out.cpu(), timestamps=ts, prompt_len=p)
+    return GenerateResult(tokens=out.cpu(), timestamps=clock.seconds(), prompt_len=p)

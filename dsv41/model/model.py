@@ -79,7 +79,7 @@ class Block(nn.Module):
 
 
 class DeepseekV41Flash(nn.Module):
-    """DeepSeek-V4.1 Flash backbone (no DSpark drafts yet) in eager PyTorch.
+    """DeepSeek-V4.1 Flash in eager PyTorch: the backbone and, as `mtp`, the DSpark draft stages (`dspark.DSpark`).
 
     Args:
         config: a `ModelConfig` (e.g. `ModelConfig.preset("tiny")`).
@@ -92,6 +92,8 @@ class DeepseekV41Flash(nn.Module):
     Forward:
         `forward(input_ids [B, T] int64, positions [B, T] int64, last_only=False) -> logits FP32 [B, T, V]`
         (or [B, 1, V] with `last_only`). Positions must be contiguous per sequence and continue the cache.
+        With `return_features=True` it returns `(logits, features)`, features [B, T, n_targets * d] in the model
+        dtype: the DSpark target feature of every row (MODEL.md §2.11).
     Raises:
         ValueError: unknown weight mode; Engram layers with a non-identity vocab and no `token_map`.
         RuntimeError: forward before `setup_cache`.
@@ -111,6 +113,11 @@ class DeepseekV41Flash(nn.Module):
         self.layers = nn.ModuleList(Block(c, i, weight_mode, dtype, device) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps, dtype, device)
         self.head = Linear(d, c.vocab_size, "dense", dtype, device)
+        if c.num_dspark_stages > 0:
+            from .dspark import DSpark  # dspark imports Block from this module
+            self.mtp = DSpark(c, weight_mode, dtype, device)
+        else:
+            self.mtp = None
         self.engram_layers = [i for i in c.engram_layer_ids]
         if self.engram_layers:
             if token_map is None and c.engram_compressed_vocab_size != c.vocab_size:
@@ -197,6 +204,8 @@ class DeepseekV41Flash(nn.Module):
         dev = self.embed.weight.device
         for layer in self.layers:
             layer.attn.setup_cache(batch_size, max_seq_len, dev)
+        if self.mtp is not None:
+            self.mtp.setup_cache(batch_size, dev)
         if self.engram_layers:
             self.register_buffer("engram_history", torch.full((batch_size, max_seq_len), -1, dtype=torch.int64,
                                                               device=dev), persistent=False)
@@ -206,12 +215,15 @@ class DeepseekV41Flash(nn.Module):
         """Empty every cache in place (between benchmark runs); addresses stay the same."""
         for layer in self.layers:
             layer.attn.reset_cache()
+        if self.mtp is not None:
+            self.mtp.reset_cache()
         if self.engram_history is not None:
             self.engram_history.fill_(-1)
 
     def cache_bytes(self) -> dict:
-        """Allocated cache bytes: `global` (bank + index keys), `window` (rings), `state` (compressor, history)."""
-        out = {"global": 0, "window": 0, "state": 0}
+        """Allocated cache bytes: `global` (bank + index keys), `window` (rings), `state` (compressor, history),
+        `dspark_window` (the DSpark stages' rings)."""
+        out = {"global": 0, "window": 0, "state": 0, "dspark_window": 0}
         for layer in self.layers:
             a = layer.attn
             for name, kind in (("bank_codes", "global"), ("bank_scales", "global"), ("key_codes", "global"),
@@ -223,12 +235,18 @@ class DeepseekV41Flash(nn.Module):
                 out["state"] += 2 * a.compressor.kv_state.numel() * 4
         if self.engram_history is not None:
             out["state"] += self.engram_history.numel() * 8
+        for st in (self.mtp if self.mtp is not None else ()):
+            for t in (st.attn.ring_codes, st.attn.ring_scales):
+                if t is not None:
+                    out["dspark_window"] += t.numel() * t.element_size()
         return out
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                return_features: bool = False):
         """Logits FP32 [B, T or 1, V] for input_ids int64 [B, T] at positions int64 [B, T] (`last_only`: only the
-        last position). Raises RuntimeError before `setup_cache`, ValueError for bad shapes, positions or batch size."""
+        last position); with `return_features`, `(logits, features [B, T, n_targets * d])` (class docstring).
+        Raises RuntimeError before `setup_cache`, ValueError for bad shapes, positions or batch size."""
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
         self._check_inputs(input_ids, positions)
@@ -246,13 +264,20 @@ class DeepseekV41Flash(nn.Module):
                 rows[i] = engram_row_ids(u, getattr(self, f"engram_mult_{i}"), getattr(self, f"engram_primes_{i}"),
                                          getattr(self, f"engram_offsets_{i}"), c.engram_n_heads)
         shared: dict = {}
+        feats = []
         for i, layer in enumerate(self.layers):
+            if return_features and i in c.dspark_target_layer_ids:
+                # DSpark target feature: the layer's INPUT residual averaged over the streams (MODEL.md §2.11).
+                feats.append(H.mean(dim=2))
             H, pre_mix = layer(H, pre_mix, positions, shared, rows.get(i))
         if last_only:
             H, pre_mix = H[:, -1:], pre_mix[:, -1:]
         h = self.norm(mhc_collapse(H, pre_mix))
         # Logits in FP32 (MODEL.md §3 step 3; the reference keeps the head in FP32).
-        return F.linear(h.float(), self.head.weight.float())
+        logits = F.linear(h.float(), self.head.weight.float())
+        if return_features:
+            return logits, torch.cat(feats, dim=-1)
+        return logits
 
     def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Shape/dtype checks always (free); value checks only in eager mode (one host sync, never traced)."""

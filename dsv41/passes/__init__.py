@@ -1,8 +1,9 @@
 """dsv41 fusion passes: one family per module, run in a fixed order by `PassManager` (manager.py).
 
 Families, in `FAMILY_ORDER`: `normalize` (normalize.py), `c2_compressor` (c2_compressor.py), `rope_fp4`
-(rope_fp4.py), `mhc` (mhc.py), `engram` (engram.py), `moe` (moe.py), `small_ops` (small_ops.py), `dispatch`
-(dispatch.py: plain and gathered-expert GEMVs). Each returns an
+(rope_fp4.py), `mhc` (mhc.py), `engram` (engram.py), `moe` (moe.py), `sparse_attention` (sparse_attention.py),
+`indexer` (indexer.py), `small_ops` (small_ops.py), `dispatch` (dispatch.py: plain and gathered-expert GEMVs).
+After them the side-stream scheduler (dsv41/compiler/streams.py) places dsv41 ops off the critical path. Each returns an
 immutable `PassRecord` (base.py) with its matches, near-misses and findings.
 """
 

@@ -455,8 +455,9 @@ def _fake_mode_of(nodes: Iterable[fx.Node]):
 def insert_node(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple, kwargs: Mapping | None = None,
                 like: fx.Node | None = None) -> fx.Node:
     """Insert `target(*args, **kwargs)` before `before`, with `meta["val"]` computed by running `target` on the
-    inputs' fake values (so Inductor's lowering and later passes see shapes), and the stack trace of `like`
-    (the matched anchor) so provenance still points at the user's line."""
+    inputs' fake values (so Inductor's lowering and later passes see shapes), and the stack trace, module stack
+    and `from_node` provenance of `like` (the matched anchor), so the report still points at the user's line and
+    counts the new node's kernel in the anchor's layer (`dsv41/compiler/kernel_counts.py`)."""
     kwargs = dict(kwargs or {})
     with graph.inserting_before(before):
         node = graph.call_function(target, args, kwargs)
@@ -471,7 +472,9 @@ def insert_node(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
     with mode:
         node.meta["val"] = target(*fargs, **fkwargs)
     if like is not None:
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        # from_node too: Inductor's kernel provenance (and the "Source Nodes" comments of the generated code)
+        # follow it back to the Dynamo graph, which is how the report attributes launches to layers.
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
     return node

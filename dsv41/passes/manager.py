@@ -10,8 +10,14 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
     5. engram         Engram n-gram hash -> FP8 row gather -> dequantise (wkv input); per-stream gate + residual
     6. moe            MoE router (GEMV -> sqrt-softplus -> biased top-k -> weights); tail (expert sum + shared
                       [-> all-reduce])
-    7. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
-    8. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
+    7. sparse_attention  gather FP4 bank rows -> dequantize -> attention over [FP8 window ; bank] with sink ->
+                      inverse RoPE (before indexer, so the attention chain is matched intact from the indices it
+                      reads; before small_ops, which would share its visibility-mask math, and dispatch)
+    8. indexer        CSA2 indexer: FP4 index scores, candidate blocks, top-k + epilogue (after rope_fp4, whose fused
+                      index query it reads; before small_ops, which would share the visibility / n_visible math
+                      the indexer's regions contain, and before dispatch, which rewrites the matmuls around it)
+    9. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
+   10. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
                       stays on a slow path
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
@@ -39,11 +45,13 @@ from .base import FusionFamily, PassRecord
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
 from .engram import EngramFamily
+from .indexer import IndexerFamily
 from .mhc import MhcFamily
 from .moe import MoeFamily
 from .normalize import NormalizeFamily
 from .rope_fp4 import RopeFp4Family
 from .small_ops import SmallOpsFamily
+from .sparse_attention import SparseAttentionFamily
 
 __all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult"]
 
@@ -55,13 +63,16 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     MhcFamily.name: MhcFamily,
     EngramFamily.name: EngramFamily,
     MoeFamily.name: MoeFamily,
+    SparseAttentionFamily.name: SparseAttentionFamily,
+    IndexerFamily.name: IndexerFamily,
     SmallOpsFamily.name: SmallOpsFamily,
     DispatchFamily.name: DispatchFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 _FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
-              "moe_router", "moe_combine", "grouped_linear_fp4")
+              "moe_router", "moe_combine", "grouped_linear_fp4",
+              "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention")
 
 
 @dataclass(frozen=True)

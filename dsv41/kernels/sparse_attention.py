@@ -1,0 +1,416 @@
+"""Sparse FP4 attention with the attention sink: the `sparse_attention` fusion target (ARCHITECTURE.md pattern
+table, row "sparse FP4 attention"; MODEL.md §2.4 steps 3-6, §2.8).
+
+One decode step of a V4.1 attention layer with a compressed bank reads, per query token, the FP8 window rows
+(the ring plus the current token) and the bank rows the indexer selected, and the eager model
+(dsv41/model/attention.py `Attention.forward`) materialises every step of that: the dequantised window, the
+gathered and dequantised bank rows [B, T, K, D] in FP32, two score tensors, the softmax over [scores ; sink]
+and two value products, then the inverse RoPE. This op computes the same numbers in one kernel:
+
+- `dsv41::sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
+  sink, cos, sin, softmax_scale) -> o`
+    q              [B, T, H, D] fp32 / bf16 / fp16 (post-RoPE queries; D % 32 == 0)
+    window_codes   uint8 [B, S, D]      FP8 E4M3 bytes of the window rows (S >= 0)
+    window_scales  uint8 [B, S, D/32]   UE8M0 exponents (value 2^(e-127)), one per 32 channels
+    window_ok      bool  [B, T, S]      window row s is visible to query t
+    bank_codes     uint8 [B, N, D/2]    packed E2M1 (low nibble = even channel) of the bank rows
+    bank_scales    uint8 [B, N, D/16]   E4M3 bytes, one scale per 16 channels
+    indices        int64 / int32 [B, T, K]  selected bank rows, -1 = empty slot (K >= 0; rows must be < N)
+    sink           fp32 [H]             per-head sink logit (finite)
+    cos, sin       fp32 [B, T, R/2]     RoPE angles of the query positions; R = 2 * cos.shape[-1] <= D
+    softmax_scale  float                scores are (q . kv) * softmax_scale (the model: D^-0.5)
+    o              [B, T, H, D] in q.dtype
+
+  Per head h and query t, with rows k over [visible window rows ; valid selected bank rows] and K = V:
+  `s_k = (q_h . kv_k) * softmax_scale`, `o_h = sum_k e^(s_k - M) kv_k / (sum_k e^(s_k - M) + e^(sink_h - M))`,
+  M = max(max_k s_k, sink_h); o is rounded to q.dtype, then its last R channels are rotated by the negative
+  angle (interleaved pairs (2i, 2i+1), MODEL.md §2.2) and rounded again. A query without any valid row returns
+  0 (the sink takes the whole softmax mass). Window values are dequantised into q.dtype (the eager model
+  dequantises the ring into the activation dtype) and bank values into FP32, as in the model.
+
+On CPU the op runs the reference (`reference_sparse_fp4_attention`, the model's own math). On CUDA it launches
+the Triton kernel for any number of query rows (`triton_sparse_fp4_attention`; prefill chunks included: the
+kernel's memory is O(B T H D), where the reference materialises [B, T, K, D] FP32 bank rows).
+
+Kernel layout (FlashMLA-style split over the rows). The rows of one query are the window rows padded to a
+multiple of BLOCK_N, then the K selected bank rows, in tiles of BLOCK_N rows (each tile is all-window or
+all-bank). Program (query row, head block, split) owns BLOCK_H heads and a contiguous range of tiles; it keeps
+an online-softmax state (running max m, sum l, accumulator [BLOCK_H, D]) in registers. At batch-1 decode
+there is one query and few head blocks (64 heads -> 4), so the tiles are split over `attention_plan` programs
+(about `_TARGET_PROGRAMS`, one or two per SM of an H200) instead of one program per head block. Every split
+stores (m, l, acc) to a workspace and bumps a counter; the last program to arrive (acquire/release atomics, as
+in quant_gemv) combines the splits IN SPLIT ORDER (deterministic), adds the sink to the denominator, divides,
+applies the inverse RoPE and stores o. Channels are held as two halves (even and odd channels), which is what a
+packed E2M1 byte holds (low nibble even, high nibble odd): each bank byte is loaded once per head block and
+decoded into both halves, and the inverse RoPE pairs (2i, 2i+1) are elementwise partners in registers.
+HBM reads: each selected bank row (D/2 + D/16 bytes) and window row (D + D/32 bytes) once; head blocks after
+the first re-read them from L2.
+
+Numerics: both products are `tl.dot` with IEEE FP32 inputs (no TF32), so the scores and the weighted sums equal
+the reference's FP32 einsums up to summation order; exp is Triton's FP32 exp; the inverse RoPE is bit-exact to
+the reference's (FMA contraction off). Tests bound the result by 1e-5 relative (FP32) or one rounding of q.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.model.formats import dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32
+from dsv41.model.rope import apply_rope
+
+from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, require_launchable,
+                      round_to, split_k_counters, use_pdl_for)
+
+__all__ = ["sparse_fp4_attention", "reference_sparse_fp4_attention", "triton_sparse_fp4_attention",
+           "attention_plan", "MAX_HEAD_DIM"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Largest head dim one program holds (two [BLOCK_H, D/2] FP32 accumulators in registers).
+MAX_HEAD_DIM = 1024
+#: Heads per program: the smallest `tl.dot` M; 64 heads -> 4 head blocks.
+_BLOCK_H = 16
+#: Programs a launch aims for (about two per SM of a 132-SM H200), reached by splitting the rows.
+_TARGET_PROGRAMS = 256
+
+
+# ------------------------------------------------------------------------------------------- checks
+def _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink, cos, sin,
+                softmax_scale):
+    """Validate dtypes and shapes (errors name the argument); return (B, T, H, D, S, N, K, R)."""
+    check_tensor("q", q, dtypes=_FLOAT_DTYPES, ndim=4)
+    check_tensor("window_codes", window_codes, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("window_scales", window_scales, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("window_ok", window_ok, dtypes=(torch.bool,), ndim=3)
+    check_tensor("bank_codes", bank_codes, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("bank_scales", bank_scales, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("indices", indices, dtypes=(torch.int64, torch.int32), ndim=3)
+    check_tensor("sink", sink, dtypes=(torch.float32,), ndim=1)
+    check_tensor("cos", cos, dtypes=(torch.float32,), ndim=3)
+    check_tensor("sin", sin, dtypes=(torch.float32,), ndim=3)
+    check_same_device(q=q, window_codes=window_codes, window_scales=window_scales, window_ok=window_ok,
+                      bank_codes=bank_codes, bank_scales=bank_scales, indices=indices, sink=sink, cos=cos, sin=sin)
+    b, t, h, d = q.shape
+    if d % 32 or d == 0:
+        raise ValueError(f"head dim D = {d} must be a positive multiple of 32 (FP8 1x32 window, FP4 1x16 bank)")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D = {d} exceeds MAX_HEAD_DIM = {MAX_HEAD_DIM}")
+    s = window_codes.shape[1]
+    n = bank_codes.shape[1]
+    k = indices.shape[2]
+    want = {"window_codes": (window_codes, (b, s, d)), "window_scales": (window_scales, (b, s, d // 32)),
+            "window_ok": (window_ok, (b, t, s)), "bank_codes": (bank_codes, (b, n, d // 2)),
+            "bank_scales": (bank_scales, (b, n, d // 16)), "indices": (indices, (b, t, k)), "sink": (sink, (h,))}
+    for name, (ten, shape) in want.items():
+        if tuple(ten.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(ten.shape)}; expected {shape} for q {tuple(q.shape)}")
+    r2 = cos.shape[-1]
+    if tuple(cos.shape) != (b, t, r2) or tuple(sin.shape) != (b, t, r2) or r2 < 1 or 2 * r2 > d:
+        raise ValueError(f"cos / sin must both be [B, T, R/2] = [{b}, {t}, R/2] with 2 <= R <= D = {d}, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    return b, t, h, d, s, n, k, 2 * r2
+
+
+# ------------------------------------------------------------------------------------------- reference
+def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
+                                   window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
+                                   indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                   softmax_scale: float) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::sparse_fp4_attention` (shapes and dtypes: module docstring).
+
+    Follows dsv41/model/attention.py `Attention.forward` op for op: window rows dequantised into q.dtype, bank
+    rows gathered at `indices.clamp(min=0)` and dequantised into FP32, scores in FP32 with -inf at hidden window
+    rows and at -1 slots, softmax over [scores ; sink] with the sink column dropped, the two value products,
+    o.to(q.dtype), inverse RoPE. Returns [B, T, H, D] in q.dtype.
+    Raises: TypeError / ValueError for wrong dtypes or shapes (named); IndexError for an index >= N.
+    Source: MODEL.md §2.4 steps 3-6, §2.1 (FP8 1x32 UE8M0, FP4 1x16 E4M3), §2.2 (inverse RoPE).
+    """
+    b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
+                                         indices, sink, cos, sin, softmax_scale)
+    keys = dequantize_fp8_1x32(window_codes, window_scales, q.dtype).float()
+    qc = q.float()
+    sw = torch.einsum("bthd,bsd->bths", qc, keys) * softmax_scale
+    sw = torch.where(window_ok[:, :, None, :], sw, torch.full_like(sw, float("-inf")))
+    rows = indices.long().clamp(min=0)
+    bi = torch.arange(b, device=q.device)[:, None, None]
+    bank = dequantize_fp4_e4m3_1x16(bank_codes[bi, rows], bank_scales[bi, rows], torch.float32)
+    sb = torch.einsum("bthd,btkd->bthk", qc, bank) * softmax_scale
+    sb = torch.where((indices >= 0)[:, :, None, :], sb, torch.full_like(sb, float("-inf")))
+    logits = torch.cat((sw, sb, sink.view(1, 1, h, 1).expand(b, t, h, 1)), dim=-1)
+    p = torch.softmax(logits, dim=-1)[..., :-1]
+    o = torch.einsum("bths,bsd->bthd", p[..., :s], keys) + torch.einsum("bthk,btkd->bthd", p[..., s:], bank)
+    return apply_rope(o.to(q.dtype), cos[:, :, None], sin[:, :, None], inverse=True)
+
+
+# ------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _e4m3_value(byte):
+    """fp32 value of FP8 E4M3 (fn) bytes (int32 0..255), exact, from the bits: normals (exponent field e > 0)
+    are (-1)^s 2^(e-7) (1 + m/8), subnormals m 2^-9, and 0x7F / 0xFF (e = 15, m = 7) are NaN."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    sign = (byte & 128) << 24
+    normal = (((e + 120) << 23) | (m << 20) | sign).to(tl.float32, bitcast=True)
+    sub = (m.to(tl.float32) * 0.001953125)
+    sub = tl.where(sign != 0, -sub, sub)
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((e == 15) & (m == 7), float("nan"), v)
+
+
+@triton.jit
+def _sparse_fp4_attention_kernel(
+    q_ptr, wc_ptr, ws_ptr, wok_ptr, bc_ptr, bs_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, part_ptr, cnt_ptr,
+    T, H, S, K, N, n_win_tiles, tiles_per_split, softmax_scale,
+    sq_b, sq_t, sq_h, swc_b, swc_s, sws_b, sws_s, sok_b, sok_t, sok_s,
+    sbc_b, sbc_n, sbs_b, sbs_n, si_b, si_t, si_k, scs_b, scs_t, ssn_b, ssn_t,
+    D2: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    n_hb = tl.num_programs(1)
+    b = (row // T).to(tl.int64)
+    t = (row % T).to(tl.int64)
+    Q_DT: tl.constexpr = q_ptr.dtype.element_ty
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    i = tl.arange(0, BLOCK_D2)
+    i_ok = i < D2
+    n_loc = tl.arange(0, BLOCK_N)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    # Queries as even / odd channel halves [BLOCK_H, BLOCK_D2] (padded heads and channels read 0).
+    q_rows = q_ptr + b * sq_b + t * sq_t + heads[:, None].to(tl.int64) * sq_h + 2 * i[None, :]
+    qmask = h_ok[:, None] & i_ok[None, :]
+    q_e = tl.load(q_rows, mask=qmask, other=0.0).to(tl.float32)
+    q_o = tl.load(q_rows + 1, mask=qmask, other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_e = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
+    for it in range(tiles_per_split):
+        tile = split * tiles_per_split + it
+        if tile < n_win_tiles:
+            # Window tile: FP8 E4M3 rows, UE8M0 scale per 32 channels (channel 2i and 2i+1 -> scale i // 16),
+            # dequantised into q.dtype like the eager ring.
+            srow = tile * BLOCK_N + n_loc
+            ok = srow < S
+            vis = tl.load(wok_ptr + b * sok_b + t * sok_t + srow.to(tl.int64) * sok_s, mask=ok, other=0)
+            ok = ok & (vis != 0)
+            lmask = ok[:, None] & i_ok[None, :]
+            base = wc_ptr + b * swc_b + srow[:, None].to(tl.int64) * swc_s + 2 * i[None, :]
+            c_e = tl.load(base, mask=lmask, other=0).to(tl.int32)
+            c_o = tl.load(base + 1, mask=lmask, other=0).to(tl.int32)
+            e = tl.load(ws_ptr + b * sws_b + srow[:, None].to(tl.int64) * sws_s + (i // 16)[None, :], mask=lmask,
+                        other=0).to(tl.int32)
+            scale = exp2_int(e)
+            kv_e = round_to(_e4m3_value(c_e) * scale, Q_DT)
+            kv_o = round_to(_e4m3_value(c_o) * scale, Q_DT)
+        else:
+            # Bank tile: gather the selected rows (-1 = empty); one packed byte holds channels 2i (low nibble)
+            # and 2i + 1 (high nibble); E4M3 scale per 16 channels -> scale i // 8.
+            j = (tile - n_win_tiles) * BLOCK_N + n_loc
+            ok = j < K
+            r = tl.load(idx_ptr + b * si_b + t * si_t + j.to(tl.int64) * si_k, mask=ok, other=-1).to(tl.int64)
+            ok = ok & (r >= 0) & (r < N)
+            lmask = ok[:, None] & i_ok[None, :]
+            packed = tl.load(bc_ptr + b * sbc_b + r[:, None] * sbc_n + i[None, :], mask=lmask, other=0).to(tl.int32)
+            sc = tl.load(bs_ptr + b * sbs_b + r[:, None] * sbs_n + (i // 8)[None, :], mask=lmask,
+                         other=0).to(tl.int32)
+            scale = _e4m3_value(sc)
+            kv_e = e2m1_value(packed & 15) * scale
+            kv_o = e2m1_value(packed >> 4) * scale
+        s = tl.dot(q_e, tl.trans(kv_e), input_precision="ieee") + tl.dot(q_o, tl.trans(kv_o), input_precision="ieee")
+        s = s * softmax_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows seen so far may all be empty (m = -inf): shift by 0 there, so exp gives 0, never NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p, kv_e, input_precision="ieee")
+        acc_o = acc_o * alpha[:, None] + tl.dot(p, kv_o, input_precision="ieee")
+        m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
+    hvec = heads * 0
+    if SPLIT == 1:
+        big_m = tl.maximum(m_i, sink)
+        w = tl.exp(m_i - big_m)
+        l_tot = l_i * w + tl.exp(sink - big_m)
+        o_e = acc_e * w[:, None]
+        o_o = acc_o * w[:, None]
+        last = (hvec + 1) != 0
+    else:
+        # Workspace record per (row, head block, split): m [BLOCK_H], l [BLOCK_H], acc_e, acc_o [BLOCK_H, BLOCK_D2].
+        PW: tl.constexpr = 2 * BLOCK_H + 2 * BLOCK_H * BLOCK_D2
+        tile_id = row * n_hb + hb
+        rec0 = part_ptr + tile_id.to(tl.int64) * SPLIT * PW
+        mine = rec0 + split * PW
+        hh = tl.arange(0, BLOCK_H)
+        acc_off = hh[:, None] * BLOCK_D2 + i[None, :]
+        tl.store(mine + hh, m_i)
+        tl.store(mine + BLOCK_H + hh, l_i)
+        tl.store(mine + 2 * BLOCK_H + acc_off, acc_e)
+        tl.store(mine + 2 * BLOCK_H + BLOCK_H * BLOCK_D2 + acc_off, acc_o)
+        # Every thread's partial must be visible before the counter moves (release at GPU scope).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        last = (hvec + arrived) == SPLIT - 1
+        big_m = sink
+        l_tot = tl.full([BLOCK_H], 1.0, tl.float32)  # programs that are not last store nothing
+        o_e = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
+        o_o = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
+        if arrived == SPLIT - 1:
+            # A while loop, not range(SPLIT): see quant_gemv (interpreter + NumPy 2). .cg: read from L2.
+            sp = split * 0
+            while sp < SPLIT:
+                big_m = tl.maximum(big_m, tl.load(rec0 + sp * PW + hh, cache_modifier=".cg"))
+                sp += 1
+            l_tot = tl.exp(sink - big_m)
+            sp = split * 0
+            while sp < SPLIT:
+                rec = rec0 + sp * PW
+                w = tl.exp(tl.load(rec + hh, cache_modifier=".cg") - big_m)
+                l_tot += w * tl.load(rec + BLOCK_H + hh, cache_modifier=".cg")
+                o_e += w[:, None] * tl.load(rec + 2 * BLOCK_H + acc_off, cache_modifier=".cg")
+                o_o += w[:, None] * tl.load(rec + 2 * BLOCK_H + BLOCK_H * BLOCK_D2 + acc_off, cache_modifier=".cg")
+                sp += 1
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    # o.to(q.dtype), then the inverse RoPE on the last R channels (pairs = (even, odd) halves at i >= D2 - HALF_R):
+    # a' = a cos + b sin, b' = b cos - a sin, computed in FP32 and rounded to q.dtype (model.rope.apply_rope).
+    o_e = round_to(o_e / l_tot[:, None], Q_DT)
+    o_o = round_to(o_o / l_tot[:, None], Q_DT)
+    pair = i - (D2 - HALF_R)
+    rot = (pair >= 0) & i_ok
+    c = tl.load(cos_ptr + b * scs_b + t * scs_t + pair, mask=rot, other=1.0)
+    sn = tl.load(sin_ptr + b * ssn_b + t * ssn_t + pair, mask=rot, other=0.0)
+    r_e = round_to(o_e * c[None, :] + o_o * sn[None, :], Q_DT)
+    r_o = round_to(o_o * c[None, :] - o_e * sn[None, :], Q_DT)
+    out_e = tl.where(rot[None, :], r_e, o_e)
+    out_o = tl.where(rot[None, :], r_o, o_o)
+    o_rows = o_ptr + ((b * T + t) * H + heads[:, None].to(tl.int64)) * (2 * D2) + 2 * i[None, :]
+    smask = qmask & last[:, None]
+    tl.store(o_rows, out_e.to(Q_DT), mask=smask)
+    tl.store(o_rows + 1, out_o.to(Q_DT), mask=smask)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised result / workspace allocation; a seam the tests replace to poison outputs."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | None = None,
+                   block_n: int | None = None) -> dict:
+    """Launch plan: {"BLOCK_H", "BLOCK_N", "BLOCK_D2", "HB" (head blocks), "n_win_tiles", "n_tiles",
+    "tiles_per_split", "SPLIT", "num_warps", "grid"}.
+
+    Args: rows = B * T query rows, heads H, s window rows, k selected bank rows, d head dim; `split` forces the
+    number of splits (tests, benchmarks; the number used may be smaller so that no split is empty);
+    `block_n` the rows per tile (a power of two >= 16).
+    Heuristic: split the tiles so that rows * head blocks * splits reaches about `_TARGET_PROGRAMS` (at batch-1
+    decode with 64 heads: 4 head blocks x ~41 tiles of 16 rows of 640 -> ~41 splits of one tile); BLOCK_N 16 for
+    D >= 512 (two [16, 256] FP32 row tiles), else 32; 8 warps from D = 512.
+    Raises: ValueError for split < 1 or a bad block_n.
+    """
+    bd2 = max(16, next_power_of_2(d // 2))
+    if block_n is None:
+        block_n = 16 if d >= 512 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two >= 16")
+    hb = -(-heads // _BLOCK_H)
+    n_win = -(-s // block_n)
+    n_tiles = n_win + -(-k // block_n)
+    if split is None:
+        split = max(1, _TARGET_PROGRAMS // max(rows * hb, 1))
+    elif split < 1:
+        raise ValueError(f"split must be >= 1, got {split}")
+    split = max(1, min(split, n_tiles))
+    per = max(1, -(-n_tiles // split))
+    split = max(1, -(-n_tiles // per))
+    return {"BLOCK_H": _BLOCK_H, "BLOCK_N": block_n, "BLOCK_D2": bd2, "HB": hb, "n_win_tiles": n_win,
+            "n_tiles": n_tiles, "tiles_per_split": per if n_tiles else 0, "SPLIT": split,
+            "num_warps": 8 if d >= 512 else 4, "grid": (rows, hb, split)}
+
+
+def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
+                                window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
+                                indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                softmax_scale: float, split: int | None = None,
+                                block_n: int | None = None) -> torch.Tensor:
+    """Triton `dsv41::sparse_fp4_attention` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
+
+    Same arguments, result (to FP32 rounding, module docstring) and errors as `reference_sparse_fp4_attention`,
+    except that an index >= N is treated as an empty slot instead of raising. One launch over (query row,
+    head block, split) programs (`attention_plan`; `split` / `block_n` override it). Inputs may be strided;
+    only the last dim of q and of the code / scale tensors must be contiguous (made so otherwise).
+    Raises RuntimeError for CPU tensors without the interpreter.
+    """
+    b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
+                                         indices, sink, cos, sin, softmax_scale)
+    require_launchable(_sparse_fp4_attention_kernel, q.device, "triton_sparse_fp4_attention")
+    out = _empty((b, t, h, d), q.dtype, q.device)
+    if b * t * h == 0:
+        return out
+
+    def last_contig(x):
+        return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+    q, window_codes, window_scales = last_contig(q), last_contig(window_codes), last_contig(window_scales)
+    bank_codes, bank_scales = last_contig(bank_codes), last_contig(bank_scales)
+    cos, sin, sink = last_contig(cos), last_contig(sin), sink.contiguous()
+    ok = window_ok.view(torch.uint8)
+    plan = attention_plan(b * t, h, s, k, d, split=split, block_n=block_n)
+    n_split = plan["SPLIT"]
+    if n_split > 1:
+        width = 2 * plan["BLOCK_H"] + 2 * plan["BLOCK_H"] * plan["BLOCK_D2"]
+        part = _empty((b * t * plan["HB"] * n_split, width), torch.float32, q.device)
+        cnt = split_k_counters(q.device, b * t * plan["HB"])
+    else:  # not read when SPLIT == 1
+        part = torch.empty(1, dtype=torch.float32, device=q.device)
+        cnt = torch.empty(1, dtype=torch.int32, device=q.device)
+    pdl = use_pdl_for(_sparse_fp4_attention_kernel, q.device)
+    _sparse_fp4_attention_kernel[plan["grid"]](
+        q, window_codes, window_scales, ok, bank_codes, bank_scales, indices, sink, cos, sin, out, part, cnt,
+        t, h, s, k, n, plan["n_win_tiles"], plan["tiles_per_split"], float(softmax_scale),
+        q.stride(0), q.stride(1), q.stride(2), window_codes.stride(0), window_codes.stride(1),
+        window_scales.stride(0), window_scales.stride(1), ok.stride(0), ok.stride(1), ok.stride(2),
+        bank_codes.stride(0), bank_codes.stride(1), bank_scales.stride(0), bank_scales.stride(1),
+        indices.stride(0), indices.stride(1), indices.stride(2), cos.stride(0), cos.stride(1),
+        sin.stride(0), sin.stride(1),
+        D2=d // 2, HALF_R=r // 2, BLOCK_H=plan["BLOCK_H"], BLOCK_N=plan["BLOCK_N"], BLOCK_D2=plan["BLOCK_D2"],
+        SPLIT=n_split, USE_PDL=pdl, num_warps=plan["num_warps"], enable_fp_fusion=False,
+        **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- op
+@torch.library.custom_op("dsv41::sparse_fp4_attention", mutates_args=(), device_types="cpu")
+def sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
+                         window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
+                         indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         softmax_scale: float) -> torch.Tensor:
+    """Sparse FP4 attention with sink and inverse RoPE; see `reference_sparse_fp4_attention` (module docstring)."""
+    return reference_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
+                                          indices, sink, cos, sin, softmax_scale)
+
+
+@sparse_fp4_attention.register_kernel("cuda")
+def _sparse_fp4_attention_cuda(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
+                               cos, sin, softmax_scale):
+    return triton_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
+                                       sink, cos, sin, softmax_scale)
+
+
+@sparse_fp4_attention.register_fake
+def _sparse_fp4_attention_fake(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
+                               cos, sin, softmax_scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,228 @@
+"""DSpark speculative decoding: draft, verify the block rows at once, accept, roll the caches back (MODEL.md §2.11).
+
+One round, with y the last emitted token at position s:
+1. the drafter (`DSpark`) proposes d_1..d_K for positions s+1..s+K from the block [y, noise x (K-1)];
+2. the target runs the M = K + 1 rows [y, d_1..d_K] at positions s..s+K in ONE forward (`return_features=True`);
+3. greedy acceptance: a = the longest prefix with d_i == argmax(row i-1); the round emits d_1..d_a and the bonus
+   token t_a = argmax(row a), i.e. a + 1 tokens (the acceptance length);
+4. every cache the forward wrote for the rejected rows a+1..K is restored (`CacheJournal`), so the state is the
+   one a plain run that only saw rows 0..a would have; the accepted rows' target features are committed to the
+   drafter's rings inside the next draft round.
+
+Caches rolled back (every stateful buffer of `dsv41/model`): window rings of every layer (slot p mod W), the
+kv-source banks and index keys (row p // ratio, written only by the token that completes a group), the ratio-2
+compressor pending state (set to the (k, g) of the last accepted row, kept by the compressor in `kv_trail`,
+`score_trail`), and the Engram id history (entry p). The trash row of a bank (written by tokens that complete no
+group, never read) is not restored: its contents are unspecified in plain runs too. The DSpark rings need no
+rollback: only accepted rows are committed.
+
+Greedy equality with plain decoding holds exactly when the verify forward computes row i exactly as a one-token
+decode step would. Row i never depends on later rows (bitwise), but GEMMs over M rows may round differently in
+the last bit from the M = 1 ones (CPU BLAS, GPU GEMM tiling); where such a difference straddles an FP8/FP4
+fake-quantisation boundary it grows into a whole quantum and can flip a near-tied greedy choice, exactly like
+prefill vs decode ("modulo SWA/quant rounding", MODEL.md §4.1). Batch-invariant verify kernels remove this.
+
+Simulated acceptance (BENCHMARK.md "match-expected"): the number of accepted drafts is drawn so that the mean
+acceptance length is `expected` (lengths floor(e) and ceil(e)); the round then emits the drafts as if accepted
+plus the target's bonus token, and the caches roll back to exactly that many rows. Throughput is representative;
+the tokens are not the target's greedy output. The natural (greedy) acceptance is measured alongside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+
+from .csa import SPEC_TRAIL_ROWS
+
+__all__ = ["CacheJournal", "greedy_acceptance", "MatchExpected", "generate_speculative"]
+
+
+class CacheJournal:
+    """The pre-verify contents of every cache row a forward over `positions` will overwrite, and the rollback.
+
+    Args:
+        model: a `DeepseekV41Flash` (the eager module; caches set up).
+        positions: [B, M] int64, the verify rows' positions (contiguous per sequence, M <= sliding_window and
+            M <= `csa.SPEC_TRAIL_ROWS`).
+    Raises:
+        ValueError: M too large for the ring (two rows would share a slot) or for the compressor's trail.
+    Source: the cache layouts of dsv41/model/attention.py, csa.py, model.py (MODEL.md §2.5-§2.8, §2.10).
+    """
+
+    def __init__(self, model, positions: torch.Tensor):
+        b, m = positions.shape
+        c = model.config
+        if m > c.sliding_window or m > SPEC_TRAIL_ROWS or m < 2:
+            raise ValueError(f"a verify of {m} rows needs 2 <= M <= min(sliding_window={c.sliding_window}, "
+                             f"SPEC_TRAIL_ROWS={SPEC_TRAIL_ROWS})")
+        self.positions = positions
+        self.bi = torch.arange(b, device=positions.device)[:, None].expand(b, m)
+        self.rows = []       # (buffer, index [B, M], saved [B, M, ...], writes [B, M] bool or None)
+        self.compressors = []
+        for layer in model.layers:
+            a = layer.attn
+            slot = torch.remainder(positions, a.window)
+            for buf in (a.ring_codes, a.ring_scales):
+                self._save(buf, slot, None)
+            if a.role == "full":
+                rows = torch.div(positions, a.ratio, rounding_mode="floor")
+                writes = torch.remainder(positions, a.ratio) == a.ratio - 1
+                for buf in (a.bank_codes, a.bank_scales, a.key_codes, a.key_scales):
+                    self._save(buf, rows, writes)
+            comp = a.compressor
+            if comp is not None and comp.kv_state is not None:
+                self.compressors.append(comp)
+        if model.engram_history is not None:
+            self._save(model.engram_history, positions, None)
+
+    def _save(self, buf: torch.Tensor, index: torch.Tensor, writes) -> None:
+        self.rows.append((buf, index, buf[self.bi, index].clone(), writes))
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """Restore the rows of every verify row i >= keep[b] (keep [B] int64 in [1, M]); see the module docstring."""
+        m = self.positions.shape[1]
+        rejected = torch.arange(m, device=keep.device)[None, :] >= keep[:, None]
+        for buf, index, saved, writes in self.rows:
+            if writes is None:
+                restore, idx = rejected, index
+            else:
+                # A pair's two tokens share a bank row; only the completing token wrote it. Route the other
+                # token to the trash row (last row) with that row's current value, so no row gets two values.
+                restore = rejected & writes
+                idx = torch.where(writes, index, torch.full_like(index, buf.shape[1] - 1))
+            cur = buf[self.bi, idx]
+            r = restore.view(*restore.shape, *([1] * (cur.dim() - 2)))
+            buf.index_put_((self.bi, idx), torch.where(r, saved, cur))
+        last = keep - 1
+        b = torch.arange(keep.shape[0], device=keep.device)
+        for comp in self.compressors:
+            comp.kv_state.copy_(comp.kv_trail[b, last])
+            comp.score_state.copy_(comp.score_trail[b, last])
+
+
+def greedy_acceptance(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per sequence: the longest prefix with `drafts[:, i] == target[:, i]`.
+
+    Args: drafts [B, K] int64; target [B, K] (or [B, K+1]; only the first K columns are compared) greedy tokens
+        of the verify rows. Returns int64 [B] in [0, K].
+    """
+    k = drafts.shape[1]
+    agree = (drafts == target[:, :k]).to(torch.int64)
+    return torch.cumprod(agree, dim=1).sum(dim=1)
+
+
+class MatchExpected:
+    """BENCHMARK.md "match-expected" acceptance: lengths floor(e) or ceil(e) with P(ceil) = e - floor(e).
+
+    Args:
+        expected: the mean acceptance length (tokens per round, bonus included), 1 <= expected <= max_len.
+        max_len: block size + 1. seed: of the CPU generator that draws the lengths (same draws for every backend).
+    Raises: ValueError for an expected length outside [1, max_len].
+    """
+
+    def __init__(self, expected: float, max_len: int, seed: int = 0):
+        if not 1.0 <= expected <= max_len:
+            raise ValueError(f"simulated acceptance length {expected} must lie in [1, block size + 1 = {max_len}]")
+        self.expected, self.low = expected, math.floor(expected)
+        self.p_high = expected - self.low
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def draw(self, batch: int) -> torch.Tensor:
+        """Acceptance lengths int64 [batch] (CPU)."""
+        u = torch.rand(batch, generator=self.gen, dtype=torch.float64)
+        return self.low + (u < self.p_high).to(torch.int64)
+
+
+@torch.no_grad()
+def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
+                         simulate_acceptance: float | None = None, drafter=None, seed: int = 0):
+    """Greedy DSpark speculative decoding (module docstring); called by `generate(..., speculative=True)`.
+
+    Args:
+        model: a `DeepseekV41Flash` with DSpark stages, or a `torch.compile` wrapper of one (verify rows go through
+            it; the prefill runs on the eager module unless `compiled_prefill`).
+        prompt_ids: int64 [P] or [B, P]. max_new_tokens: tokens to produce (>= 1).
+        simulate_acceptance: None for greedy acceptance, else the "match-expected" mean length (e.g. 5.5).
+        drafter: callable with the signature of `DSpark.forward` (e.g. `torch.compile(model.mtp)`); default the
+            eager `model.mtp`. seed: of the simulated-acceptance draws.
+    Returns:
+        `GenerateResult` with tokens [B, max_new_tokens], timestamps (the tokens of one round share its time),
+        `acceptance` (tokens per round per sequence), `natural_acceptance` (greedy, measured in every mode) and
+        `simulated_acceptance`.
+    Raises:
+        ValueError: no DSpark stages, empty prompt, max_new_tokens < 1, a bad simulated length, a length beyond
+        max_position_embeddings.
+    """
+    from .generate import GenerateResult, _base, _Clock
+    base = _base(model)
+    if base.mtp is None:
+        raise ValueError("speculative decoding needs a model with DSpark stages (num_dspark_stages > 0)")
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    b, p = prompt_ids.shape
+    if p < 1 or max_new_tokens < 1:
+        raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got {p}, {max_new_tokens}")
+    k = base.config.dspark_block_size
+    m = k + 1
+    sim = MatchExpected(simulate_acceptance, m, seed) if simulate_acceptance is not None else None
+    # The last round may verify past the requested length; with several sequences a fast one keeps going (up to
+    # m tokens per round) until the slowest has max_new_tokens.
+    need = p + max_new_tokens + m if b == 1 else p + m * max_new_tokens
+    if base.max_seq_len >= need and base.batch_size == b:
+        base.reset_cache()
+    else:
+        base.setup_cache(b, need)
+    dev = base.embed.weight.device
+    drafter = drafter if drafter is not None else base.mtp
+    embed_w, head_w = base.embed.weight, base.head.weight
+    clock = _Clock(dev)
+
+    clock.mark()
+    ids = prompt_ids.to(dev)
+    pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
+    logits, feats = (model if compiled_prefill else base)(ids, pos, last_only=True, return_features=True)
+    y = logits[:, -1].argmax(-1)
+    out: List[List[int]] = [[t] for t in y.tolist()]
+    clock.mark()
+    base.mtp.commit(feats, pos, torch.ones(b, p, dtype=torch.bool, device=dev))
+    start = torch.full((b,), p, dtype=torch.int64, device=dev)
+    offs = torch.arange(m, device=dev)
+    none = torch.zeros(b, m, dtype=torch.bool, device=dev)
+    drafts, _ = drafter(torch.zeros(b, m, feats.shape[-1], dtype=feats.dtype, device=dev), start[:, None] + offs,
+                        none, y, start, embed_w, head_w)
+    token_round = [0]
+    acceptance, natural = [], []
+    while min(len(o) for o in out) < max_new_tokens:
+        rows = torch.cat((y[:, None], drafts), dim=1)
+        vpos = start[:, None] + offs
+        journal = CacheJournal(base, vpos)
+        logits, feats = model(rows, vpos, return_features=True)
+        target = logits.argmax(-1)
+        nat = greedy_acceptance(drafts, target)
+        acc = (sim.draw(b).to(dev) - 1) if sim is not None else nat
+        keep = acc + 1
+        journal.rollback(keep)
+        bi = torch.arange(b, device=dev)
+        y = target[bi, acc]
+        emitted = torch.cat((drafts, y[:, None]), dim=1)
+        emitted[bi, acc] = y  # rows 0..acc-1: the accepted drafts; row acc: the target's bonus token
+        done = min(len(o) for o in out)
+        keep_l, nat_l, em_l = keep.tolist(), (nat + 1).tolist(), emitted.tolist()
+        for s in range(b):
+            out[s].extend(em_l[s][:keep_l[s]])
+        acceptance.append(keep_l)
+        natural.append(nat_l)
+        valid = offs[None, :] < keep[:, None]
+        start = start + keep
+        if min(len(o) for o in out) < max_new_tokens:
+            drafts, _ = drafter(feats, vpos, valid, y, start, embed_w, head_w)
+        clock.mark()
+        token_round.extend([len(clock.marks) - 2] * (min(len(o) for o in out) - done))
+    ts = clock.seconds()
+    tokens = torch.tensor([o[:max_new_tokens] for o in out], dtype=torch.int64)
+    return GenerateResult(tokens=tokens, timestamps=[ts[r] for r in token_round[:max_new_tokens]], prompt_len=p,
+                          acceptance=acceptance, natural_acceptance=natural, simulated_acceptance=simulate_acceptance)
+

@@ -1,0 +1,132 @@
+"""Speculative verify + rollback leaves every cache exactly as a run that only saw the accepted rows (MODEL.md §2.11).
+
+For each cache kind of dsv41/model (window rings, kv-source banks, index keys, the ratio-2 compressor's pending
+state, the Engram id history, the DSpark rings) the state after "verify M rows, keep the first `keep`, roll back"
+is compared bit for bit with the state after a fresh forward over only the `keep` accepted rows from the same
+starting point (the FP32 compressor state to float32 rounding: the two runs' GEMMs have different row counts).
+Not compared: a bank's trash row (the write-only sink of tokens that complete no group; never read, unspecified
+in plain runs too) and the compressor's `kv_trail`/`score_trail` scratch rows.
+Each comparison is also shown able to fail: without the rollback the state differs for every kind.
+"""
+
+import pytest
+import torch
+
+from dsv41.model.speculative import CacheJournal
+
+KINDS = ("window_ring", "bank", "index_keys", "compressor_state", "engram_history", "dspark_ring")
+
+
+def _state(m, kind: str) -> dict:
+    out = {}
+    if kind == "dspark_ring":
+        for s, st in enumerate(m.mtp):
+            out[f"mtp.{s}.codes"], out[f"mtp.{s}.scales"] = st.attn.ring_codes, st.attn.ring_scales
+    elif kind == "engram_history":
+        out["history"] = m.engram_history
+    for i, layer in enumerate(m.layers):
+        a = layer.attn
+        if kind == "window_ring":
+            out[f"{i}.codes"], out[f"{i}.scales"] = a.ring_codes, a.ring_scales
+        elif kind == "bank" and a.role == "full":
+            out[f"{i}.codes"], out[f"{i}.scales"] = a.bank_codes[:, :-1], a.bank_scales[:, :-1]
+        elif kind == "index_keys" and a.role == "full":
+            out[f"{i}.codes"], out[f"{i}.scales"] = a.key_codes[:, :-1], a.key_scales[:, :-1]
+        elif kind == "compressor_state" and a.compressor is not None and a.compressor.kv_state is not None:
+            out[f"{i}.kv"], out[f"{i}.score"] = a.compressor.kv_state, a.compressor.score_state
+    assert out, kind
+    return {k: v.clone() for k, v in out.items()}
+
+
+def _all(m) -> dict:
+    return {kind: _state(m, kind) for kind in KINDS}
+
+
+_CASES = {}
+_PREFILLED = {}
+
+
+def _case(m, prompt, prompt_len: int, keep: int):
+    """(state after verify + rollback, state of the accepted-only run, state after verify without rollback)."""
+    key = (prompt_len, keep)
+    if key in _CASES:
+        return _CASES[key]
+    c = m.config
+    mrows = c.dspark_block_size + 1
+    gen = torch.Generator().manual_seed(1000 + prompt_len)
+    rows = torch.randint(3, c.vocab_size - 20, (1, mrows), generator=gen)
+    pos = torch.arange(prompt_len, prompt_len + mrows)[None]
+    valid = torch.arange(mrows)[None] < keep
+    m.setup_cache(1, 64)
+    with torch.no_grad():
+        if prompt_len not in _PREFILLED:
+            _, feats = m(prompt[:, :prompt_len], torch.arange(prompt_len)[None], return_features=True)
+            m.mtp.commit(feats, torch.arange(prompt_len)[None], torch.ones(1, prompt_len, dtype=torch.bool))
+            _PREFILLED[prompt_len] = {n: b.clone() for n, b in m.named_buffers() if b is not None}
+        start = _PREFILLED[prompt_len]
+        for n, b in m.named_buffers():
+            if b is not None:
+                b.copy_(start[n])
+
+        journal = CacheJournal(m, pos)
+        _, vfeats = m(rows, pos, return_features=True)
+        m.mtp.commit(vfeats, pos, torch.ones_like(valid))
+        unrolled = _all(m)
+        for n, b in m.named_buffers():
+            if b is not None and n.startswith("mtp."):
+                b.copy_(start[n])
+        journal.rollback(torch.tensor([keep]))
+        m.mtp.commit(vfeats, pos, valid)
+        got = _all(m)
+
+        for n, b in m.named_buffers():
+            if b is not None:
+                b.copy_(start[n])
+        m(rows[:, :keep], pos[:, :keep])
+        # The same feature rows, so the DSpark comparison isolates the masked commit.
+        m.mtp.commit(vfeats[:, :keep], pos[:, :keep], torch.ones(1, keep, dtype=torch.bool))
+        want = _all(m)
+    _CASES[key] = (got, want, unrolled)
+    return _CASES[key]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("keep", [1, 2, 3, 4])
+@pytest.mark.parametrize("prompt_len", [39, 40])  # verify starts on an even / odd position (pair opened / completed)
+def test_rollback_equals_a_run_that_saw_only_the_accepted_rows(tiny_model, tiny_prompt, kind, keep, prompt_len):
+    got, want, unrolled = _case(tiny_model, tiny_prompt, prompt_len, keep)
+    for name in want[kind]:
+        if kind == "compressor_state":
+            # FP32 projections of a row: the verify's [M, d] GEMM and the reference's [keep, d] GEMM round
+            # differently in the last bits (as prefill vs decode in test_model.py); a wrong row is off by O(1).
+            torch.testing.assert_close(got[kind][name], want[kind][name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{kind} {name} after rollback (keep={keep})")
+        else:
+            assert torch.equal(got[kind][name], want[kind][name]), f"{kind} {name} after rollback (keep={keep})"
+    if keep < tiny_model.config.dspark_block_size + 1:
+        changed = [n for n in want[kind] if not torch.equal(unrolled[kind][n], want[kind][n])]
+        if kind == "bank" or kind == "index_keys":
+            # Ratio-1 sources write a row for every token, so a rejected row always leaves a trace.
+            assert changed, f"{kind}: the comparison cannot fail (no rejected row wrote anything)"
+        else:
+            assert changed, f"{kind}: verify without rollback matched the accepted-only state"
+
+
+def test_bank_rows_of_rejected_pairs_are_restored_to_their_old_bytes(tiny_model, tiny_prompt):
+    """Ratio-2 source: a verify starting at odd 39 completes pair 19 (row 19, kept) and pair 20 at 41 (rejected)."""
+    got, want, unrolled = _case(tiny_model, tiny_prompt, 39, 2)
+    src = [i for i, layer in enumerate(tiny_model.layers) if layer.attn.role == "full" and layer.attn.ratio == 2][0]
+    name = f"{src}.codes"
+    assert not torch.equal(unrolled["bank"][name][:, 20], want["bank"][name][:, 20])
+    assert torch.equal(got["bank"][name][:, 20], want["bank"][name][:, 20])
+    assert not want["bank"][name][:, 20].any()  # never written by the accepted-only run
+    assert torch.equal(got["bank"][name][:, 19], unrolled["bank"][name][:, 19])
+
+
+def test_journal_rejects_verify_widths_that_wrap_the_ring(tiny_model):
+    tiny_model.setup_cache(1, 64)
+    w = tiny_model.config.sliding_window
+    with pytest.raises(ValueError, match="sliding_window"):
+        CacheJournal(tiny_model, torch.arange(w + 1)[None])
+    with pytest.raises(ValueError, match="2 <= M"):
+        CacheJournal(tiny_model, torch.arange(1)[None])
