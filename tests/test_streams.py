@@ -352,3 +352,26 @@ def test_tiny_report_has_the_schedule(tiny_dsv41):
     assert s["after_us"] < s["before_us"] and s["critical_path_us"] <= s["after_us"]
     for r in s["regions"]:
         assert r["inputs_kept_alive"] and r["fork_after"] and r["join_before"]
+
+
+def test_families_not_yet_run_on_a_gpu_are_off_on_cuda_unless_asked_for():
+    from dsv41.passes.manager import GPU_UNVALIDATED, PassManager
+    assert set(GPU_UNVALIDATED) == {"sparse_attention", "indexer"}
+    o = parse_options({})
+    assert o.gated_families(False) == {}
+    gated = o.gated_families(True)
+    assert set(gated) == set(GPU_UNVALIDATED) and all("not yet run on a GPU" in r for r in gated.values())
+    assert parse_options({"gpu_unvalidated": True}).gated_families(True) == {}
+    assert set(parse_options({"disable": ["indexer"]}).gated_families(True)) == {"sparse_attention"}
+    with pytest.raises(TypeError, match="gpu_unvalidated"):
+        parse_options({"gpu_unvalidated": "yes"})
+    # the manager's record says why the family is off
+    import torch.fx as fx
+    g = fx.Graph()
+    g.output(g.placeholder("x"))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    pm = PassManager(gated.keys(), notes=gated)
+    pm(gm.graph)
+    recs = {r.family: r for r in pm.results[-1].records}
+    assert not recs["indexer"].enabled and "not yet run on a GPU" in recs["indexer"].note
+    assert recs["dispatch"].enabled

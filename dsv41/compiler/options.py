@@ -11,6 +11,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
 | `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: same as `cuda_graphs`): `dsv41.kernels.set_pdl(True)` for the process, and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
+| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`: `sparse_attention`, `indexer`); off, they show in the report as off with that reason. CPU always runs them |
 | `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: off until the rewrite is validated on a GPU (it has only run on CPU); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
@@ -34,6 +35,7 @@ OPTION_KEYS = {
     "cuda_graphs": "bool or None (auto: on): record CUDA graphs of graphs on CUDA (Inductor CUDA-graph trees)",
     "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
     "streams": "bool or None (auto: off until validated on a GPU): move off-critical-path dsv41 ops to a side stream",
+    "gpu_unvalidated": "bool: also run on CUDA the families whose kernels have not yet run on a GPU",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -51,12 +53,22 @@ class Options:
     cuda_graphs: bool | None = None
     pdl: bool | None = None
     streams: bool | None = None
+    gpu_unvalidated: bool = False
 
     def to_dict(self) -> dict:
         """JSON-friendly form (shown in the report)."""
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
                 "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
-                "pdl": self.pdl, "streams": self.streams}
+                "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": self.gpu_unvalidated}
+
+    def gated_families(self, on_cuda: bool) -> dict:
+        """{family: reason} of the families switched off for a graph on CUDA because their kernels have not yet
+        run on a GPU (none on CPU, none with `gpu_unvalidated=True`, none already in `disable`)."""
+        from ..passes.manager import GPU_UNVALIDATED
+        if not on_cuda or self.gpu_unvalidated:
+            return {}
+        return {n: "off on CUDA: its kernels have not yet run on a GPU (option gpu_unvalidated=True runs them)"
+                for n in GPU_UNVALIDATED if n not in self.disable}
 
     def use_cuda_graphs(self, on_cuda: bool) -> bool:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
@@ -129,4 +141,5 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
         v = options.get(key)
         tri[key] = None if v is None else _bool(key, v)
     return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
-                   _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"], tri["streams"])
+                   _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"], tri["streams"],
+                   _bool("gpu_unvalidated", options.get("gpu_unvalidated", False)))

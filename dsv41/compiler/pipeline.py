@@ -155,7 +155,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     stream_pass = StreamPass(apply_streams, streams_reason, debug=opts.debug)
     prev = inductor_config.post_grad_custom_post_pass
     prev = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
-    manager = PassManager(opts.disable, opts.debug, chained=(*prev, stream_pass))
+    gated = opts.gated_families(on_cuda)
+    manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated)
     patches = {"post_grad_custom_post_pass": manager}
     if on_cuda and "emulate_precision_casts" in inductor_config.get_config_copy():
         # Inductor keeps fused bf16/fp16 intermediates in FP32, which is not what eager computes: measured on

@@ -53,7 +53,7 @@ from .rope_fp4 import RopeFp4Family
 from .small_ops import SmallOpsFamily
 from .sparse_attention import SparseAttentionFamily
 
-__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult"]
+__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED"]
 
 #: Registered families by name, in the order they run.
 FAMILIES: dict[str, type[FusionFamily]] = {
@@ -69,6 +69,9 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     DispatchFamily.name: DispatchFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
+#: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU: the
+#: backend leaves them off for graphs on CUDA unless the option `gpu_unvalidated` is set (compiler/options.py).
+GPU_UNVALIDATED: tuple[str, ...] = ("sparse_attention", "indexer")
 _FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
               "moe_router", "moe_combine", "grouped_linear_fp4",
@@ -98,6 +101,7 @@ class PassManager(CustomGraphPass):
 
     Args:
         disabled: family names to switch off (each still gets a record with `enabled=False`).
+        notes: {family: why it is off} for records of families switched off for another reason than `disable`.
         debug: keep the graph's code before/after the passes in each result.
         chained: a post-grad custom pass that was installed before dsv41's (or a list of them); it runs after
             dsv41's families, and its uuid is part of ours (None if it has none, which disables caching).
@@ -105,8 +109,9 @@ class PassManager(CustomGraphPass):
         ValueError: a name in `disabled` that is not a family.
     """
 
-    def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None):
+    def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None, notes=None):
         disabled = frozenset(disabled)
+        self.notes = dict(notes or {})
         unknown = sorted(disabled - set(FAMILY_ORDER))
         if unknown:
             raise ValueError(f"unknown pass families {unknown}; valid families: {', '.join(FAMILY_ORDER)}")
@@ -126,7 +131,7 @@ class PassManager(CustomGraphPass):
         records = []
         for name in FAMILY_ORDER:
             if name in self.disabled:
-                records.append(PassRecord(name, False, note="disabled by options"))
+                records.append(PassRecord(name, False, note=self.notes.get(name, "disabled by options")))
                 continue
             t0 = time.perf_counter()
             rec = FAMILIES[name]().run(gm)
