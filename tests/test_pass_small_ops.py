@@ -245,7 +245,9 @@ def test_tiny_decode_shares_every_layers_window_mask_and_ring_slot(tiny_dsv41, t
     # Every layer after the first reuses layer 0's window visibility mask (ring positions + ok, one region of
     # the same size each time) and its ring slot (measured: 62 regions, 247 nodes in all; 7 masks of 20 nodes).
     masks = [s for s in attn if s["detail"]["kind"] == "visibility_mask"]
-    assert len(masks) == layers - 1 and len({s["nodes_replaced"] for s in masks}) == 1
+    # One mask region per later layer; 20 nodes each, 21 where the region also takes a node the sparse_attention
+    # rewrite left shared (measured with all 10 families).
+    assert len(masks) == layers - 1 and {s["nodes_replaced"] for s in masks} <= {20, 21}
     assert all("aten.remainder.Scalar" in s["ops_replaced"] and "aten.le.Tensor" in s["ops_replaced"] for s in masks)
     assert sum(s["detail"]["kind"] == "ring_slot" for s in attn) == layers - 1
     # Per-layer RoPE frequency tables and the two kv sources' bank sizes stay apart, with the reason.
