@@ -9,12 +9,17 @@ row adds the Python + launch overhead. The GEMV rows also time the fallback the 
 
 Usage:
     python bench/kernels.py [--json PATH] [--reps-ms MS] [--sweep] [--only NAME ...] [--pdl]
+    python bench/kernels.py --families [--m M ...] [--contexts C,C,...] [--tiny] [--device cpu] [--only NAME ...]
 `--sweep` also times a small grid of GEMV launch configurations per shape (to tune `gemv_plan`).
 Shapes are the h200 preset's decode shapes (MODEL.md §4.3): wq_b 32768x1280, wo_b 5120x8192, wq_a 1280x5120,
 shared w1 2304x5120, w2 5120x2304, FP4 expert 2304x5120 / 5120x2304, head-like 129280x5120 (fp8).
 `--families` times the fusion-family ops instead (Engram lookup / gate, MoE router / tail, grouped FP4 experts,
 C2 bank writes; byte formulas in the comment above `_FAMILY_MAX_COPIES`) at h200 shapes; with `--tiny` at tiny
 shapes with one timed call per variant, also on `--device cpu` under TRITON_INTERPRET=1 (an end-to-end check).
+It also times the sparse FP4 attention and the indexer ops (scores, top-k, candidate pool, Reindex pool) for one
+decode query at each of `--contexts` (default 4096,32768,131072 tokens, with --tiny 4096 only; M = 1 whatever
+`--m` says), e.g.
+    python bench/kernels.py --families --only sparse_fp4_attention indexer_scores indexer_topk indexer_candidates
 Exits with status 2 and a message when no CUDA device is present.
 """
 
@@ -256,6 +261,28 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 #                  D = head_dim, R = qk_rope_head_dim (bank rows: E2M1 + E4M3 scale per 16); N = D, K = R
 #   c2_norm_store  as c2_pool_store with tokens * D * elt(x) read instead of the four fp32 projections
 #
+# Attention and indexer rows (`CONTEXT_CASES`): one decode query (batch 1, M = 1) of a sequence `ctx` tokens long,
+# once per `--contexts` entry (shape label <preset>_ctx<ctx>[_r<ratio> | _pool]). A ratio-r layer sees
+# n_r = floor(ctx / r) bank / key rows (dsv41/model/csa.py `visible_rows` at position ctx - 1); k = index_topk.
+#   sparse_fp4_attention  2 * H * D * elt(q)          q read, o written
+#                         + S * (D + D/32 + 1)        window rows (E4M3 bytes, UE8M0 scales, window_ok byte),
+#                                                     S = min(sliding_window, ctx), all visible
+#                         + kv * (D/2 + D/16)         the kv = min(k, n_2) selected bank rows (E2M1 + E4M3 per
+#                                                     16), NOT the whole ceil(ctx / 2)-row bank: the kernel
+#                                                     gathers only those; -1 slots read nothing
+#                         + k * 8 + H * 4 + 2 * R/2 * 4   indices (int64), sink, cos / sin
+#                         N = S + k (rows attended), K = D
+#   indexer_scores _r{r}  n_r * (Di/2 + Di/32)        every visible index-key row (E2M1 + UE8M0 per 32)
+#                         + Hi * Di * elt(q) + Hi * 4 + 8 + n_r * 4    q, head weights (fp32), n_visible,
+#                                                     scores written (fp32); N = n_r, K = Di
+#   indexer_scores _pool  as _r1 over the rows of the W = min(n_blocks, ceil(n_1 / block)) pool blocks only,
+#                         + W * 8 (block ids) and W * block * 4 compact scores written (the Reindex layers)
+#   indexer_topk _r{r}    n_r * 4 + k * 8             scores read, indices written (int64); N = n_r, K = k
+#   indexer_topk _pool    W * block * 4 + min(k, W) * 8 + k * 8   compact scores, the block ids the selected
+#                                                     slots map through, indices written
+#   indexer_candidates    n_1 * 4 + 8 + W * 8         scores, n_visible, block ids written (the candidate source
+#                                                     is a ratio-1 layer); not counted: the block-max workspace
+#
 # Timing (CUDA, default): a CUDA graph of back-to-back calls over input copies (rotated so one replay touches
 # >= 3x the 60 MB L2 where <= _FAMILY_MAX_COPIES copies suffice; `copies` and `graph_data_MB` in each row say
 # how much), triton.testing.do_bench median with L2 flushed per replay, divided by the calls per graph. The big
@@ -275,6 +302,14 @@ _FAMILY_MAX_REF_COPIES = 256
 _L2_BYTES = 60 << 20
 #: Bank rows of the compressor caches the c2 rows write into.
 _C2_CACHE_ROWS = 4096
+#: Default `--contexts`: sequence lengths (tokens) of the attention / indexer rows.
+DEFAULT_CONTEXTS = (4096, 32768, 131072)
+#: Compress ratio of the bank the attention rows read (the encoder's ratio-2 kv sources).
+_ATTN_BANK_RATIO = 2
+#: `offset` of the top-k rows: dsv41/model keeps window and bank rows apart, so the compiled graph passes 0.
+_TOPK_OFFSET = 0
+#: Bytes of distinct bank / key caches the copies of a case that gathers only part of its cache rotate over.
+_GATHER_SOURCE_BUDGET = 4 << 30
 
 
 def _nbytes(t) -> int:
@@ -440,6 +475,226 @@ def _case_c2(pool, cfg, n, dev, dt, gen, state):
     return dict(shape=f"bank{d}", N=d, K=2 * r_half, make=make, nbytes=nbytes, tri=tri, ref=ref, ref_graph=False)
 
 
+# ------------------------------------------------------------------------------------ attention / indexer cases
+# Builders of `CONTEXT_CASES`: (context, cfg, tokens, device, dtype, generator, state) -> case dict, as the
+# `_case_*` above plus the sequence length `context` (tokens) first. They build one decode query (batch 1); byte
+# floors in the comment above `_FAMILY_MAX_COPIES`.
+
+
+def _decode_only(n: int) -> None:
+    if n != 1:
+        raise ValueError(f"the attention / indexer cases are decode rows (M = 1), got M = {n}")
+
+
+def _random_e4m3(shape, gen, dev) -> torch.Tensor:
+    """uint8 `shape` of random FP8 E4M3 bytes, every code but the NaNs 0x7F / 0xFF (replaced by 0x38 = 1.0), so
+    the Triton output and its reference stay finite and comparable."""
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+    b[(b & 0x7F) == 0x7F] = 0x38
+    return b
+
+
+def _random_index_keys(rows: int, di: int, gen, dev):
+    """One FP4 index-key cache of `rows` rows: (codes uint8 [1, rows, di/2] (any byte is two valid E2M1 codes),
+    UE8M0 scales uint8 [1, rows, di/32] in 120..130, i.e. 2^-7 .. 2^3)."""
+    codes = torch.randint(0, 256, (1, rows, di // 2), dtype=torch.uint8, device=dev, generator=gen)
+    scales = torch.randint(120, 131, (1, rows, di // 32), dtype=torch.uint8, device=dev, generator=gen)
+    return codes, scales
+
+
+def _index_query(cfg, dev, dt, gen):
+    """(q [1, 1, Hi, Di] in `dt`, head weights fp32 [1, 1, Hi]) scaled as `Indexer.scores` scales them
+    (w = weights_proj(x) * Di^-0.5 * Hi^-0.5, weights_proj(x) ~ N(0, 1))."""
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    return (_randn((1, 1, hi, di), gen, dev, 1.0, dt), _randn((1, 1, hi), gen, dev, (hi * di) ** -0.5))
+
+
+def _rotation(build, nbytes: int):
+    """A callable returning `build()` results round-robin over at most `_GATHER_SOURCE_BUDGET // nbytes` distinct
+    ones (`nbytes` = bytes of one), built on first use.
+
+    For caches a call reads only a few rows of (the attention bank, the pool's key rows): giving every timing
+    copy its own would take copies x the cache (GBs at 128K), sharing one lets later copies hit rows an earlier
+    copy left in L2. Rotating over up to 4 GiB keeps the chance that a gathered row is still in L2 small.
+    """
+    pool, calls = [], [0]
+    limit = max(1, min(_FAMILY_MAX_COPIES, _GATHER_SOURCE_BUDGET // max(nbytes, 1)))
+
+    def nxt():
+        j = calls[0] % limit
+        calls[0] += 1
+        if j == len(pool):
+            pool.append(build())
+        return pool[j]
+
+    return nxt
+
+
+def _pool_blocks(n_rows: int, block: int, width: int, gen, dev) -> torch.Tensor:
+    """int64 [1, 1, width]: a candidate pool as `indexer_candidates` returns it for a ratio-1 layer that sees
+    `n_rows` rows (1 <= width <= ceil(n_rows / block)): ascending block ids, the newest block (holding row
+    n_rows - 1, which the op forces in) always present, the others drawn at random. No -1 slot: every visible
+    block has a finite score, and the op keeps min(n_blocks, blocks) finite ones."""
+    nb = -(-n_rows // block)
+    others = torch.randperm(nb - 1, generator=gen, device=dev)[:width - 1]
+    newest = torch.full((1,), nb - 1, dtype=torch.int64, device=dev)
+    return torch.cat((others, newest)).sort().values.view(1, 1, width)
+
+
+def _case_sparse_attention(ctx, cfg, n, dev, dt, gen, state):
+    """`sparse_fp4_attention` for the decode query at position ctx - 1 of a ratio-2 layer.
+
+    Inputs (batch 1, T = 1): q [1, 1, H, D] in `dt`; S = min(sliding_window, ctx) window rows, all visible (E4M3
+    bytes without NaN codes, UE8M0 scales 120..123, i.e. values |v| <= 448 * 2^-4); a bank of ceil(ctx / 2) rows
+    (random E2M1 bytes, E4M3 scales 0x28..0x40 = 0.25 .. 2.0), shared round-robin by the copies (`_rotation`);
+    indices int64 [1, 1, k]: min(k, floor(ctx / 2)) distinct visible rows ascending, then -1 (`select_topk`'s
+    layout); sink fp32 [H] ~ N(0, 1); cos / sin fp32 [1, 1, R/2] of random angles; softmax scale D^-0.5.
+    Bytes: selected bank rows only (module comment above `_FAMILY_MAX_COPIES`).
+    """
+    from dsv41.kernels import sparse_attention as sa
+    _decode_only(n)
+    h, d, r_half, k = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim // 2, cfg.index_topk
+    s = min(cfg.sliding_window, ctx)
+    n_bank, n_vis = -(-ctx // _ATTN_BANK_RATIO), ctx // _ATTN_BANK_RATIO
+    bank_row = d // 2 + d // 16
+    u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
+    bank = _rotation(lambda: (torch.randint(0, 256, (1, n_bank, d // 2), **u8),
+                              torch.randint(0x28, 0x41, (1, n_bank, d // 16), **u8)), n_bank * bank_row)
+
+    def make():
+        bc, bs = bank()
+        kv = min(k, n_vis)
+        sel = torch.randperm(n_vis, generator=gen, device=dev)[:kv].sort().values
+        idx = torch.cat((sel, torch.full((k - kv,), -1, dtype=torch.int64, device=dev))).view(1, 1, k)
+        ang = torch.rand(1, 1, r_half, generator=gen, device=dev) * 6.2832
+        return (_randn((1, 1, h, d), gen, dev, 1.0, dt), _random_e4m3((1, s, d), gen, dev),
+                torch.randint(120, 124, (1, s, d // 32), **u8), torch.ones(1, 1, s, dtype=torch.bool, device=dev),
+                bc, bs, idx, _randn((h,), gen, dev), ang.cos(), ang.sin(), d ** -0.5)
+
+    def nbytes(a):
+        q, wc, ws, ok, _, _, idx, sink, cos, sin, _ = a
+        kv = int((idx >= 0).sum())
+        return (2 * _nbytes(q) + _nbytes(wc) + _nbytes(ws) + _nbytes(ok) + kv * bank_row + _nbytes(idx)
+                + _nbytes(sink) + _nbytes(cos) + _nbytes(sin))
+
+    return dict(shape=f"ctx{ctx}", N=s + k, K=d, make=make, nbytes=nbytes, tri=sa.triton_sparse_fp4_attention,
+                ref=sa.reference_sparse_fp4_attention, ref_graph=True)
+
+
+def _case_index_scores(ratio, ctx, cfg, n, dev, dt, gen, state):
+    """`indexer_scores` of a ratio-`ratio` index source over all of its floor(ctx / ratio) visible key rows (the
+    key cache sized to exactly those, n_visible int64 [1, 1] = that count, no `blocks`): scores fp32
+    [1, 1, floor(ctx / ratio)]. Every copy has its own key cache (the op reads all of it)."""
+    from dsv41.kernels import indexer as ik
+    _decode_only(n)
+    nk, di = ctx // ratio, cfg.index_head_dim
+
+    def make():
+        q, w = _index_query(cfg, dev, dt, gen)
+        codes, scales = _random_index_keys(nk, di, gen, dev)
+        return (q, w, codes, scales, torch.full((1, 1), nk, dtype=torch.int64, device=dev), None, 1)
+
+    def nbytes(a):
+        return sum(_nbytes(t) for t in a[:5]) + nk * 4
+
+    return dict(shape=f"ctx{ctx}_r{ratio}", N=nk, K=di, make=make, nbytes=nbytes, tri=ik.triton_indexer_scores,
+                ref=ik.reference_indexer_scores, ref_graph=True)
+
+
+def _pool_geometry(ctx, cfg):
+    """(visible rows n, block size, pool width W) of the candidate pool a Reindex layer reads at `ctx` tokens:
+    the candidate source's ratio (1 in every preset, `ModelConfig.validate`), W = `candidate_width`."""
+    from dsv41.kernels.indexer import candidate_width
+    nk = ctx // cfg.compress_ratios[cfg.candidate_source_layer_id]
+    block = cfg.candidate_block_size
+    return nk, block, int(candidate_width(nk, block, cfg.candidate_topk_blocks))
+
+
+def _case_index_pool_scores(ctx, cfg, n, dev, dt, gen, state):
+    """`indexer_scores` with `blocks` (a Reindex layer): compact scores fp32 [1, 1, W * block] over the rows of a
+    random W-block pool (`_pool_blocks`) of a key cache of all n visible rows, shared round-robin by the copies
+    (`_rotation`: the op reads only the pool's rows)."""
+    from dsv41.kernels import indexer as ik
+    _decode_only(n)
+    nk, block, width = _pool_geometry(ctx, cfg)
+    di = cfg.index_head_dim
+    keys = _rotation(lambda: _random_index_keys(nk, di, gen, dev), nk * (di // 2 + di // 32))
+
+    def make():
+        q, w = _index_query(cfg, dev, dt, gen)
+        codes, scales = keys()
+        blocks = _pool_blocks(nk, block, width, gen, dev)
+        return (q, w, codes, scales, torch.full((1, 1), nk, dtype=torch.int64, device=dev), blocks, block)
+
+    def nbytes(a):
+        q, w, _, _, nv, blocks, _ = a
+        rows = int((nk - blocks * block).clamp(0, block).sum())  # the newest block may be partly past row n - 1
+        return (_nbytes(q) + _nbytes(w) + _nbytes(nv) + _nbytes(blocks) + rows * (di // 2 + di // 32)
+                + width * block * 4)
+
+    return dict(shape=f"ctx{ctx}_pool", N=width * block, K=di, make=make, nbytes=nbytes,
+                tri=ik.triton_indexer_scores, ref=ik.reference_indexer_scores, ref_graph=True)
+
+
+def _case_index_topk(ratio, ctx, cfg, n, dev, dt, gen, state):
+    """`indexer_topk` of a ratio-`ratio` layer's score row: scores fp32 [1, 1, floor(ctx / ratio)] uniform in
+    [0, 1) (every row visible, so finite; distinct values, as real index scores mostly are), k = index_topk,
+    no blocks, offset `_TOPK_OFFSET` -> int64 [1, 1, k] (-1 padded when fewer rows than k)."""
+    from dsv41.kernels import indexer as ik
+    _decode_only(n)
+    nk, k = ctx // ratio, cfg.index_topk
+
+    def make():
+        return (torch.rand(1, 1, nk, generator=gen, device=dev), k, None, 1, _TOPK_OFFSET)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + k * 8
+
+    return dict(shape=f"ctx{ctx}_r{ratio}", N=nk, K=k, make=make, nbytes=nbytes, tri=ik.triton_indexer_topk,
+                ref=ik.reference_indexer_topk, ref_graph=True)
+
+
+def _case_index_pool_topk(ctx, cfg, n, dev, dt, gen, state):
+    """`indexer_topk` of a Reindex layer's compact scores: fp32 [1, 1, W * block] uniform in [0, 1), -inf at the
+    slots past row n - 1, with the pool's blocks int64 [1, 1, W] (`_pool_blocks`) mapping slots back to rows,
+    k = index_topk, offset `_TOPK_OFFSET`."""
+    from dsv41.kernels import indexer as ik
+    _decode_only(n)
+    nk, block, width = _pool_geometry(ctx, cfg)
+    k = cfg.index_topk
+
+    def make():
+        blocks = _pool_blocks(nk, block, width, gen, dev)
+        rows = (blocks[..., None] * block + torch.arange(block, device=dev)).flatten(-2)
+        s = torch.rand(1, 1, width * block, generator=gen, device=dev)
+        return (torch.where(rows < nk, s, torch.full_like(s, float("-inf"))), k, blocks, block, _TOPK_OFFSET)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + min(k, width) * 8 + k * 8
+
+    return dict(shape=f"ctx{ctx}_pool", N=width * block, K=k, make=make, nbytes=nbytes, tri=ik.triton_indexer_topk,
+                ref=ik.reference_indexer_topk, ref_graph=True)
+
+
+def _case_index_candidates(ctx, cfg, n, dev, dt, gen, state):
+    """`indexer_candidates` of the candidate-source layer: scores fp32 [1, 1, n] uniform in [0, 1) over its n
+    visible rows, n_visible int64 [1, 1] = n, block / n_blocks from the config -> block ids int64 [1, 1, W]."""
+    from dsv41.kernels import indexer as ik
+    _decode_only(n)
+    nk, block, width = _pool_geometry(ctx, cfg)
+
+    def make():
+        return (torch.rand(1, 1, nk, generator=gen, device=dev), torch.full((1, 1), nk, dtype=torch.int64,
+                                                                            device=dev),
+                block, cfg.candidate_topk_blocks)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + width * 8
+
+    return dict(shape=f"ctx{ctx}_r1", N=nk, K=width, make=make, nbytes=nbytes, tri=ik.triton_indexer_candidates,
+                ref=ik.reference_indexer_candidates, ref_graph=True)
+
+
 #: (row kernel name, dsv41 op, case builder(cfg, tokens, device, dtype, generator, shared state) -> case dict).
 FAMILY_CASES = [
     ("engram_lookup", "dsv41::engram_lookup", _case_engram_lookup),
@@ -450,6 +705,19 @@ FAMILY_CASES = [
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w2")),
     ("c2_pool_store", "dsv41::c2_pool_norm_rope_fp4_store", functools.partial(_case_c2, True)),
     ("c2_norm_store", "dsv41::c2_norm_rope_fp4_store", functools.partial(_case_c2, False)),
+]
+
+#: (row kernel name, dsv41 op, case builder(context, cfg, tokens, device, dtype, generator, state) -> case dict):
+#: decode rows (M = 1) timed once per `--contexts` entry, after FAMILY_CASES; `--only` matches as there.
+CONTEXT_CASES = [
+    ("sparse_fp4_attention", "dsv41::sparse_fp4_attention", _case_sparse_attention),
+    ("indexer_scores", "dsv41::indexer_scores", functools.partial(_case_index_scores, 2)),
+    ("indexer_scores", "dsv41::indexer_scores", functools.partial(_case_index_scores, 1)),
+    ("indexer_scores", "dsv41::indexer_scores", _case_index_pool_scores),
+    ("indexer_topk", "dsv41::indexer_topk", functools.partial(_case_index_topk, 2)),
+    ("indexer_topk", "dsv41::indexer_topk", functools.partial(_case_index_topk, 1)),
+    ("indexer_topk", "dsv41::indexer_topk", _case_index_pool_topk),
+    ("indexer_candidates", "dsv41::indexer_candidates", _case_index_candidates),
 ]
 
 
@@ -595,6 +863,20 @@ def main_families(args) -> int:
                                       gen, state, errors)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    # The defaults are h200 contexts: a preset only gets those it supports (tiny: max_position_embeddings 4096,
+    # which also keeps an interpreted --tiny run short); contexts given explicitly are used as given.
+    contexts = (list(args.contexts) if args.contexts is not None
+                else [c for c in DEFAULT_CONTEXTS if c <= cfg.max_position_embeddings])
+    for kernel, op, builder in CONTEXT_CASES:
+        if args.only and kernel not in args.only and op not in args.only:
+            continue
+        for ctx in contexts:
+            # A fresh state per row: the caches of a 128K context (GBs with the copies) go when the row is done.
+            new = bench_family_case(kernel, op, functools.partial(builder, ctx), cfg, 1, dev, torch.bfloat16, bw,
+                                    args.reps_ms, graphs, gen, {}, errors)
+            rows += [dict(r, context=ctx) for r in new]
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     import datetime
     timing = ("CUDA graph of back-to-back calls over input copies; triton.testing.do_bench median, L2 flushed per "
               "replay" if graphs else "one call after one warm-up call, host clock"
@@ -603,23 +885,36 @@ def main_families(args) -> int:
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})",
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                 copy_bw_TBps=bw / 1e12, pdl=args.pdl, preset=cfg.name, section="families", dtype="bfloat16",
-                timing=timing, errors=errors)
+                contexts=contexts, timing=timing, errors=errors)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  copy bandwidth "
           f"{bw / 1e12:.4f} TB/s (read+write)  pdl={args.pdl}  preset={cfg.name}  timing: {timing}")
-    hdr = (f"{'kernel':<15}{'shape':<16}{'M':>3}{'N':>7}{'K':>6}  {'variant':<30}{'copies':>7}{'us':>12}"
-           f"{'floor us':>10}{'TB/s':>7}{'of copy':>9}{'max|d|':>10}")
+    # `int!=`: differing elements of integer outputs (the top-k / candidate ids), where max|d| says nothing.
+    hdr = (f"{'kernel':<21}{'shape':<20}{'M':>3}{'N':>7}{'K':>6}  {'variant':<30}{'copies':>7}{'us':>12}"
+           f"{'floor us':>10}{'TB/s':>7}{'of copy':>9}{'max|d|':>10}{'int!=':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['kernel']:<15}{r['shape']:<16}{r['M']:>3}{r['N']:>7}{r['K']:>6}  {r['variant']:<30}"
+        print(f"{r['kernel']:<21}{r['shape']:<20}{r['M']:>3}{r['N']:>7}{r['K']:>6}  {r['variant']:<30}"
               f"{r['copies']:>7}{r['time_us']:>12.2f}{r['floor_us']:>10.3f}{r['eff_bw_TBps']:>7.2f}"
-              f"{r['frac_of_copy']:>8.0%}{r['check']['max_abs_diff']:>10.2e}")
+              f"{r['frac_of_copy']:>8.0%}{r['check']['max_abs_diff']:>10.2e}{r['check']['unequal_ints']:>6}")
     for e in errors:
         print(f"ERROR {e}")
     return 1 if errors else 0
+
+
+def _contexts_arg(text: str) -> list:
+    """argparse type of `--contexts`: "4096,32768" -> [4096, 32768] (tokens; each >= 2, so that a ratio-2 layer
+    sees at least one bank row)."""
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--contexts takes comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 2:
+        raise argparse.ArgumentTypeError(f"--contexts needs at least one context, each >= 2 tokens, got {text!r}")
+    return vals
 
 
 def main(argv=None) -> int:
@@ -637,11 +932,15 @@ def main(argv=None) -> int:
                     help="--families only: device (cpu runs the Triton interpreter: set TRITON_INTERPRET=1)")
     ap.add_argument("--tiny", action="store_true",
                     help="--families only: tiny preset shapes, one timed call per variant instead of CUDA graphs")
+    ap.add_argument("--contexts", type=_contexts_arg, default=None,
+                    help="--families only: comma-separated sequence lengths (tokens, >= 2) of the attention and "
+                         "indexer decode rows (default: " + ",".join(map(str, DEFAULT_CONTEXTS)) + ", those up to "
+                         "the preset's max_position_embeddings: 4096 only with --tiny)")
     args = ap.parse_args(argv)
     if args.families:
         return main_families(args)
-    if args.device != "cuda" or args.tiny:
-        print("--device and --tiny apply to --families only", file=sys.stderr)
+    if args.device != "cuda" or args.tiny or args.contexts is not None:
+        print("--device, --tiny and --contexts apply to --families only", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)

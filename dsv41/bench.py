@@ -101,6 +101,13 @@ DEFINITIONS = {
     "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
                          "max |logits - eager logits| / max |eager logits| over all decode steps",
+    "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
+    "step_span_us": "first GPU activity start to last end of the profiled step; span - busy = gaps between kernels",
+    "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds",
+    "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
+                       "(Inductor's cudagraph_skips counter around the cold compile)",
+    "decode_vs_context": "(top level) decode tok/s per backend at each --contexts length, caches filled with random "
+                         "valid rows (dsv41.model.synthetic), with the roofline at that context",
 }
 
 
@@ -358,17 +365,25 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner(tok, pos)
         torch.cuda.synchronize()
-    kernels, copies, names = 0, 0, {}
+    kernels, copies, names, times, busy, t0, t1 = 0, 0, {}, {}, 0.0, None, None
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        us = float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)
+        busy += us
+        t0 = e.time_range.start if t0 is None else min(t0, e.time_range.start)
+        t1 = e.time_range.end if t1 is None else max(t1, e.time_range.end)
         low = e.name.lower()
         if low.startswith("memcpy") or low.startswith("memset"):
             copies += 1
         else:
             kernels += 1
             names[e.name] = names.get(e.name, 0) + 1
-    return {"kernels": kernels, "memcpy_memset": copies, "names": names}
+        times[e.name] = times.get(e.name, 0.0) + us
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:20]
+    return {"kernels": kernels, "memcpy_memset": copies, "names": names, "gpu_busy_us": busy,
+            "span_us": (t1 - t0) if t0 is not None else None,
+            "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top]}
 
 
 def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
@@ -385,6 +400,41 @@ def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float |
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"out": out, "wall_s": wall, "peak_gb": torch.cuda.max_memory_allocated() / _GB if cuda else None}
+
+
+def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, seed: int = 0) -> dict:
+    """Decode `n_tokens` greedy steps from position `context` after `fill_synthetic_context(model, context)`.
+
+    The caches hold random valid rows for positions [0, context) (see `dsv41.model.synthetic`), so no prefill
+    runs; the first step starts from the benchmark prompt's first token id. Returns {"decode_tok_s": steps after
+    the first / their seconds (CUDA events on GPU), "tokens": int64 [B, n_tokens]}.
+    Raises: ValueError for n_tokens < 2 or a context the cache cannot hold (`fill_synthetic_context`).
+    """
+    from .model import benchmark_prompt
+    from .model.generate import _Clock
+    from .model.synthetic import fill_synthetic_context
+
+    if n_tokens < 2:
+        raise ValueError(f"decode_from_context needs n_tokens >= 2, got {n_tokens}")
+    base = getattr(model, "_orig_mod", model)
+    if context + n_tokens > base.max_seq_len:
+        raise ValueError(f"context {context} + {n_tokens} tokens exceeds the cache's max_seq_len={base.max_seq_len}")
+    fill_synthetic_context(base, context, seed)
+    dev = base.embed.weight.device
+    b = base.batch_size
+    tok = benchmark_prompt(base.config, 1, batch_size=b, device=dev)[:, 0]
+    pos = torch.full((b, 1), context, dtype=torch.int64, device=dev)
+    out = torch.empty(b, n_tokens, dtype=torch.int64, device=dev)
+    clock = _Clock(dev)
+    with torch.no_grad():
+        for i in range(n_tokens):
+            logits = runner(tok[:, None], pos)
+            tok = logits[:, -1].argmax(-1)
+            out[:, i] = tok
+            pos += 1
+            clock.mark()
+    sec = clock.seconds()
+    return {"decode_tok_s": (n_tokens - 1) / sec[-1], "tokens": out.cpu()}
 
 
 def _prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -413,6 +463,12 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
     return row
 
 
+def _cudagraph_skips() -> int:
+    """Inductor's count of graphs it compiled without the CUDA graph it was asked for (all compiles so far)."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"].get("cudagraph_skips", 0))
+
+
 def _empty_row() -> dict:
     return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "peak_mem_gb": None,
@@ -427,7 +483,8 @@ def _fail(e: Exception) -> str:
 # ------------------------------------------------------------------------------------------ the run
 def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repeats: int = 5,
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
-                  dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None) -> dict:
+                  dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
+                  contexts: Sequence[int] | None = None, context_tokens: int = 32) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -444,6 +501,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             rows then carry `mean_acceptance` (measured, median over runs) and `mean_natural_acceptance` (greedy
             agreement of the drafts), and `tokens_match_eager` is null (simulated rounds emit drafts the target
             did not choose). The eager reference, teacher-forced logits and kernel counts stay plain M = 1 decode.
+        contexts: optional context lengths for the decode-versus-context sweep (`decode_from_context`: caches
+            filled with random rows up to the context, `context_tokens` greedy steps from there, backends
+            alternated per context) in `res["decode_vs_context"]`. The caches are then allocated once for the
+            longest context, for every run of every backend (a compiled decode step has the cache shapes baked
+            in), so the main rows also run on that allocation; recorded as `cache_max_seq_len`.
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -463,8 +525,18 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
 
+    if contexts:
+        contexts = sorted({int(c) for c in contexts})
+        if contexts[0] < 0 or context_tokens < 2:
+            raise ValueError(f"contexts must be >= 0 and context_tokens >= 2, got {contexts}, {context_tokens}")
     model = build_model(preset, device, weight_mode, dtype)
     cfg = model.config
+    if contexts:
+        need = max(prompt_len + new_tokens, contexts[-1] + context_tokens)
+        if need > cfg.max_position_embeddings:
+            raise ValueError(f"context {contexts[-1]} + {context_tokens} tokens exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings} of preset {preset!r}")
+        model.setup_cache(1, need)  # generate() reuses a cache that is big enough
     prompt = benchmark_prompt(cfg, prompt_len, device=device)
     b = budget(cfg, max_seq_len=prompt_len + new_tokens)
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
@@ -527,7 +599,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         torch.compiler.reset()
                     _use_cache_dir(os.path.join(cache_root, n))
                     runner = runners[n] = _make_runner(model, n, options)
+                    skips = _cudagraph_skips()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
+                    rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     if n.startswith("dsv41"):
                         _attach_report(rows[n], n == "dsv41", cfg.roles)
                     runnable.append(n)
@@ -566,6 +640,12 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         k = profile_decode_step(runners[n], prompt, new_tokens)
                         rows[n]["kernels_per_step"] = k["kernels"]
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
+                        rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
+                        rows[n]["step_span_us"] = k["span_us"]
+                        rows[n]["kernel_time_top"] = k["top_us"]
+                        say(f"{n}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us "
+                            "span; top: " + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
+                                                      for t in k["top_us"][:6]))
                         if rows[n].get("kernels_per_step_static") is not None:
                             rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
                     except Exception as e:
@@ -585,6 +665,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             for n, err in errors.items():
                 notes[n].append("measured run failed: " + err)
             say(f"measured {len(order)} runs in the order {' '.join(order)}")
+
+            if contexts:
+                res["decode_vs_context"] = _context_sweep(model, runners, runnable, contexts, context_tokens, cuda,
+                                                          res.get("copy_bandwidth_tb_s"), prog, say)
     finally:
         if saved_cache_env is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -593,6 +677,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         shutil.rmtree(cache_root, ignore_errors=True)
 
     res["run_order"] = order
+    res["cache_max_seq_len"] = getattr(model, "max_seq_len", None)
     for n in names:
         row, runs = rows[n], outs.get(n) or []
         if runs:
@@ -614,6 +699,35 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         if notes[n]:
             row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes[n])
     return res
+
+
+def _context_sweep(model, runners, names, contexts, n_tokens, cuda, copy_tb_s, prog, say) -> dict:
+    """`decode_vs_context` of the result: per context, each backend in turn (order rotated per context)."""
+    from .model.budget import budget, decode_kv_read_bytes
+
+    cfg = model.config
+    w = budget(cfg, max_seq_len=model.max_seq_len).decode_weight_bytes
+    out = {"contexts": list(contexts), "tokens_per_point": n_tokens, "cache_max_seq_len": model.max_seq_len,
+           "note": "caches filled with random valid rows up to the context (dsv41.model.synthetic), no prefill; "
+                   "decode tok/s over the steps after the first",
+           "decode_bytes_per_step": {}, "roofline_tok_s": {}, "backends": {n: {} for n in names}, "errors": {}}
+    task = prog.add_task("decode vs context", total=len(contexts) * len(names))
+    for i, ctx in enumerate(contexts):
+        nbytes = w + decode_kv_read_bytes(cfg, ctx)
+        out["decode_bytes_per_step"][str(ctx)] = nbytes
+        out["roofline_tok_s"][str(ctx)] = roofline(nbytes, copy_tb_s) if copy_tb_s else None
+        order = names[i % len(names):] + names[:i % len(names)] if names else []
+        for n in order:
+            try:
+                r = decode_from_context(runners[n], model, ctx, n_tokens, cuda)
+                out["backends"][n][str(ctx)] = r["decode_tok_s"]
+                say(f"{n}: context {ctx}: {r['decode_tok_s']:.2f} tok/s")
+            except Exception as e:
+                out["backends"][n][str(ctx)] = None
+                out["errors"][f"{n}@{ctx}"] = _fail(e)
+                say(f"{n}: context {ctx}: {_fail(e)}")
+            prog.advance(task)
+    return out
 
 
 def _attach_report(row: dict, full: bool, roles=None) -> None:
@@ -690,16 +804,25 @@ def main(argv=None) -> int:
                    help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
     p.add_argument("--speculative", type=float, default=None, metavar="E",
                    help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=true")
+    p.add_argument("--contexts", default=None, metavar="N,N,...",
+                   help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
+    p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument("--png", nargs="?", const="", default=None,
                    help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
     p.add_argument("--html", default=None, help="write the dsv41 fusion report with this benchmark as HTML here")
     a = p.parse_args(argv)
+    from .cli import backend_options
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
-                        a.weight_mode, a.device, dtype=a.dtype, warm_compile=a.warm_compile,
-                        speculative=a.speculative)
+                        a.weight_mode, a.device, options=backend_options(a.option) or None, dtype=a.dtype,
+                        warm_compile=a.warm_compile,
+                        speculative=a.speculative,
+                        contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
+                        context_tokens=a.context_tokens)
     from rich.console import Console
     console = Console()
     if not console.is_terminal:
@@ -723,8 +846,28 @@ def main(argv=None) -> int:
             from .compiler.html import write_html
             write_html(report, a.html, bench=res, png_path=png)
             console.print(f"wrote {a.html}")
+    print_context_table(res, console)
     print_table(res, console)
     return 0
+
+
+def print_context_table(res: dict, console) -> None:
+    """The decode-versus-context table (tok/s per backend per context, and the roofline), if the run had one."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    dvc = res.get("decode_vs_context")
+    if not dvc:
+        return
+    t = Table(title_justify="left", title=f"decode tok/s vs context ({dvc['tokens_per_point']} steps per point, "
+                                          f"synthetic caches of {dvc['cache_max_seq_len']} positions)")
+    t.add_column("backend")
+    for c in dvc["contexts"]:
+        t.add_column(str(c), justify="right")
+    for n, per in dvc["backends"].items():
+        t.add_row(escape(n), *(_fmt(per.get(str(c)), ".2f") for c in dvc["contexts"]))
+    t.add_row("roofline", *(_fmt(dvc["roofline_tok_s"].get(str(c)), ".0f") for c in dvc["contexts"]))
+    console.print(t)
 
 
 if __name__ == "__main__":

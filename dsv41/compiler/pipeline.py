@@ -163,6 +163,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         # the H200, plain Inductor on `small` (bf16) drifts to a 0.62 relative logit error and other greedy
         # tokens. The backend must not change the model's numbers, so round every intermediate as eager does.
         patches["emulate_precision_casts"] = True
+    if "online_softmax" in inductor_config.get_config_copy():
+        # Inductor's online-softmax rewrite (on GPUs) turns amax/exp/sum into `prepare_softmax_online` before the
+        # custom pass runs, which hid the softmax of sparse attention and of mHC's Sinkhorn from dsv41's passes on
+        # the H200 (0 of 6 attention sites on `tiny`). At batch size 1 the rows it would help are short.
+        patches["online_softmax"] = False
     if opts.use_cuda_graphs(on_cuda):
         patches["triton.cudagraphs"] = True
         from ..kernels import prepare_device

@@ -168,9 +168,11 @@ def prepare_device(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------- Triton helpers
 @triton.jit
 def round_bf16(v):
-    """fp32 -> fp32 value of the nearest bf16 (ties to even), computed on the bits (finite inputs)."""
+    """fp32 -> fp32 value of the nearest bf16 (ties to even), computed on the bits; NaN stays NaN (the GPU's
+    NaN is 0x7FFFFFFF, which the rounding add would carry into -0.0) and +-inf stays inf."""
     b = v.to(tl.uint32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, r)
 
 
 @triton.jit
