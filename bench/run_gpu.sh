@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep families eager backends tp
-#                                           (default: all but sweep, families, tp)
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep families eager backends tp e2e ctx diag
+#                                           tpbench (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUTDIR=${OUT:-bench/results/raw}
 mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+python3 -c "import torch._dynamo as d; assert 'dsv41' in d.list_backends(), 'dsv41 backend not installed'" || exit 3
 sections=${*:-"tests kernels eager backends"}
 WARM=${WARM_COMPILE:-1}; warmflag=""; [ "$WARM" = 0 ] && warmflag="--no-warm-compile"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUTDIR/gpu.txt"
@@ -48,6 +49,24 @@ for s in $sections; do
           --prompt-len ${TP_PROMPT_LEN:-64} --new-tokens ${TP_NEW_TOKENS:-8} \
           --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
       done ;;
+    ctx)
+      # Decode tok/s vs context (synthetic caches) for eager, inductor and dsv41 in one run, plus the attention /
+      # indexer kernels at h200 shapes at the same contexts against their byte floors.
+      timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,inductor,dsv41} \
+        --prompt-len 128 --new-tokens 16 --repeats 2 --no-warm-compile ${BENCH_OPTIONS:---option gpu_unvalidated=true} \
+        --contexts ${CONTEXTS:-4096,32768,131072} --context-tokens 16 --json "$OUTDIR/ctx_${PRESET:-small}.json" 2>&1 | tail -40
+      python3 bench/kernels.py --families --pdl --only sparse_fp4_attention indexer_scores indexer_topk indexer_candidates \
+        --json "$OUTDIR/kernels_attention.json" 2>&1 | tail -30 ;;
+    diag)
+      # The post-grad graphs before / after the passes on CUDA (debug report), for families that fuse on CPU but not
+      # on the GPU: tiny in FP32, greedy tokens checked against eager.
+      timeout ${DIAG_TIMEOUT:-200} python3 -m dsv41 run --preset tiny --device cuda --dtype fp32 --prompt-len 40 --new-tokens 16 \
+        --option debug=true --option gpu_unvalidated=true ${DIAG_OPTIONS:-} --json "$OUTDIR/diag_tiny_fp32.json" 2>&1 | tail -12 ;;
+    tpbench)
+      # The benchmark protocol under tensor parallelism (a -x2 / -x4 machine), eager and dsv41 side by side.
+      timeout ${TP_TIMEOUT:-540} python3 -m dsv41.bench --tp ${TP:-2} --tp-moe ${TP_MOE:-tp} --preset ${TP_PRESET:-h200} \
+        --backends ${TP_BACKENDS:-eager,dsv41} --prompt-len ${TP_PROMPT_LEN:-64} --new-tokens ${TP_NEW_TOKENS:-8} \
+        --repeats 1 --no-warm-compile --json "$OUTDIR/bench_tp${TP:-2}.json" 2>&1 | tail -20 ;;
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \

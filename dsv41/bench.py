@@ -106,6 +106,9 @@ DEFINITIONS = {
     "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds",
     "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
                        "(Inductor's cudagraph_skips counter around the cold compile)",
+    "reference_tokens": "(top level) eager's greedy tokens [B][new_tokens], the reference of tokens_match_eager",
+    "tp": "(top level, --tp runs) world size, process-group backend, MoE mode, padding, per-rank sizes, and "
+          "ranks_agree: every rank's eager reference tokens are equal",
     "decode_vs_context": "(top level) decode tok/s per backend at each --contexts length, caches filled with random "
                          "valid rows (dsv41.model.synthetic), with the roofline at that context",
 }
@@ -484,7 +487,8 @@ def _fail(e: Exception) -> str:
 def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repeats: int = 5,
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
                   dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
-                  contexts: Sequence[int] | None = None, context_tokens: int = 32) -> dict:
+                  contexts: Sequence[int] | None = None, context_tokens: int = 32,
+                  tp: Mapping[str, Any] | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -506,6 +510,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             alternated per context) in `res["decode_vs_context"]`. The caches are then allocated once for the
             longest context, for every run of every backend (a compiled decode step has the cache shapes baked
             in), so the main rows also run on that allocation; recorded as `cache_max_seq_len`.
+        tp: tensor parallelism, inside an initialised process group (`dsv41.launch`): {"moe_mode": "tp" | "ep",
+            "pad_to": int | None}; every rank shards the same seeded model with `apply_tp` and runs the same
+            protocol in lockstep (collectives); the result gains `tp` (plan, world size, whether every rank's
+            eager tokens agree) and only rank 0 prints progress. The roofline stays the whole model's bytes over
+            one GPU's copy bandwidth (a TP rank reads about 1/N of them).
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -531,6 +540,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             raise ValueError(f"contexts must be >= 0 and context_tokens >= 2, got {contexts}, {context_tokens}")
     model = build_model(preset, device, weight_mode, dtype)
     cfg = model.config
+    tp_info, rank = None, 0
+    if tp is not None:
+        import torch.distributed as dist
+
+        from .model.tp import apply_tp
+        plan = apply_tp(model, moe_mode=tp.get("moe_mode", "tp"), pad_to=tp.get("pad_to"))
+        rank = dist.get_rank()
+        tp_info = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "moe_mode": plan.moe_mode,
+                   "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}
     if contexts:
         need = max(prompt_len + new_tokens, contexts[-1] + context_tokens)
         if need > cfg.max_position_embeddings:
@@ -552,13 +570,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
            "copy_bandwidth_tb_s": copy_bandwidth_tb_s() if cuda else None,
            "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "backends": {}}
     res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
+    if tp_info is not None:
+        res["tp"] = tp_info
     rows = res["backends"]
     notes: dict = {n: [] for n in names}
     for n in names:
         rows[n] = _empty_row()
         rows[n]["options"] = _backend_options(n, options)
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, quiet=rank != 0)
     cache_root = tempfile.mkdtemp(prefix="dsv41-bench-cache-")
     saved_cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if os.environ.get("TRITON_CACHE_DIR"):
@@ -575,6 +595,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
             ref = generate(model, prompt, new_tokens)
             ref_logits = teacher_forced_logits(model, prompt, ref.tokens)
+            if tp_info is not None:  # replicated head on all-reduced activations: every rank picks the same tokens
+                import torch.distributed as dist
+                toks = [None] * tp_info["world_size"]
+                dist.all_gather_object(toks, ref.tokens.tolist())
+                tp_info["ranks_agree"] = all(t == toks[0] for t in toks)
             prog.advance(task)
 
             task = prog.add_task("cold compile + first run", total=len(names))
@@ -677,6 +702,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         shutil.rmtree(cache_root, ignore_errors=True)
 
     res["run_order"] = order
+    res["reference_tokens"] = ref.tokens.tolist()
     res["cache_max_seq_len"] = getattr(model, "max_seq_len", None)
     for n in names:
         row, runs = rows[n], outs.get(n) or []
@@ -813,8 +839,50 @@ def main(argv=None) -> int:
     p.add_argument("--png", nargs="?", const="", default=None,
                    help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
     p.add_argument("--html", default=None, help="write the dsv41 fusion report with this benchmark as HTML here")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel ranks (spawned, or one per torchrun process); rank 0 writes the outputs")
+    p.add_argument("--tp-moe", choices=("tp", "ep"), default="tp", help="MoE layout under --tp")
+    p.add_argument("--tp-pad-to", type=int, default=None, help="per-rank expert inter padding multiple")
     a = p.parse_args(argv)
+    if a.tp is not None:
+        return _bench_tp(a)
+    return _bench_from_args(a)
+
+
+def _bench_tp(a) -> int:
+    """`dsv41 bench --tp N`: under torchrun this process is one rank, else N local ranks are spawned (their exit
+    codes' maximum is returned). Raises ValueError for N < 1, a torchrun WORLD_SIZE other than N, or options
+    not supported under TP yet (--speculative, --contexts)."""
+    import torch.distributed as dist
+
+    from .launch import init_distributed, spawn
+
+    if a.tp < 1:
+        raise ValueError(f"--tp must be a positive int, got {a.tp}")
+    if a.speculative is not None or a.contexts:
+        raise ValueError("--speculative and --contexts are not supported with --tp yet")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != a.tp:
+            raise ValueError(f"--tp {a.tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
+        created = not dist.is_initialized()
+        init_distributed(a.device)
+        try:
+            return _bench_from_args(a)
+        finally:
+            if created:
+                dist.destroy_process_group()
+    return max(spawn(_bench_from_args, a.tp, a, device=a.device))
+
+
+def _bench_from_args(a) -> int:
+    """Run the benchmark for parsed CLI arguments `a`; under TP (an initialised group) only rank 0 writes."""
     from .cli import backend_options
+    tp, rank = None, 0
+    if a.tp is not None:
+        from .launch import init_distributed
+        info = init_distributed(a.device)
+        a.device, rank = str(info.device), info.rank
+        tp = {"moe_mode": a.tp_moe, "pad_to": a.tp_pad_to}
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
@@ -822,7 +890,9 @@ def main(argv=None) -> int:
                         warm_compile=a.warm_compile,
                         speculative=a.speculative,
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
-                        context_tokens=a.context_tokens)
+                        context_tokens=a.context_tokens, tp=tp)
+    if rank != 0:
+        return 0
     from rich.console import Console
     console = Console()
     if not console.is_terminal:

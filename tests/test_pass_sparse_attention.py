@@ -319,3 +319,25 @@ def test_tiny_fuses_every_sparse_attention_layer_and_matches_eager(tiny_dsv41, t
     assert tiny_dsv41["short_max_rel_logit_error"] < 1e-4
     # The decode graph is static: the short run reuses it (no recompile).
     assert tiny_dsv41["short_new_graphs"] == 0
+
+
+def test_missing_inverse_rope_near_miss_says_what_the_search_saw():
+    """Without the de-rotation the site is an `output_rope` near-miss whose text shows the forward walk and the
+    candidate ends (what a device-specific graph difference would be diagnosed from)."""
+    import dsv41
+
+    inputs = make_inputs(torch.float32, seed=4)
+    model = SparseZoo()
+
+    def no_rope(qs, rc, rs, nc, ns, ok, bc, bs, bs32, idx, cos, sin):
+        return attend(qs[0], rc, rs, nc, ns, ok, bc, bs, idx[0], model.sink_a, cos, sin) * 2.0
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(no_rope, backend="dsv41")(*inputs)
+    recs = _records(dsv41.last_report())
+    misses = [m for r in recs for m in r.near_misses]
+    assert recs and not any(r.matches for r in recs)
+    assert [m.check for m in misses] == ["output_rope"]
+    why = misses[0].reason
+    assert "walked" in why and "stopped at" in why and f"{(B, T, H, D)}: not RoPE-like" in why, why

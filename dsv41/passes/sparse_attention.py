@@ -398,7 +398,8 @@ def _match(gm, ev, sourced, gc: fx.Node, gs: fx.Node):
     if not found_ends:
         return [], [NearMiss("sparse_attention", pattern, "output_rope",
                              "no inverse RoPE of the attention output follows the site; dsv41::sparse_fp4_attention "
-                             "de-rotates its output (MODEL.md §2.4 step 6)", loc)]
+                             "de-rotates its output (MODEL.md §2.4 step 6). " + _why_no_end(fwd, fwd_set, ends, sourced),
+                             loc)]
     rows = gc.args[1][1]
     sites, misses = [], []
     for end, (_, x, trig) in found_ends:
@@ -421,6 +422,33 @@ def _match(gm, ev, sourced, gc: fx.Node, gs: fx.Node):
             check, reason = min(reasons, key=lambda r: _PRIORITY.index(r[0]))
             misses.append(NearMiss("sparse_attention", pattern, check, reason, SourceLocation.from_node(end) or loc))
     return sites, misses
+
+
+def _why_no_end(fwd: list, fwd_set: set, ends: list, sourced: set) -> str:
+    """What the search for the site's end saw, for the near-miss text: how far the forward walk got, the ops that
+    stopped it, and why each [B, T, H, D] candidate is not an inverse RoPE of a tensor computed from the bank (so a
+    graph spelled differently, e.g. by another device's rewrites, can be diagnosed from the report alone)."""
+    blocked: dict = {}
+    for n in fwd:
+        for u in n.users:
+            if u not in fwd_set and u.op == "call_function":
+                name = str(getattr(u.target, "__name__", u.target))
+                blocked[name] = blocked.get(name, 0) + 1
+    parts = [f"walked {len(fwd)} nodes (limit {_FORWARD_LIMIT})",
+             "stopped at " + (", ".join(f"{k} x{v}" for k, v in sorted(blocked.items(), key=lambda kv: -kv[1])[:6])
+                              or "nothing")]
+    for e in ends[-3:]:
+        found = rf._rope_structure(e, sourced)
+        if found is None:
+            why = "not RoPE-like"
+        elif found[1] not in fwd_set:
+            why = f"rotates {found[1].name}, not computed from the bank"
+        else:
+            why = f"{len(found[2])} trig inputs"
+        parts.append(f"{e.name} {tuple(_shape(e))}: {why}")
+    if not ends:
+        parts.append("no [B, T, H, D] float tensor computed from the bank")
+    return "; ".join(parts)
 
 
 _PRIORITY = ("attention_sink", "inverse_rope", "intermediate_used", "window_layout", "attention_values")
