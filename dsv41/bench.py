@@ -270,14 +270,15 @@ def _tensorrt_import_error() -> str | None:
     return None
 
 
-def _make_runner(model, name: str, options: dict | None):
-    """A fresh `torch.compile` wrapper (or the model itself for eager) for backend `name`."""
+def _make_runner(model, name: str, options: dict | None, regional: bool = False):
+    """A fresh `torch.compile` wrapper (or the model itself for eager) for backend `name`; with `regional`, a
+    `RegionalModel` (embedding, layers and head compiled as separate regions) for the compiled backends."""
     from .cli import compile_model
     if name == "torch_tensorrt":
         return torch.compile(model, backend="torch_tensorrt")
     if name.startswith("dsv41"):
-        return compile_model(model, "dsv41", _backend_options(name, options))
-    return compile_model(model, name)
+        return compile_model(model, "dsv41", _backend_options(name, options), regional=regional)
+    return compile_model(model, name, regional=regional)
 
 
 def _use_cache_dir(path: str) -> None:
@@ -488,7 +489,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
                   dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
-                  tp: Mapping[str, Any] | None = None) -> dict:
+                  tp: Mapping[str, Any] | None = None, regional: bool = False) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -510,6 +511,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             alternated per context) in `res["decode_vs_context"]`. The caches are then allocated once for the
             longest context, for every run of every backend (a compiled decode step has the cache shapes baked
             in), so the main rows also run on that allocation; recorded as `cache_max_seq_len`.
+        regional: compile the embedding, each layer variant and the head as separate regions
+            (`dsv41.compiler.regional`) for every compiled backend; recorded as `regional`.
         tp: tensor parallelism, inside an initialised process group (`dsv41.launch`): {"moe_mode": "tp" | "ep",
             "pad_to": int | None}; every rank shards the same seeded model with `apply_tp` and runs the same
             protocol in lockstep (collectives); the result gains `tp` (plan, world size, whether every rank's
@@ -560,7 +563,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile,
+           "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "speculative": None if speculative is None else {"simulated_acceptance": speculative,
                                                             "block_size": cfg.dspark_block_size},
            "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
@@ -623,7 +626,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # would drop them (Dynamo keeps one cache entry per backend, so none is needed).
                         torch.compiler.reset()
                     _use_cache_dir(os.path.join(cache_root, n))
-                    runner = runners[n] = _make_runner(model, n, options)
+                    runner = runners[n] = _make_runner(model, n, options, regional)
                     skips = _cudagraph_skips()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
@@ -646,7 +649,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 try:
                     if warm_compile:
                         _use_cache_dir(os.path.join(cache_root, n))
-                        runners[n] = _make_runner(model, n, options)
+                        runners[n] = _make_runner(model, n, options, regional)
                         warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, speculative)["wall_s"]
                     else:
                         _timed_run(runners[n], prompt, new_tokens, cuda, speculative)
@@ -832,6 +835,8 @@ def main(argv=None) -> int:
                    help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=true")
+    p.add_argument("--regional", action="store_true",
+                   help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
     p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
@@ -890,7 +895,7 @@ def _bench_from_args(a) -> int:
                         warm_compile=a.warm_compile,
                         speculative=a.speculative,
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
-                        context_tokens=a.context_tokens, tp=tp)
+                        context_tokens=a.context_tokens, tp=tp, regional=a.regional)
     if rank != 0:
         return 0
     from rich.console import Console

@@ -48,8 +48,9 @@ def backend_options(pairs) -> dict:
     return out
 
 
-def compile_model(model, backend: str, options: dict | None = None):
-    """Wrap `model` for `backend` (one of `BACKENDS`); `eager` returns the model itself.
+def compile_model(model, backend: str, options: dict | None = None, regional: bool = False):
+    """Wrap `model` for `backend` (one of `BACKENDS`); `eager` returns the model itself. With `regional`, the
+    embedding, each layer and the head are compiled as separate regions (`dsv41.compiler.regional`).
 
     Raises: ValueError for an unknown backend, or options given for a backend other than dsv41.
     """
@@ -57,6 +58,9 @@ def compile_model(model, backend: str, options: dict | None = None):
         raise ValueError(f"backend options {sorted(options)} apply to the dsv41 backend only, not {backend!r}")
     if backend == "eager":
         return model
+    if regional:
+        from .compiler.regional import compile_regional
+        return compile_regional(model, backend, options)
     if backend == "inductor":
         return torch.compile(model)
     if backend == "inductor-cudagraphs":
@@ -120,7 +124,9 @@ def _cmd_run(args) -> int:
     if (args.backend != "eager" or args.speculative) and check:
         with console.status("eager reference run (plain greedy)"):
             ref = generate(model, prompt, new_tokens)
-    runner = compile_model(model, args.backend, backend_options(args.option))
+    regional = getattr(args, "regional", False)
+    result["regional"] = regional
+    runner = compile_model(model, args.backend, backend_options(args.option), regional=regional)
     t0 = time.perf_counter()
     with console.status(f"{args.backend}: compile + warm-up run"):
         generate(runner, prompt, new_tokens, **spec)
@@ -138,7 +144,7 @@ def _cmd_run(args) -> int:
                   tokens_match_eager=None if ref is None else bool(torch.equal(ref.tokens, out.tokens)))
     if args.backend == "dsv41":
         import dsv41
-        rep = dsv41.last_report()
+        rep = getattr(runner, "report", None) or dsv41.last_report()
         if rep is not None:
             rep.set_layer_roles(model.config.roles)  # launches per layer role: the backend never sees the config
             result["report"] = rep.to_dict()
@@ -203,6 +209,8 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-check", dest="check", action="store_false", help="skip the eager token check")
     r.add_argument("--json", default=None, help="write the result JSON here")
+    r.add_argument("--regional", action="store_true",
+                   help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
     r.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a dsv41 backend option (repeatable), VALUE as JSON where it parses: --option streams=false")
     r.add_argument("--speculative", action="store_true",

@@ -14,7 +14,7 @@ import dsv41.cli as cli
 def test_run_defaults_to_the_dsv41_backend_and_checks_against_eager(tmp_path, monkeypatch):
     calls = []
 
-    def fake_compile(model, backend, options=None):
+    def fake_compile(model, backend, options=None, regional=False):
         calls.append(backend)
         return model
 
@@ -43,7 +43,7 @@ def test_run_reports_a_token_mismatch_with_exit_status_1(tmp_path, monkeypatch):
             fake[..., 0] = 1.0
             return fake
 
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None: Wrong(model))
+    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, regional=False: Wrong(model))
     with torch.no_grad():
         rc = cli.main(["run", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "3",
                        "--json", str(tmp_path / "r.json")])

@@ -136,6 +136,8 @@ class FusionReport:
         #: batch-size buckets seen by a `buckets.BucketedModel` wrapping the compiled model (None: not wrapped).
         self.buckets: dict | None = None
         self.layer_roles: tuple[str, ...] | None = None
+        #: set by `regional.compile_regional`: why launches are not attributed to layers (None: whole-model compile)
+        self.regional: str | None = None
 
     def set_layer_roles(self, roles) -> None:
         """Name the role of each decoder layer (e.g. `ModelConfig.roles`: swa / full / reindex / reuse), so the
@@ -270,9 +272,10 @@ class FusionReport:
                         "L": "sequence extent of the step (leading dim 1: 1 at decode, prompt length at prefill)"},
             "families": fams,
             "kernels": self.kernels(),
-            "kernels_by_layer": self.kernels_by_layer(),
+            "kernels_by_layer": None if self.regional else self.kernels_by_layer(),
             "layer_roles": None if self.layer_roles is None else list(self.layer_roles),
-            "kernels_by_role": self.kernels_by_role(),
+            "kernels_by_role": None if self.regional else self.kernels_by_role(),
+            **({"regional": self.regional} if self.regional else {}),
             "bytes": {"before": str(bb), "after": str(ba),
                       "before_value": sum(f["bytes_before_value"] for f in fused),
                       "after_value": sum(f["bytes_after_value"] for f in fused)},

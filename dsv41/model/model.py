@@ -250,6 +250,18 @@ class DeepseekV41Flash(nn.Module):
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
         self._check_inputs(input_ids, positions)
+        H, pre_mix, rows = self.embed_inputs(input_ids, positions)
+        H, pre_mix, feats = self.run_layers(H, pre_mix, positions, rows, return_features)
+        logits = self.final_logits(H, pre_mix, last_only)
+        if return_features:
+            return logits, feats
+        return logits
+
+    # The three pieces of `forward`, also the regions `dsv41.compiler.regional` compiles one by one.
+    def embed_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Embedding -> residual streams H [B, T, hc, d] (model dtype), the first pre mix [B, T, hc] FP32 (stream
+        0), and the Engram row ids {layer: int64 [B, T, R]} after recording the tokens in the Engram history
+        (MODEL.md §2.10, §3 steps 1-2)."""
         b, t = input_ids.shape
         c = self.config
         x = self.embed(input_ids)
@@ -263,24 +275,33 @@ class DeepseekV41Flash(nn.Module):
             for i in self.engram_layers:
                 rows[i] = engram_row_ids(u, getattr(self, f"engram_mult_{i}"), getattr(self, f"engram_primes_{i}"),
                                          getattr(self, f"engram_offsets_{i}"), c.engram_n_heads)
+        return H, pre_mix, rows
+
+    def run_layers(self, H: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor, rows: dict,
+                   return_features: bool = False, layers=None):
+        """Every backbone layer in order -> (H, pre_mix, features or None); `layers` replaces `self.layers` with
+        callables of the same signature (e.g. compiled regions). Features: [B, T, n_targets * d], the DSpark
+        target layers' INPUT residual averaged over the streams (MODEL.md §2.11)."""
+        c = self.config
         shared: dict = {}
         feats = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers if layers is None else layers):
             if return_features and i in c.dspark_target_layer_ids:
-                # DSpark target feature: the layer's INPUT residual averaged over the streams (MODEL.md §2.11).
                 feats.append(H.mean(dim=2))
             H, pre_mix = layer(H, pre_mix, positions, shared, rows.get(i))
+        return H, pre_mix, (torch.cat(feats, dim=-1) if return_features else None)
+
+    def final_logits(self, H: torch.Tensor, pre_mix: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Final collapse + RMSNorm + head -> logits FP32 [B, T or 1, V] (MODEL.md §3 step 3; the reference keeps
+        the head in FP32)."""
         if last_only:
             H, pre_mix = H[:, -1:], pre_mix[:, -1:]
         h = self.norm(mhc_collapse(H, pre_mix))
-        # Logits in FP32 (MODEL.md §3 step 3; the reference keeps the head in FP32).
-        logits = F.linear(h.float(), self.head.weight.float())
-        if return_features:
-            return logits, torch.cat(feats, dim=-1)
-        return logits
+        return F.linear(h.float(), self.head.weight.float())
 
-    def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Shape/dtype checks always (free); value checks only in eager mode (one host sync, never traced)."""
+    def _check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, values: bool = True) -> None:
+        """Shape/dtype checks always (free); value checks only in eager mode with `values` (one host sync, never
+        traced)."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an int64 [batch, seq] tensor, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
@@ -290,7 +311,7 @@ class DeepseekV41Flash(nn.Module):
         if input_ids.shape[0] > self.batch_size:
             raise ValueError(f"batch of {input_ids.shape[0]} sequences exceeds the cache's batch_size="
                              f"{self.batch_size} (setup_cache)")
-        if not torch.compiler.is_compiling():
+        if values and not torch.compiler.is_compiling():
             lo, hi = torch.aminmax(positions)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self.max_seq_len:
