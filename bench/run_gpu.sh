@@ -16,7 +16,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $sections; do
   case $s in
     tests)
-      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_regional_gpu.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
     kernels)
       python3 bench/kernels.py --json "$OUTDIR/kernels.json" 2>&1 | tail -30 ;;
     sweep)

@@ -102,7 +102,8 @@ DEFINITIONS = {
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
                          "max |logits - eager logits| / max |eager logits| over all decode steps",
     "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
-    "step_span_us": "first GPU activity start to last end of the profiled step; span - busy = gaps between kernels",
+    "step_span_us": "first GPU activity start to last end of the profiled step; busy > span means activities "
+                    "overlapped (PDL, side streams), busy < span means gaps between them",
     "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds",
     "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
                        "(Inductor's cudagraph_skips counter around the cold compile)",
@@ -539,8 +540,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
 
     if contexts:
         contexts = sorted({int(c) for c in contexts})
-        if contexts[0] < 0 or context_tokens < 2:
-            raise ValueError(f"contexts must be >= 0 and context_tokens >= 2, got {contexts}, {context_tokens}")
+        if contexts[0] < 1 or context_tokens < 2:
+            raise ValueError(f"contexts must be >= 1 and context_tokens >= 2, got {contexts}, {context_tokens}")
     model = build_model(preset, device, weight_mode, dtype)
     cfg = model.config
     tp_info, rank = None, 0
@@ -742,7 +743,7 @@ def _context_sweep(model, runners, names, contexts, n_tokens, cuda, copy_tb_s, p
            "decode_bytes_per_step": {}, "roofline_tok_s": {}, "backends": {n: {} for n in names}, "errors": {}}
     task = prog.add_task("decode vs context", total=len(contexts) * len(names))
     for i, ctx in enumerate(contexts):
-        nbytes = w + decode_kv_read_bytes(cfg, ctx)
+        nbytes = w + decode_kv_read_bytes(cfg, ctx + 1)  # the step at position ctx sees ctx + 1 tokens
         out["decode_bytes_per_step"][str(ctx)] = nbytes
         out["roofline_tok_s"][str(ctx)] = roofline(nbytes, copy_tb_s) if copy_tb_s else None
         order = names[i % len(names):] + names[:i % len(names)] if names else []

@@ -247,7 +247,7 @@ def test_report_command_writes_the_page(tmp_path, monkeypatch, capsys):
 
     rep, _ = _report()
     calls = []
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None: calls.append(
+    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: calls.append(
         (backend, options)) or model)
     monkeypatch.setattr(report_mod, "last_report", lambda: rep if calls else None)
     out = tmp_path / "page.html"
@@ -265,7 +265,7 @@ def test_report_command_writes_the_page(tmp_path, monkeypatch, capsys):
 def test_report_command_fails_when_no_report_was_produced(tmp_path, monkeypatch):
     import dsv41.cli as cli
     import dsv41.compiler.report as report_mod
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None: model)
+    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: model)
     monkeypatch.setattr(report_mod, "last_report", lambda: None)
     n = torch.get_num_threads()
     torch.set_num_threads(1)

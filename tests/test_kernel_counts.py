@@ -369,7 +369,7 @@ def test_run_json_has_launches_per_step_by_role_of_the_model_config(tmp_path, mo
     rep = FusionReport()
     counts = kc.LayerKernelCounts(8 * 10 + 3, tuple((i, 10) for i in range(8)), 3)
     rep.add_graph(GraphReport(0, "0/0", (PassRecord("dispatch", True),), layer_kernels=counts))
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None: model)
+    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: model)
     monkeypatch.setattr(dsv41, "last_report", lambda: rep)
     out = tmp_path / "run.json"
     with torch.no_grad():

@@ -73,3 +73,19 @@ def test_regional_rejects_bad_requests():
         compile_regional(model, "dsv41", {"no_such_key": 1})
     assert compile_model(model, "eager", regional=True) is model  # eager never compiles
     assert type(compile_model(model, "dsv41", regional=True)).__name__ == "RegionalModel"
+
+
+def test_regional_compiles_regions_without_inductor_graphs_and_captures_the_step_itself():
+    """CUDA-graph trees would see each region call as a new generation (module docstring): the regions compile
+    with cuda_graphs off and PDL on, and the wrapper captures; cuda_graphs=False turns the capture off."""
+    from dsv41.cli import build_model
+    from dsv41.compiler.regional import compile_regional
+
+    model = build_model("tiny", "cpu")
+    rm = compile_regional(model, "dsv41")
+    assert rm.cuda_graphs is True
+    assert rm.report.options.cuda_graphs is False and rm.report.options.pdl is True
+    off = compile_regional(model, "dsv41", {"cuda_graphs": False})
+    assert off.cuda_graphs is False and off.report.options.pdl is None
+    assert compile_regional(model, "inductor-cudagraphs").cuda_graphs is True
+    assert compile_regional(model, "inductor").cuda_graphs is False

@@ -10,7 +10,14 @@ outside a compiled graph.
 
 What changes against a whole-model compile:
 - fusions never cross a region boundary (no pass in dsv41 matches across layers);
-- with CUDA graphs each region is its own graph in Inductor's CUDA-graph tree (one replay per region);
+- CUDA graphs: Inductor's CUDA-graph trees treat every call of a compiled function as a new generation, so the
+  outputs of one region (and the Engram rows or top-k selections that later layers read) would count as
+  overwritten by the next region. So the regions compile WITHOUT CUDA graphs and the wrapper captures the whole
+  decode step as one `torch.cuda.CUDAGraph` per input signature (batch, length, flags, cache allocation): the
+  first call of a signature runs uncaptured (it compiles), the second captures (nothing executes during capture,
+  so the caches are written once per step) and replays, later calls copy the inputs into static buffers and
+  replay. dsv41's kernels launch with PDL inside it. Captured for `dsv41` (unless `cuda_graphs=False`) and
+  `inductor-cudagraphs`; plain `inductor` stays uncaptured, as without regions;
 - regions compile with static shapes (`dynamic=False`): layer variants see differently shaped inputs (Engram
   rows, the shared top-k selection), which would otherwise turn on automatic dynamic shapes;
 - the fusion report has one graph per compiled variant; launches per layer (`kernels_by_layer`) are not
@@ -31,8 +38,8 @@ __all__ = ["RegionalModel", "compile_regional", "REGIONAL_BACKENDS"]
 REGIONAL_BACKENDS = ("inductor", "inductor-cudagraphs", "dsv41")
 
 # Variants of one region: SWA, full (ratio 2 / 1, candidate source), reindex, reuse, x Engram, x the shared
-# dict's keys seen so far; 64 leaves room without letting a guard bug recompile forever.
-_RECOMPILE_LIMIT = 64
+# dict's keys seen so far, and every backend of a benchmark adds its own entries on the same Block.forward code.
+_RECOMPILE_LIMIT = 256
 
 
 class _SharedReportBackend:
@@ -59,33 +66,85 @@ class RegionalModel(nn.Module):
     Attributes: `report` (the shared dsv41 FusionReport, None for Inductor backends), `backend`.
     """
 
-    def __init__(self, model, compile_fn, backend: str, report=None):
+    def __init__(self, model, compile_fn, backend: str, report=None, cuda_graphs: bool = False):
         super().__init__()
         self._orig_mod = model
         self.backend = backend
         self.report = report
+        self.cuda_graphs = cuda_graphs
         self._embed = compile_fn(model.embed_inputs)
         self._layers = [compile_fn(layer) for layer in model.layers]
         self._logits = compile_fn(model.final_logits)
+        # signature -> None (seen once, uncaptured) or (graph, static input_ids, static positions, static outputs)
+        self._graphs: dict = {}
+        self._pool = None
+        #: captures / replays so far (tests and the report read them)
+        self.captures = 0
+        self.replays = 0
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
-                return_features: bool = False):
-        """Logits FP32 [B, T or 1, V] (and features with `return_features`), as `DeepseekV41Flash.forward`."""
+    def _run(self, input_ids, positions, last_only, return_features):
         m = self._orig_mod
-        if m.max_seq_len == 0:
-            raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
-        m._check_inputs(input_ids, positions, values=False)
         with torch._dynamo.config.patch(**_limit_patch()):
             H, pre_mix, rows = self._embed(input_ids, positions)
             H, pre_mix, feats = m.run_layers(H, pre_mix, positions, rows, return_features, layers=self._layers)
             logits = self._logits(H, pre_mix, last_only)
-        return (logits, feats) if return_features else logits
+        return logits, feats
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                return_features: bool = False):
+        """Logits FP32 [B, T or 1, V] (and features with `return_features`), as `DeepseekV41Flash.forward`.
+        On CUDA with `cuda_graphs`, the step replays a captured CUDA graph from the second call of each input
+        signature on (module docstring); the returned tensors are fresh copies."""
+        m = self._orig_mod
+        if m.max_seq_len == 0:
+            raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
+        m._check_inputs(input_ids, positions, values=False)
+        if not (self.cuda_graphs and input_ids.is_cuda):
+            logits, feats = self._run(input_ids, positions, last_only, return_features)
+            return (logits, feats) if return_features else logits
+        # A new cache allocation (setup_cache) moves every buffer: graphs captured on the old one are dropped.
+        key = (tuple(input_ids.shape), input_ids.dtype, bool(last_only), bool(return_features), m.batch_size,
+               m.max_seq_len, m.layers[0].attn.ring_codes.data_ptr())
+        entry = self._graphs.get(key, ())
+        if entry == ():
+            self._graphs = {k: v for k, v in self._graphs.items() if k[4:] == key[4:]}
+            self._graphs[key] = None
+            logits, feats = self._run(input_ids, positions, last_only, return_features)
+            return (logits, feats) if return_features else logits
+        if entry is None:
+            entry = self._capture(key, input_ids, positions, last_only, return_features)
+        graph, ids, pos, (logits, feats) = entry
+        ids.copy_(input_ids)
+        pos.copy_(positions)
+        graph.replay()
+        self.replays += 1
+        logits = logits.clone()
+        return (logits, feats.clone()) if return_features else logits
+
+    def _capture(self, key, input_ids, positions, last_only, return_features):
+        ids, pos = input_ids.clone(), positions.clone()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Nothing runs during capture, so the caches see this step once (at the replay that follows).
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._run(ids, pos, last_only, return_features)
+        entry = (graph, ids, pos, out)
+        self._graphs[key] = entry
+        self.captures += 1
+        return entry
 
 
 def _limit_patch() -> dict:
+    """Dynamo's per-code-object and total recompile limits raised for the regions (names differ across torch)."""
     cfg = torch._dynamo.config
-    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return {key: max(getattr(cfg, key), _RECOMPILE_LIMIT)}
+    out = {}
+    for names, floor in ((("recompile_limit", "cache_size_limit"), _RECOMPILE_LIMIT),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * _RECOMPILE_LIMIT)):
+        name = next((n for n in names if hasattr(cfg, n)), None)
+        if name is not None:
+            out[name] = max(getattr(cfg, name), floor)
+    return out
 
 
 def compile_regional(model, backend: str = "dsv41", options: dict | None = None) -> RegionalModel:
@@ -109,7 +168,13 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
         raise TypeError(f"compile_regional expects a DeepseekV41Flash, got {type(model).__name__}")
     report = None
     if backend == "dsv41":
-        be = _SharedReportBackend(options, None)
+        opts = dict(options or {})
+        # The wrapper captures the whole step (module docstring); PDL follows the capture unless set.
+        capture = opts.get("cuda_graphs") is not False
+        opts["cuda_graphs"] = False
+        if capture and opts.get("pdl") is None:
+            opts["pdl"] = True
+        be = _SharedReportBackend(opts, None)
         report = be.report
         report.regional = ("regional compilation: one graph per compiled layer variant, so launches are not attributed "
                        "to layers")
@@ -117,8 +182,8 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
         def compile_fn(fn):
             return torch.compile(fn, backend=be, dynamic=False)
     else:
-        mode = "reduce-overhead" if backend == "inductor-cudagraphs" else None
+        capture = backend == "inductor-cudagraphs"
 
         def compile_fn(fn):
-            return torch.compile(fn, mode=mode, dynamic=False)
-    return RegionalModel(model, compile_fn, backend, report)
+            return torch.compile(fn, dynamic=False)
+    return RegionalModel(model, compile_fn, backend, report, cuda_graphs=capture)

@@ -400,7 +400,7 @@ class FusionReport:
         from rich.table import Table
 
         kl, roles = d["kernels_by_layer"], d["layer_roles"]
-        if kl["total"] is None:
+        if kl is None or kl["total"] is None:  # regional compilation: graphs are not per layer
             return []
         t = Table(title=f"launches per call by layer (static, {kl['total']} total)", title_justify="left")
         for col in ("layer", "role", "launches"):

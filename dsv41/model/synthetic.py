@@ -8,7 +8,7 @@ it produces are meaningless; only the timing is used. What is filled (MODEL.md Â
 
 - window rings: the last `sliding_window` positions, FP8 E4M3 bytes without NaN codes, UE8M0 exponents 120-130;
 - kv-source banks: the floor(context / ratio) rows a prefill would have written, packed E2M1 with positive E4M3
-  scales in [2^-4, 2^2]; index keys: E2M1 with UE8M0 exponents 120-130; rows past the context stay zero;
+  scales in [2^-3, 2^2]; index keys: E2M1 with UE8M0 exponents 120-130; rows past the context stay zero;
 - ratio-2 compressors: the last token parked in the state (random FP32; a prefill always parks it, and only
   the position parity decides whether it is pending);
 - the Engram token history: random compressed ids for positions [0, context).
@@ -68,7 +68,7 @@ def fill_synthetic_context(model, context: int, seed: int = 0) -> None:
         rows = min(context // a.ratio, a.cache_rows)  # complete groups; an odd last token is pending
         if rows:
             a.bank_codes[:, :rows] = _bytes((b, rows, a.bank_codes.shape[-1]), 0, 255, gen, dev)
-            # E4M3 bytes 0x20-0x48: exponent fields 4-9, i.e. positive scales in [2^-4, 2^2)
+            # E4M3 bytes 0x20-0x48: exponent fields 4-9, positive scales in [2^-3, 2^2]
             a.bank_scales[:, :rows] = _bytes((b, rows, a.bank_scales.shape[-1]), 0x20, 0x48, gen, dev)
             a.key_codes[:, :rows] = _bytes((b, rows, a.key_codes.shape[-1]), 0, 255, gen, dev)
             a.key_scales[:, :rows] = _bytes((b, rows, a.key_scales.shape[-1]), 120, 130, gen, dev)
