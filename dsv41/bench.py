@@ -859,25 +859,11 @@ def _bench_tp(a) -> int:
     """`dsv41 bench --tp N`: under torchrun this process is one rank, else N local ranks are spawned (their exit
     codes' maximum is returned). Raises ValueError for N < 1, a torchrun WORLD_SIZE other than N, or options
     not supported under TP yet (--speculative, --contexts)."""
-    import torch.distributed as dist
+    from .launch import launch_ranks
 
-    from .launch import init_distributed, spawn
-
-    if a.tp < 1:
-        raise ValueError(f"--tp must be a positive int, got {a.tp}")
     if a.speculative is not None or a.contexts:
         raise ValueError("--speculative and --contexts are not supported with --tp yet")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if int(os.environ["WORLD_SIZE"]) != a.tp:
-            raise ValueError(f"--tp {a.tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
-        created = not dist.is_initialized()
-        init_distributed(a.device)
-        try:
-            return _bench_from_args(a)
-        finally:
-            if created:
-                dist.destroy_process_group()
-    return max(spawn(_bench_from_args, a.tp, a, device=a.device))
+    return launch_ranks(_bench_from_args, a.tp, a, device=a.device)
 
 
 def _bench_from_args(a) -> int:

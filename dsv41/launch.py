@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "spawn", "run_tp", "MULTICAST_OFF_ENV", "barrier_gap_us",
+__all__ = ["DistInfo", "init_distributed", "spawn", "launch_ranks", "run_tp", "MULTICAST_OFF_ENV", "barrier_gap_us",
            "allreduce_kernel_durations_us"]
 
 #: Set before the process group is created: NVLink SHARP / multicast objects off (NCCL, torch symmetric
@@ -295,18 +295,23 @@ def run_tp(args) -> int:
     Raises:
         ValueError: tp < 1; under torchrun, WORLD_SIZE != tp; whatever `apply_tp` rejects.
     """
-    n = args.tp
+    return launch_ranks(_run_tp_rank, args.tp, args, device=args.device)
+
+
+def launch_ranks(fn, n: int, args, device: str | None = None) -> int:
+    """Run `fn(args)` (a module-level function returning an exit code) on `n` tensor-parallel ranks: under
+    torchrun (RANK and WORLD_SIZE set) in this process as one rank, else on `n` spawned local processes.
+    Returns the largest exit code. Raises ValueError for n < 1 or a torchrun WORLD_SIZE other than n."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"--tp must be a positive int, got {n!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != n:
             raise ValueError(f"--tp {n} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
         created = not dist.is_initialized()
-        init_distributed(args.device)
+        init_distributed(device)
         try:
-            return _run_tp_rank(args)
+            return fn(args)
         finally:
             if created:  # a caller's own group stays up
                 dist.destroy_process_group()
-    codes = spawn(_run_tp_rank, n, args, device=args.device)
-    return max(codes)
+    return max(spawn(fn, n, args, device=device))
