@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep families eager backends tp e2e ctx diag
-#                                           tpbench (default: tests kernels eager backends)
+#                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,6 +67,12 @@ for s in $sections; do
       timeout ${TP_TIMEOUT:-540} python3 -m dsv41.bench --tp ${TP:-2} --tp-moe ${TP_MOE:-tp} --preset ${TP_PRESET:-h200} \
         --backends ${TP_BACKENDS:-eager,dsv41} --prompt-len ${TP_PROMPT_LEN:-64} --new-tokens ${TP_NEW_TOKENS:-8} \
         --repeats 1 --no-warm-compile --json "$OUTDIR/bench_tp${TP:-2}.json" 2>&1 | tail -20 ;;
+    h200)
+      # The h200 preset side by side, compiled region by region (one graph per layer variant, whole-step CUDA graph
+      # captured by the wrapper): a whole-model h200 compile does not fit a 10-minute call.
+      timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
+        --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \
