@@ -594,6 +594,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)), \
                 Progress(console=console, transient=True) as prog:
             def say(msg: str) -> None:  # one line per step, so the log of a non-interactive run shows progress
+                """Print one progress line above the bars (plain text, not rich markup)."""
                 prog.console.print(msg, markup=False, highlight=False)
 
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)

@@ -148,6 +148,7 @@ def spawn(fn, world_size: int, *args, device: str | None = None) -> list:
     results: dict = {}
 
     def drain():
+        """Move every rank's pickled result from the queue into `results`."""
         while not queue.empty():
             rank, value = queue.get()
             results[rank] = pickle.loads(value)

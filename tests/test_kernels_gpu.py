@@ -9,16 +9,13 @@ fake-quantised activations; 2^-16 sum|terms| + half an output ulp for GEMV sums)
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (compiled Triton kernels)", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
+from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+
+skip_unless_compiled_gpu()
 
 import dsv41.kernels as kernels  # noqa: E402
 from dsv41.kernels import mhc as mk  # noqa: E402
@@ -26,17 +23,10 @@ from dsv41.kernels import quant_gemv as qg  # noqa: E402
 from dsv41.kernels import rope_fp4 as rp  # noqa: E402
 
 
-def _load(name):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_dsv41_ref_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-G = _load("test_kernels_quant_gemv")
-R = _load("test_kernels_rope_fp4")
-H = _load("test_kernels_mhc")
+G = load_reference("test_kernels_quant_gemv")
+R = load_reference("test_kernels_rope_fp4")
+H = load_reference("test_kernels_mhc")
 DEV = torch.device("cuda")
 
 #: (name, fp4, N, K) of the h200 decode GEMVs.

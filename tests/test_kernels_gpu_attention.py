@@ -6,32 +6,22 @@ Skipped without CUDA and under TRITON_INTERPRET=1 (the CPU tests cover the inter
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (compiled Triton kernels)", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
+from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+
+skip_unless_compiled_gpu()
 
 from dsv41.kernels import indexer as ik  # noqa: E402
 from dsv41.kernels import sparse_attention as sa  # noqa: E402
 from dsv41.model import ModelConfig  # noqa: E402
 
 
-def _load(name):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_dsv41_gpu_ref_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-SA = _load("test_kernels_sparse_attention")
-IX = _load("test_kernels_indexer")
+SA = load_reference("test_kernels_sparse_attention")
+IX = load_reference("test_kernels_indexer")
 DEV = torch.device("cuda")
 H200 = ModelConfig.preset("h200")
 

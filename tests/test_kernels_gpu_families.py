@@ -25,17 +25,14 @@ Triton compiles and the float64 expert references). Skipped on CPU-only machines
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (compiled Triton kernels)", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
+from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+
+skip_unless_compiled_gpu()
 
 import dsv41.kernels as kernels  # noqa: E402
 from dsv41.kernels import c2_compressor as c2  # noqa: E402
@@ -48,18 +45,11 @@ from dsv41.model.engram import EngramHash  # noqa: E402
 from interp_harness import poison_outputs  # noqa: E402
 
 
-def _load(name):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_dsv41_ref_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-EN = _load("test_kernels_engram")
-MO = _load("test_kernels_moe")
-GG = _load("test_kernels_grouped_gemv")
-C2 = _load("test_kernels_c2_compressor")
+EN = load_reference("test_kernels_engram")
+MO = load_reference("test_kernels_moe")
+GG = load_reference("test_kernels_grouped_gemv")
+C2 = load_reference("test_kernels_c2_compressor")
 
 CFG = ModelConfig.preset("h200")
 DEV = torch.device("cuda")

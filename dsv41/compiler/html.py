@@ -170,6 +170,7 @@ def _generic(v, depth: int = 0) -> str:
             for x in v:
                 keys += [k for k in x if k not in keys]
             def cell(y):
+                """A table cell: scalars as they are, anything else as escaped JSON in <code>."""
                 return y if isinstance(y, scalar) else _Raw(f"<code>{_e(json.dumps(y, default=str))}</code>")
             rows = [[cell(x.get(k)) for k in keys] for x in v]
             return _table([str(k) for k in keys], rows)
@@ -292,6 +293,7 @@ def _layer_kernels(d: dict) -> str:
     roles = d.get("layer_roles")
 
     def role(layer):
+        """Role name of a layer key ('' for 'other' or when roles are unknown)."""
         if roles is None or layer == "other" or not str(layer).isdigit() or int(layer) >= len(roles):
             return ""
         return roles[int(layer)]

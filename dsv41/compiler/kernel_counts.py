@@ -318,6 +318,7 @@ def parse_launches(source: str, provenance: str | Mapping | None = None) -> list
     found = []
 
     def visit(fn: ast.AST) -> None:
+        """Collect (line, column, kernel) for every launch call inside `fn`."""
         for node in ast.walk(fn):
             if isinstance(node, ast.Call):
                 hit = _classify(node, kernels)

@@ -87,6 +87,7 @@ def _merge(results: list[GraphPassResult]) -> GraphPassResult:
                                  sum(r.elapsed_s for r in recs)))
 
     def join(parts):
+        """Non-empty parts joined by newlines, or None when all are empty."""
         parts = [p for p in parts if p]
         return "\n".join(parts) if parts else None
 

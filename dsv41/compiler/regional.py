@@ -180,10 +180,12 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
                        "to layers")
 
         def compile_fn(fn):
+            """`fn` compiled by the shared-report dsv41 backend with static shapes."""
             return torch.compile(fn, backend=be, dynamic=False)
     else:
         capture = backend == "inductor-cudagraphs"
 
         def compile_fn(fn):
+            """`fn` compiled by Inductor (no CUDA-graph trees: the wrapper captures) with static shapes."""
             return torch.compile(fn, dynamic=False)
     return RegionalModel(model, compile_fn, backend, report, cuda_graphs=capture)

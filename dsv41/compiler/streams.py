@@ -472,6 +472,7 @@ def _program(node: fx.Node) -> tuple[str, list[fx.Node], int]:
     index = {t: i for i, t in enumerate(tensors)}
 
     def ref(a):
+        """Reference to an earlier scheduled tensor ({'t': index}) or None for a non-node argument."""
         return {"t": index[a]} if isinstance(a, fx.Node) and a in index else None
 
     op = node.target

@@ -362,6 +362,7 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         return out
 
     def last_contig(x):
+        """`x` with a unit last stride (copied only when it has none)."""
         return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
     q, window_codes, window_scales = last_contig(q), last_contig(window_codes), last_contig(window_scales)

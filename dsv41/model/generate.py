@@ -96,6 +96,7 @@ class _Clock:
         self.marks = []
 
     def mark(self) -> None:
+        """Record a timestamp (a CUDA event on GPU, the host clock on CPU)."""
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -104,6 +105,7 @@ class _Clock:
             self.marks.append(time.perf_counter())
 
     def seconds(self) -> List[float]:
+        """Seconds from the first mark to each later one (synchronises the GPU once)."""
         if self.cuda:
             torch.cuda.synchronize()
             return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks[1:]]

@@ -181,11 +181,13 @@ class PassRecord:
     def from_dict(cls, d: Mapping) -> "PassRecord":
         """Inverse of `to_dict` (used by the record cache next to Inductor's FX-graph cache)."""
         def loc(x):
+            """SourceLocation from its dict form (None stays None)."""
             if x is None:
                 return None
             return SourceLocation(x["file"], x["line"], x["function"], x.get("code", ""), tuple(x.get("stack", ())))
 
         def pairs(x):
+            """Tuple of (key, value) pairs from a JSON list of pairs."""
             return tuple((k, v) for k, v in x)
 
         matches = tuple(MatchRecord(m["family"], m["pattern"], m["op"], loc(m["location"]),
@@ -430,6 +432,7 @@ class RegionEvaluator:
             raise RegionNotClosed(f"region contains {node_label(n)} ({n.name}), not a pure dataflow op")
 
         def conv(a):
+            """Probe value of a node argument, or the size hint of a symbolic int."""
             if isinstance(a, fx.Node):
                 return memo[a]
             return size_hint(a)
@@ -465,6 +468,7 @@ def insert_node(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
     mode = _fake_mode_of(inputs)
 
     def conv(a):
+        """Fake value of a node argument (other arguments unchanged)."""
         return a.meta["val"] if isinstance(a, fx.Node) else a
 
     fargs = fx.node.map_aggregate(args, conv)

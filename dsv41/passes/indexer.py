@@ -259,6 +259,7 @@ def _int_literals(nodes) -> list:
     out = []
 
     def visit(a):
+        """Remember positive int literals (the candidate block counts); returns `a` unchanged."""
         if isinstance(a, int) and not isinstance(a, bool) and 0 < a < 2 ** 31 and a not in out:
             out.append(a)
         return a
@@ -479,6 +480,7 @@ def _verify_candidates(ev, end, cut, region, block):
         return None, ("block_max_values", "the region could not be evaluated on probe tensors")
 
     def as_mask(blocks):
+        """Bool row mask [b, t, n] of the rows in the selected `blocks` (-1 = none)."""
         rows = torch.arange(n)
         keep = torch.zeros(b, t, nb + 1, dtype=torch.bool)
         keep.scatter_(-1, torch.where(blocks >= 0, blocks, nb), True)
@@ -719,6 +721,7 @@ def _bytes(site: _Site, gone: list):
     totals = {"before": [0, 0], "after": [0, 0]}
 
     def add(key, n):
+        """Count node `n`'s bytes under `key`, per token when it has a [b, t] lead."""
         v = tensor_val(n)
         if v is None:
             return

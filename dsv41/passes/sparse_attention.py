@@ -345,6 +345,7 @@ def _candidate_scales(region_nodes, d: int) -> list:
     vals = [d ** -0.5]
 
     def visit(a):
+        """Remember finite float literals and their reciprocals (softmax-scale candidates)."""
         if isinstance(a, float) and math.isfinite(a) and a not in (0.0, 1.0, -1.0) and len(vals) < _FLOAT_LITERAL_MAX:
             for c in (a, 1.0 / a):
                 if c > 0 and c not in vals:
@@ -561,6 +562,7 @@ def _verify(ev, gm, end, gc, gs, sel, lv: _Leaves, trig, dims, ref_op, sourced):
         return None
 
     def reference(order, cs, sn, inv, sc, sink_v, inverse=True):
+        """The op's CPU reference on the probe values for one window order / mask / RoPE / scale hypothesis."""
         wc_ = torch.cat([env[c] for c, _ in order], 1).cpu()
         ws_ = torch.cat([env[s] for _, s in order], 1).cpu()
         m = ~wmask if inv else wmask
@@ -651,6 +653,7 @@ def _rewrite(graph: fx.Graph, site: _Site, op) -> None:
     like = site.anchor  # provenance: the bank gather's line in the user's code
 
     def ins(target, args):
+        """Insert `target(*args)` before the site's end node."""
         return insert_node(graph, end, target, args, like=like)
 
     codes = [c for c, _ in order]
@@ -660,6 +663,7 @@ def _rewrite(graph: fx.Graph, site: _Site, op) -> None:
     s_rows = _shape(wc)[1]
 
     def bts(node, last):
+        """`node` viewed as [b, t, last] (select the head dim, then expand) for the op's arguments."""
         n = node
         if len(_shape(n)) == 4:
             n = ins(aten.select.int, (n, 2, 0))
@@ -710,10 +714,12 @@ def _bytes(site: _Site, gone: list):
     totals = {"before": [0, 0], "after": [0, 0]}  # [bytes per token, bytes per step]
 
     def nbytes(n):
+        """Bytes of a node's value (0 without one)."""
         v = tensor_val(n)
         return 0 if v is None else v.numel() * v.element_size()
 
     def add(key, n, per=None):
+        """Add node `n`'s bytes to `totals[key]`: per token when `per` (default: in `per_token`), else fixed."""
         nb = nbytes(n)
         tok = (n in per_token) if per is None else per
         if tok and nb % (b * t) == 0:

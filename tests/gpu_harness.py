@@ -1,0 +1,31 @@
+"""Shared set-up of the GPU kernel test files (tests/test_kernels_gpu*.py).
+
+`skip_unless_compiled_gpu()` skips the calling test module at import unless a CUDA GPU is present and
+TRITON_INTERPRET is not set (those files check the compiled kernels; the interpreter is covered by the CPU tests).
+`load_reference(name)` imports tests/<name>.py by path, for the float64 references the CPU tests define.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def skip_unless_compiled_gpu() -> None:
+    """Skip the module being imported without CUDA, or under TRITON_INTERPRET=1."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (compiled Triton kernels)", allow_module_level=True)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
+
+
+def load_reference(name: str):
+    """The module tests/<name>.py, loaded by path under a private name (not added to sys.modules)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_dsv41_gpu_ref_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
