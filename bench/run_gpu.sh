@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests kernels sweep families eager backends tp e2e ctx diag
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends tp e2e ctx diag
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -16,7 +16,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $sections; do
   case $s in
     tests)
-      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_regional_gpu.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+    regional)
+      # The regional wrapper's whole-step CUDA graph; a hang dumps every thread's stack (faulthandler) before the kill.
+      timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s -o faulthandler_timeout=${FAULT_S:-100} tests/test_regional_gpu.py \
+        2>&1 | tee "$OUTDIR/gpu_regional.log" | tail -${REGIONAL_TAIL:-40} ;;
     kernels)
       python3 bench/kernels.py --json "$OUTDIR/kernels.json" 2>&1 | tail -30 ;;
     sweep)
@@ -76,7 +80,7 @@ for s in $sections; do
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \
-        --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
+        ${BENCH_OPTIONS:-} --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
   esac
 done
 python3 bench/summarize.py "$OUTDIR"

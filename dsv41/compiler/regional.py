@@ -108,6 +108,10 @@ class RegionalModel(nn.Module):
         entry = self._graphs.get(key, ())
         if entry == ():
             self._graphs = {k: v for k, v in self._graphs.items() if k[4:] == key[4:]}
+            if not any(self._graphs.values()):
+                # The memory pool dies with the last graph captured into it: the next capture starts a new one
+                # (capturing into the stale handle trips the caching allocator's use-count assertion).
+                self._pool = None
             self._graphs[key] = None
             logits, feats = self._run(input_ids, positions, last_only, return_features)
             return (logits, feats) if return_features else logits
@@ -123,12 +127,13 @@ class RegionalModel(nn.Module):
 
     def _capture(self, key, input_ids, positions, last_only, return_features):
         ids, pos = input_ids.clone(), positions.clone()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # Nothing runs during capture, so the caches see this step once (at the replay that follows).
+        # Nothing runs during capture, so the caches see this step once (at the replay that follows). Later
+        # signatures share the first graph's pool (its handle lives as long as a graph captured into it does).
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._run(ids, pos, last_only, return_features)
+        if self._pool is None:
+            self._pool = graph.pool()
         entry = (graph, ids, pos, out)
         self._graphs[key] = entry
         self.captures += 1

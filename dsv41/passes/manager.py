@@ -48,7 +48,7 @@ from .engram import EngramFamily
 from .indexer import IndexerFamily
 from .mhc import MhcFamily
 from .moe import MoeFamily
-from .normalize import NormalizeFamily
+from .normalize import NormalizeFamily, restore_batch1_mm
 from .rope_fp4 import RopeFp4Family
 from .small_ops import SmallOpsFamily
 from .sparse_attention import SparseAttentionFamily
@@ -137,6 +137,7 @@ class PassManager(CustomGraphPass):
             rec = FAMILIES[name]().run(gm)
             graph.lint()
             records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
+        restore_batch1_mm(gm)
         after = graph.python_code("self").src if self.debug else None
         for p in self.chained:
             p(graph)

@@ -11,9 +11,17 @@ re-viewed as float8 before use). Rewrites, each an Inductor pattern (`register_g
     reshape_chain          reshape(reshape(x, s1), s2)  (view or reshape)               -> reshape(x, s2)
     contiguous_clone       clone(x) of a contiguous x, not mutated afterwards            -> x
     alias                  alias(x)                                                     -> x
+    batch1_bmm             unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0), a, b [1, m, k] / [1, k, n] -> bmm(a, b)
 
 Inductor's own `remove_noop_ops` (run before dsv41's passes) already drops casts to the same dtype and
 views to the same shape; these are the two-step detours it leaves.
+
+`batch1_bmm` undoes a device-dependent rewrite: on GPUs Inductor's joint-graph pattern `bmm_to_mm` turns every
+`bmm` whose batch is 1 (every attention product at batch size 1 decode) into squeeze -> mm -> unsqueeze, so the
+graphs dsv41 matched on CPU would look different on CUDA (on the H200 it hid every sparse-attention site of
+`tiny`: the walk from the bank stopped at the 2-D `mm`, which in the CPU form is the output projection). The
+bmm nodes this creates are tagged (`BATCH1_TAG`); `restore_batch1_mm`, run by the pass manager after every
+family, gives the ones no fusion consumed back to Inductor in its own mm form.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch.fx as fx
 
 from .base import FusionFamily, MatchRecord, PassRecord, SourceLocation, node_label, tensor_val
 
-__all__ = ["NormalizeFamily", "EXACT_CASTS"]
+__all__ = ["NormalizeFamily", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -46,6 +54,8 @@ for _f8 in _F8:
     EXACT_CASTS[_f8] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _RESHAPES = (aten.reshape.default, aten.view.default)
+#: meta key of the bmm nodes `batch1_bmm` created from Inductor's batch-1 mm form.
+BATCH1_TAG = "dsv41_batch1_bmm"
 _local = threading.local()
 _PASS = None
 
@@ -151,7 +161,43 @@ def _build():
     def alias(match: Match, x):
         _replace(match, x, "alias")
 
+    def batch1_operands(match: Match) -> bool:
+        a, b = tensor_val(match.kwargs["a"]), tensor_val(match.kwargs["b"])
+        return (a is not None and b is not None and a.dim() == 3 and b.dim() == 3
+                and a.shape[0] == 1 and b.shape[0] == 1)
+
+    for dim in (0, -3):
+        @register_graph_pattern(
+            CallFunction(aten.unsqueeze.default,
+                         CallFunction(aten.mm.default, CallFunction(aten.squeeze.dim, KeywordArg("a"), dim),
+                                      CallFunction(aten.squeeze.dim, KeywordArg("b"), dim)), 0),
+            extra_check=batch1_operands, pass_dict=pm)
+        def batch1_bmm(match: Match, a, b):
+            from .base import insert_node
+            new = insert_node(match.graph, match.output_node(), aten.bmm.default, (a, b), like=match.output_node())
+            new.meta[BATCH1_TAG] = True
+            _replace(match, new, "batch1_bmm")
+
     return pm
+
+
+def restore_batch1_mm(gm: fx.GraphModule) -> int:
+    """Give the `batch1_bmm` nodes that no fusion consumed back to Inductor in the form its GPU rewrite chose
+    (squeeze -> mm -> unsqueeze, so its mm templates and epilogue fusions still apply); returns how many."""
+    from .base import insert_node
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target != aten.bmm.default or not n.meta.get(BATCH1_TAG):
+            continue
+        a, b = n.args
+        sa = insert_node(gm.graph, n, aten.squeeze.dim, (a, 0), like=n)
+        sb = insert_node(gm.graph, n, aten.squeeze.dim, (b, 0), like=n)
+        mm = insert_node(gm.graph, n, aten.mm.default, (sa, sb), like=n)
+        out = insert_node(gm.graph, n, aten.unsqueeze.default, (mm, 0), like=n)
+        n.replace_all_uses_with(out)
+        gm.graph.erase_node(n)
+        done += 1
+    return done
 
 
 class NormalizeFamily(FusionFamily):
