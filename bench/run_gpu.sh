@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends tp e2e ctx diag
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate tp e2e ctx diag
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -77,6 +77,19 @@ for s in $sections; do
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
+    toggles)
+      # Issue 6: CUDA graphs, PDL and side streams each toggled alone, against Inductor reduce-overhead, all rows
+      # compiled into one cache dir (--shared-cache: later compiles reuse Triton binaries, compile_s not cold).
+      timeout ${TOGGLES_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
+        --backends ${TOGGLE_BACKENDS:-inductor-cudagraphs,dsv41,toggles} --prompt-len ${PROMPT_LEN:-512} \
+        --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile --shared-cache ${TOGGLE_FLAGS:-} \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/toggles_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
+    ablate)
+      # Issue 4: the ladder, dsv41 with each family off in turn (ABL_BACKENDS splits it over calls), shared cache.
+      timeout ${ABL_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
+        --backends ${ABL_BACKENDS:-dsv41,ablations} --prompt-len ${PROMPT_LEN:-512} --new-tokens ${NEW_TOKENS:-64} \
+        --repeats ${REPEATS:-1} --no-warm-compile --shared-cache ${ABL_FLAGS:-} \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/ablate_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \

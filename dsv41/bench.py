@@ -6,7 +6,9 @@ Backends: `eager`, `inductor` (`torch.compile` default), `inductor-cudagraphs` (
 `dsv41`, `torch_tensorrt` (a row with every figure null and the note "not installed" when `import
 torch_tensorrt` fails; never dropped), and the ablations `dsv41-no-<family>`: dsv41 with the option
 `{"disable": [<family>]}` for each pass family of `dsv41.passes.FAMILY_ORDER` (the project's ladder).
-`--backends all` is all of them; `ablations` expands to every ablation.
+`--backends all` is all of them; `ablations` expands to every ablation. `dsv41[key=value;...]` rows run dsv41 with
+those options over the run's `--option`s, and `toggles` expands to `TOGGLES` (CUDA graphs off, PDL off, side streams
+on: each toggled alone, issue 6).
 
 Protocol, in this order (every backend gets the same prompt, seed 42, and the same eager module underneath):
 1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps
@@ -62,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -91,7 +94,8 @@ DEFINITIONS = {
                                 "compile) per decoder-layer role (swa, full, reindex, reuse; other = outside the "
                                 "layers), with per-layer min/mean/max; kernels_per_step_static is their total",
     "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
-                 "minus the median wall time of the measured runs",
+                 "minus the median wall time of the measured runs (with shared_cache: one dir for all backends, "
+                 "so rows after the first are not cold)",
     "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
     "roofline": "decode_bytes_per_step (budget().decode_weight_bytes + decode_kv_read_bytes at decode_context) / "
                 "device-to-device copy bandwidth (bytes read + written per second) measured in this run",
@@ -104,7 +108,9 @@ DEFINITIONS = {
     "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
     "step_span_us": "first GPU activity start to last end of the profiled step; busy > span means activities "
                     "overlapped (PDL, side streams), busy < span means gaps between them",
-    "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds",
+    "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds; for "
+                       "Inductor's own kernels of dsv41 rows also `origin`: the user source lines and ATen ops of "
+                       "the graph nodes the kernel computes (from the compile's kernel provenance)",
     "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
                        "(Inductor's cudagraph_skips counter around the cold compile)",
     "reference_tokens": "(top level) eager's greedy tokens [B][new_tokens], the reference of tokens_match_eager",
@@ -219,14 +225,51 @@ def ablation_families() -> tuple[tuple[str, ...], str | None]:
     return tuple(FAMILY_ORDER), None
 
 
+#: The `toggles` group (issue 6): CUDA graphs, PDL and side streams, each flipped alone from the backend default.
+TOGGLES = ("dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=true]")
+_VARIANT = re.compile(r"^dsv41\[([^\]]+)\]$")
+
+
+def _split_names(spec: str) -> list:
+    """Comma-separated names; commas inside `[...]` belong to the name."""
+    out, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
+def variant_options(name: str) -> dict | None:
+    """The option overrides of a `dsv41[key=value;...]` row (values read as JSON where they parse, as with
+    `--option`), or None when `name` is not such a row. Raises: ValueError for an item without `=` or a key /
+    value the dsv41 backend rejects (its message names the key)."""
+    m = _VARIANT.match(name)
+    if m is None:
+        return None
+    from .cli import backend_options
+    from .compiler.options import parse_options
+    opts = backend_options([x.strip() for x in re.split(r"[;,]", m.group(1)) if x.strip()])
+    try:
+        parse_options(opts, environ={})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"backend {name!r}: {e}") from None
+    return opts
+
+
 def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
     """Backend names from a comma-separated string or a list.
 
     `all` = `CORE_BACKENDS` with one `dsv41-no-<family>` per family right after `dsv41`; `ablations` = the
-    ablations alone. Duplicates are dropped, order kept.
-    Raises: ValueError for an unknown name, or an ablation of a family not in `families` (when it is non-empty).
+    ablations alone; `toggles` = `TOGGLES`; `dsv41[key=value;...]` = dsv41 with those options over the run's
+    `--option`s (e.g. `dsv41[cuda_graphs=false]`). Duplicates are dropped, order kept.
+    Raises: ValueError for an unknown name, an ablation of a family not in `families` (when it is non-empty), or
+    a `dsv41[...]` row with options the backend rejects.
     """
-    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    names = [s.strip() for s in (_split_names(spec) if isinstance(spec, str) else spec) if s.strip()]
     ablations = [_ABLATION + f for f in families]
     out: list = []
     for n in names:
@@ -235,16 +278,20 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
             group[group.index("dsv41") + 1:group.index("dsv41") + 1] = ablations
         elif n == "ablations":
             group = ablations
+        elif n == "toggles":
+            group = list(TOGGLES)
         elif n in CORE_BACKENDS:
             group = [n]
         elif n.startswith(_ABLATION) and len(n) > len(_ABLATION):
             if families and n[len(_ABLATION):] not in families:
                 raise ValueError(f"unknown pass family in backend {n!r}; families: {', '.join(families)}")
             group = [n]
+        elif variant_options(n) is not None:
+            group = [n]
         else:
             raise ValueError(f"unknown backend {n!r}; expected one of {', '.join(CORE_BACKENDS)}, "
                              f"dsv41-no-<family> (families: {', '.join(families) or 'unavailable'}), "
-                             "'ablations' or 'all'")
+                             "dsv41[key=value;...], 'ablations', 'toggles' or 'all'")
         out += [g for g in group if g not in out]
     if not out:
         raise ValueError("no backends given")
@@ -252,13 +299,17 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
 
 
 def _backend_options(name: str, options: dict | None) -> dict | None:
-    """dsv41 options of a dsv41 row: `options` for `dsv41`, plus the disabled family for an ablation."""
+    """dsv41 options of a dsv41 row: `options` for `dsv41`, plus the disabled family for an ablation, plus the
+    overrides of a `dsv41[...]` row."""
     if name == "dsv41":
         return dict(options or {})
     if name.startswith(_ABLATION):
         opts = dict(options or {})
         opts["disable"] = sorted(set(opts.get("disable", ())) | {name[len(_ABLATION):]})
         return opts
+    over = variant_options(name)
+    if over is not None:
+        return {**dict(options or {}), **over}
     return None
 
 
@@ -490,7 +541,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
                   dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
-                  tp: Mapping[str, Any] | None = None, regional: bool = False) -> dict:
+                  tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -507,6 +558,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             rows then carry `mean_acceptance` (measured, median over runs) and `mean_natural_acceptance` (greedy
             agreement of the drafts), and `tokens_match_eager` is null (simulated rounds emit drafts the target
             did not choose). The eager reference, teacher-forced logits and kernel counts stay plain M = 1 decode.
+        shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
+            Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
+            compile (result `shared_cache: true`).
         contexts: optional context lengths for the decode-versus-context sweep (`decode_from_context`: caches
             filled with random rows up to the context, `context_tokens` greedy steps from there, backends
             alternated per context) in `res["decode_vs_context"]`. The caches are then allocated once for the
@@ -565,6 +619,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
+           "shared_cache": shared_cache,
            "speculative": None if speculative is None else {"simulated_acceptance": speculative,
                                                             "block_size": cfg.dspark_block_size},
            "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
@@ -627,7 +682,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # Without a warm recompile the runners compiled here are the measured ones: a reset
                         # would drop them (Dynamo keeps one cache entry per backend, so none is needed).
                         torch.compiler.reset()
-                    _use_cache_dir(os.path.join(cache_root, n))
+                    _use_cache_dir(os.path.join(cache_root, "shared" if shared_cache else n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
                     skips = _cudagraph_skips()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
@@ -650,7 +705,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.update(task, description=f"{what}: {n}")
                 try:
                     if warm_compile:
-                        _use_cache_dir(os.path.join(cache_root, n))
+                        _use_cache_dir(os.path.join(cache_root, "shared" if shared_cache else n))
                         runners[n] = _make_runner(model, n, options, regional)
                         warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, speculative)["wall_s"]
                     else:
@@ -672,10 +727,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
                         rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
                         rows[n]["step_span_us"] = k["span_us"]
-                        rows[n]["kernel_time_top"] = k["top_us"]
+                        rows[n]["kernel_time_top"] = _with_origins(k["top_us"], _ORIGINS.get(id(rows[n]), {}))
                         say(f"{n}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us "
                             "span; top: " + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
-                                                      for t in k["top_us"][:6]))
+                                                      + (f" [{t['origin'][0][:70]}]" if t.get("origin") else "")
+                                                      for t in rows[n]["kernel_time_top"][:8]))
                         if rows[n].get("kernels_per_step_static") is not None:
                             rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
                     except Exception as e:
@@ -761,6 +817,15 @@ def _context_sweep(model, runners, names, contexts, n_tokens, cuda, copy_tb_s, p
     return out
 
 
+#: id(result row) -> {Inductor kernel name: origins} of the row's cold compile (`FusionReport.kernel_origins`).
+_ORIGINS: dict = {}
+
+
+def _with_origins(top: list, origins: dict) -> list:
+    """`kernel_time_top` rows with `origin` (the kernel's source lines and ATen ops) where the compile knew it."""
+    return [dict(t, origin=origins.get(t["name"])) if origins.get(t["name"]) else t for t in top]
+
+
 def _attach_report(row: dict, full: bool, roles=None) -> None:
     """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`), with
     its static launches per step by layer role when the layer `roles` (`ModelConfig.roles`) are given."""
@@ -772,6 +837,7 @@ def _attach_report(row: dict, full: bool, roles=None) -> None:
     if roles is not None:
         rep.set_layer_roles(roles)
     d = rep.to_dict()
+    _ORIGINS[id(row)] = rep.kernel_origins()
     row["fusion_matches"] = {f: v.get("matches") for f, v in d.get("families", {}).items()}
     row["kernels_per_step_by_role"] = d.get("kernels_by_role")
     row["kernels_per_step_static"] = (d.get("kernels_by_layer") or {}).get("total")
@@ -837,6 +903,8 @@ def main(argv=None) -> int:
                    help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=true")
+    p.add_argument("--shared-cache", action="store_true",
+                   help="one Inductor cache dir for all backends (compile_s is then not cold; fits a toggle matrix)")
     p.add_argument("--regional", action="store_true",
                    help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
@@ -883,7 +951,7 @@ def _bench_from_args(a) -> int:
                         warm_compile=a.warm_compile,
                         speculative=a.speculative,
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
-                        context_tokens=a.context_tokens, tp=tp, regional=a.regional)
+                        context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache)
     if rank != 0:
         return 0
     from rich.console import Console

@@ -5,6 +5,7 @@ roofline from a worked example, and the result schema from BENCHMARK.md / the is
 """
 
 import json
+import os
 import struct
 import zlib
 
@@ -159,6 +160,26 @@ def test_ablation_options_switch_exactly_one_family_off():
     assert opts == {"count_kernels": True, "disable": ["dispatch", "rope_fp4"]}
     assert parse_options(opts).disable == frozenset({"dispatch", "rope_fp4"})
     assert bench._backend_options("inductor", {"disable": ["dispatch"]}) is None
+
+
+def test_toggle_rows_flip_one_option_each_over_the_run_options():
+    from dsv41.compiler.options import parse_options
+    got = bench.expand_backends("eager,dsv41,toggles,dsv41[pdl=false;streams=true]", ("x",))
+    assert got == ["eager", "dsv41", "dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=true]",
+                   "dsv41[pdl=false;streams=true]"]
+    base = {"gpu_unvalidated": True, "pdl": True}
+    assert bench._backend_options("dsv41[cuda_graphs=false]", base) == {**base, "cuda_graphs": False}
+    assert bench._backend_options("dsv41[pdl=false;streams=true]", base) == {"gpu_unvalidated": True, "pdl": False,
+                                                                             "streams": True}
+    o = parse_options(bench._backend_options("dsv41[streams=true]", None))
+    assert o.streams is True
+
+
+@pytest.mark.parametrize("name, match", [("dsv41[nope=1]", "unknown dsv41 option"),
+                                         ("dsv41[pdl=maybe]", "pdl"), ("dsv41[pdl]", "KEY=VALUE")])
+def test_toggle_rows_with_bad_options_are_rejected_by_name(name, match):
+    with pytest.raises(ValueError, match=match):
+        bench.expand_backends(f"eager,{name}", ("x",))
 
 
 # ------------------------------------------------------------------------------------------ a CPU run
@@ -339,3 +360,17 @@ def test_without_warm_compile_the_cold_runner_is_measured():
     assert r["warm_compile"] is False
     e = r["backends"]["eager"]
     assert e["compile_warm_s"] is None and e["decode_tok_s"]["median"] > 0 and e["tokens_match_eager"] is True
+
+
+def test_shared_cache_points_every_backend_at_one_cache_dir(monkeypatch):
+    """With shared_cache every row's compile uses the same Inductor cache dir (without it, one per row)."""
+    seen = {True: [], False: []}
+    for shared in (True, False):
+        monkeypatch.setattr(bench, "_use_cache_dir", lambda path, s=shared: seen[s].append(os.path.basename(path)))
+        monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False: model)
+        r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=2, repeats=1,
+                                device="cpu", warm_compile=False, shared_cache=shared)
+        assert r["shared_cache"] is shared
+        assert r["backends"]["dsv41[pdl=false]"]["options"] == {"pdl": False}
+    assert seen[True] == ["shared", "shared"]
+    assert seen[False] == ["eager", "dsv41[pdl=false]"]

@@ -300,6 +300,34 @@ def test_each_launch_is_attributed_to_the_layer_that_issued_it(compiled_two_kind
     assert tags == 4
 
 
+def test_every_generated_kernel_names_its_source_lines_and_ops(compiled_two_kinds):
+    """Each cpp kernel of the wrapper has origins: a line of this file's model code and its ATen ops; the
+    Scan kernels point at the sigmoid / norm lines, and the origins survive the JSON round trip and reach the
+    report's merged `kernel_origins`."""
+    cap = compiled_two_kinds["capture"]
+    src, prov, gm = cap.sources[0], cap.provenance[0], cap.graphs[0]
+    launches = kc.parse_launches(src, prov)
+    generated = {x.kernel for x in launches if x.kind == "cpp"}
+    origins = dict(kc.kernel_origins(launches, gm.graph))
+    assert generated and set(origins) == generated
+    for name, found in origins.items():
+        assert any(o.startswith("test_kernel_counts.py:") for o in found), (name, found)
+        assert found[-1].startswith("ops: ") and "aten." in found[-1], (name, found)
+    text = " ".join(o for found in origins.values() for o in found)
+    assert "torch.sigmoid(torch.cumsum(t, dim=-1))" in text and "torch.relu(self.mix(t))" in text
+    counts = compiled_two_kinds["report"].graphs[0].layer_kernels
+    assert kc.LayerKernelCounts.from_dict(counts.to_dict()).origins == counts.origins
+    assert compiled_two_kinds["report"].kernel_origins() == {k: list(v) for k, v in counts.origins}
+
+
+def test_bench_rows_carry_the_origin_of_each_costly_kernel():
+    from dsv41 import bench
+    top = [{"name": "triton_poi_fused__to_copy_16", "count": 32, "total_us": 1007.2},
+           {"name": "_quant_gemv_kernel", "count": 290, "total_us": 3850.1}]
+    out = bench._with_origins(top, {"triton_poi_fused__to_copy_16": ["model.py:300 (final_logits): x", "ops: y"]})
+    assert out[0]["origin"][0].startswith("model.py:300") and "origin" not in out[1]
+
+
 def test_a_cache_hit_attributes_launches_the_same_way_through_the_dynamo_graph(compiled_two_kinds):
     cap = compiled_two_kinds["capture"]
     direct = kc.count_captured(cap)

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 __all__ = ["LayerKernelCounts", "Launch", "WrapperCapture", "provenance_config", "parse_launches", "count_launches",
            "count_captured", "merge_counts", "graph_counts", "save_counts", "load_counts", "layer_of_path",
-           "node_layers", "kernels_by_role", "per_layer_by_role", "STATIC_METHOD", "OTHER"]
+           "node_layers", "kernel_origins", "kernels_by_role", "per_layer_by_role", "STATIC_METHOD", "OTHER"]
 
 #: Bucket of launches that belong to no decoder layer.
 OTHER = "other"
@@ -92,6 +92,10 @@ class LayerKernelCounts:
         detail: ((layer or "other", ((what, launches), ...)), ...): what each layer launches; `what` is the called
             op for extern / op / buffer launches (`torch.ops.dsv41.mhc_mixes.default`, `extern_kernels.mm`) and
             the kind for Inductor's generated kernels (`cpp`, `triton`).
+        origins: ((kernel name, (origin, ...)), ...): for each Inductor-generated kernel, where its work comes
+            from (`kernel_origins`): the user source lines of its post-grad nodes, most nodes first, and the ATen
+            ops it computes. The profiler shows the same kernel names, so a costly kernel of a profiled step can
+            be traced to the model code (the bench's `kernel_time_top` rows carry them).
     """
 
     total: int
@@ -102,6 +106,7 @@ class LayerKernelCounts:
     method: str = STATIC_METHOD
     note: str = ""
     detail: tuple = ()
+    origins: tuple = ()
 
     def layer_dict(self) -> dict:
         """{"0": n, "1": n, ..., "other": n} (JSON keys are strings)."""
@@ -113,7 +118,8 @@ class LayerKernelCounts:
         """Plain-JSON form (inverse: `from_dict`)."""
         return {"total": self.total, "by_layer": self.layer_dict(), "no_provenance": self.no_provenance,
                 "by_kind": dict(self.by_kind), "method": self.method, "note": self.note,
-                "detail": {str(k): dict(v) for k, v in self.detail}}
+                "detail": {str(k): dict(v) for k, v in self.detail},
+                "origins": {k: list(v) for k, v in self.origins}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "LayerKernelCounts":
@@ -124,7 +130,8 @@ class LayerKernelCounts:
                        for k, v in (d.get("detail") or {}).items())
         return cls(int(d["total"]), tuple(sorted((int(k), v) for k, v in layers.items())), other,
                    int(d.get("no_provenance", 0)), tuple(sorted(d.get("by_kind", {}).items())),
-                   d.get("method", STATIC_METHOD), d.get("note", ""), detail)
+                   d.get("method", STATIC_METHOD), d.get("note", ""), detail,
+                   tuple((k, tuple(v)) for k, v in sorted((d.get("origins") or {}).items())))
 
 
 # ------------------------------------------------------------------------------------------------ capture
@@ -420,12 +427,56 @@ def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | No
         what = launch.kernel if launch.kind in ("extern", "op", "buffer") else launch.kind
         detail.setdefault(OTHER if layer is None else layer, Counter())[what] += 1
     kinds = Counter(x.kind for x in launches)
+    origins = kernel_origins(launches, post_grad) if post_grad is not None else ()
     notes = []
     if launches and not any(x.handle for x in launches):
         notes.append("Inductor wrote no provenance handles: only launches with a Source Nodes comment are "
                      "attributed to layers")
     return LayerKernelCounts(len(launches), tuple(sorted(layers.items())), other, no_prov,
-                             tuple(sorted(kinds.items())), STATIC_METHOD, "; ".join(notes), _detail(detail))
+                             tuple(sorted(kinds.items())), STATIC_METHOD, "; ".join(notes), _detail(detail), origins)
+
+
+#: Origins kept per kernel: source lines, then ATen op names.
+_ORIGIN_LINES = 3
+_ORIGIN_OPS = 4
+
+
+def kernel_origins(launches: Sequence[Launch], post_grad: fx.Graph) -> tuple:
+    """((kernel, (origin, ...)), ...) for the Inductor-generated kernels among `launches` (sorted by name).
+
+    A kernel's origins are the user source lines of the post-grad nodes its provenance lists, as
+    `basename:line (function): code`, the line most of its nodes come from first (at most `_ORIGIN_LINES`), then
+    `ops: aten.x xN, ...` (the `_ORIGIN_OPS` commonest ATen ops). Launches without post-grad provenance and
+    extern / op / buffer launches (named by what they call) are skipped.
+    """
+    from ..passes.base import SourceLocation
+
+    by_name = {n.name: n for n in post_grad.nodes}
+    lines: dict = {}
+    ops: dict = {}
+    for launch in launches:
+        if launch.kind in ("extern", "op", "buffer") or not launch.sources_are_post_grad:
+            continue
+        for name in launch.sources:
+            node = by_name.get(name)
+            if node is None or node.op != "call_function":
+                continue
+            loc = SourceLocation.from_node(node)
+            if loc is not None:
+                text = f"{os.path.basename(loc.file)}:{loc.line} ({loc.function}): {loc.code}"[:160]
+                lines.setdefault(launch.kernel, Counter())[text] += 1
+            target = node.target
+            op = f"{target.namespace}.{target._schema.name.split('::')[-1]}" if hasattr(target, "_schema") \
+                else getattr(target, "__name__", str(target))
+            ops.setdefault(launch.kernel, Counter())[op] += 1
+    out = []
+    for kernel in sorted(set(lines) | set(ops)):
+        found = [t for t, _ in lines.get(kernel, Counter()).most_common(_ORIGIN_LINES)]
+        common = ops.get(kernel, Counter()).most_common(_ORIGIN_OPS)
+        if common:
+            found.append("ops: " + ", ".join(f"{o} x{n}" for o, n in common))
+        out.append((kernel, tuple(found)))
+    return tuple(out)
 
 
 def _detail(detail: Mapping) -> tuple:
@@ -457,15 +508,20 @@ def merge_counts(counts: Sequence[LayerKernelCounts]) -> LayerKernelCounts:
     layers: Counter = Counter()
     kinds: Counter = Counter()
     detail: dict = {}
+    origins: dict = {}
     for c in counts:
         layers.update(dict(c.by_layer))
         kinds.update(dict(c.by_kind))
         for k, v in c.detail:
             detail.setdefault(k, Counter()).update(dict(v))
+        for k, v in c.origins:
+            # Kernel names are numbered per graph: one name may stand for different kernels of two graphs.
+            origins[k] = tuple(dict.fromkeys(origins.get(k, ()) + tuple(v)))
     return LayerKernelCounts(sum(c.total for c in counts), tuple(sorted(layers.items())),
                              sum(c.other for c in counts), sum(c.no_provenance for c in counts),
                              tuple(sorted(kinds.items())), STATIC_METHOD,
-                             "; ".join(sorted({c.note for c in counts if c.note})), _detail(detail))
+                             "; ".join(sorted({c.note for c in counts if c.note})), _detail(detail),
+                             tuple(sorted(origins.items())))
 
 
 def count_captured(capture: WrapperCapture, from_cache: bool = False) -> LayerKernelCounts | None:

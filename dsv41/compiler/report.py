@@ -228,6 +228,16 @@ class FusionReport:
                 "profiler": prof, "detail": {k: dict(sorted(v.items())) for k, v in detail.items()},
                 "per_graph": [None if g.layer_kernels is None else g.layer_kernels.to_dict() for g in self.graphs]}
 
+    def kernel_origins(self) -> dict:
+        """{Inductor kernel name: [origin, ...]} over every counted graph (`kernel_counts.kernel_origins`: user
+        source lines of the kernel's nodes and the ATen ops it computes). Kernel names are numbered per graph, so
+        one name may list the origins of several graphs' kernels."""
+        out: dict = {}
+        for g in self.graphs:
+            for name, found in (g.layer_kernels.origins if g.layer_kernels is not None else ()):
+                out[name] = list(dict.fromkeys(out.get(name, []) + list(found)))
+        return out
+
     def kernels_by_role(self) -> dict | None:
         """`kernels_by_layer()` summed per layer role ({role: launches, ..., "other": n}, plus
         "per_layer": {role: {layers, min, max, mean}}), or None before `set_layer_roles` or without counts."""

@@ -5,6 +5,7 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::linear_fp8_block`, `dsv41::linear_fp4` (quant_gemv.py): quantised-weight GEMV, the dispatch target.
 - `dsv41::rope_fp4_quant`, `dsv41::rope_fp4_fake_quant`, `dsv41::rope_fp4_quant_store` (rope_fp4.py).
 - `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
+- `dsv41::linear_upcast` (upcast_gemv.py): FP32 GEMV reading a bf16 / fp16 weight once, the upcast_linear target.
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
 - `dsv41::mhc_mixes`, `dsv41::mhc_collapse_rmsnorm`, `dsv41::mhc_expand` (mhc.py): mHC coefficients, pre-mix + RMSNorm, post-mix.
 - `dsv41::moe_router`, `dsv41::moe_combine` (moe.py): MoE router (GEMV + sqrt-softplus + biased top-k) and tail.
@@ -17,7 +18,8 @@ Each op has a CPU reference (the model's own math), a CUDA implementation launch
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import c2_compressor, engram, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention, streams
+from . import (c2_compressor, engram, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention, streams,
+               upcast_gemv)
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["c2_compressor", "engram", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]

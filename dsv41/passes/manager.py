@@ -17,7 +17,9 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
                       index query it reads; before small_ops, which would share the visibility / n_visible math
                       the indexer's regions contain, and before dispatch, which rewrites the matmuls around it)
     9. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
-   10. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
+   10. upcast_linear  FP32 matmul by an upcast bf16 / fp16 weight -> GEMV reading the weight once (after moe and
+                      mhc, whose router gate and projection have the same spelling inside their chains)
+   11. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
                       stays on a slow path
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
@@ -51,6 +53,7 @@ from .moe import MoeFamily
 from .normalize import NormalizeFamily, restore_batch1_mm
 from .rope_fp4 import RopeFp4Family
 from .small_ops import SmallOpsFamily
+from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
 
 __all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED"]
@@ -66,6 +69,7 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     SparseAttentionFamily.name: SparseAttentionFamily,
     IndexerFamily.name: IndexerFamily,
     SmallOpsFamily.name: SmallOpsFamily,
+    UpcastLinearFamily.name: UpcastLinearFamily,
     DispatchFamily.name: DispatchFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
@@ -75,7 +79,7 @@ GPU_UNVALIDATED: tuple[str, ...] = ("sparse_attention", "indexer")
 _FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
               "moe_router", "moe_combine", "grouped_linear_fp4",
-              "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention")
+              "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention", "linear_upcast")
 
 
 @dataclass(frozen=True)

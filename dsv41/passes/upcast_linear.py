@@ -1,0 +1,187 @@
+"""`upcast_linear` family: an FP32 matmul by an upcast bf16 / fp16 weight reads the weight once, in its own width.
+
+Chain matched (post-grad ATen; `F.linear(x.float(), W.float())`, `x.float() @ W.float().t()` and their addmm form
+with a bias all lower to it):
+
+    w32 = convert_element_type(W, float32)          # W bf16 / fp16 [N, K]
+    y   = mm(x, permute(w32, [1, 0]))               # x float32 [M, K]     (or addmm(bias, x, ...), alpha = beta = 1)
+    (the permute may also come before the convert)
+
+becomes `y = dsv41::linear_upcast(x, W)` (`+ bias`). Eager reads W (2 bytes per element), writes the FP32 copy
+(4), and the FP32 GEMM reads the copy (4): every step, 5x the weight's bytes in two launches; the fused op reads
+the 2 bytes once (dsv41/kernels/upcast_gemv.py). In dsv41/model this is the LM head (`final_logits`), the
+compressor's wkv / wgate (csa.py) and DSpark's head; the MoE router gate and the mHC projection have the same
+spelling but are consumed earlier by the `moe` and `mhc` families, which run before this one.
+
+Semantics need no probe: widening bf16 / fp16 to fp32 is exact, so the op multiplies exactly the values the
+FP32 matmul multiplies (sums in another FP32 order, as any two GEMMs differ; the report's tolerance).
+
+Near-misses (reported, not fused):
+
+    weight_transform  the upcast weight goes through another op (a scale, a slice, a cast to float64) before the
+                      matmul; the op multiplies by the upcast weight itself
+    activation_dtype  the matmul multiplies an upcast half-precision weight by a non-FP32 operand (e.g. float64)
+
+The upcast copy stays when something else reads it (then only the matmul's read of it is saved; the record's
+bytes say so).
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..kernels.upcast_gemv import WEIGHT_DTYPES
+from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
+                   insert_node, is_view_op, node_label, tensor_val, token_rows)
+
+__all__ = ["UpcastLinearFamily"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+_PATTERN = "upcast(bf16/fp16 W) -> fp32 mm"
+_TRANSPOSES = (aten.permute.default, aten.t.default)
+
+
+def _is_transpose(n) -> bool:
+    if not isinstance(n, fx.Node) or n.op != "call_function" or n.target not in _TRANSPOSES:
+        return False
+    return n.target == aten.t.default or list(n.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+
+
+def _is_upcast(n, to: torch.dtype | None = torch.float32) -> bool:
+    """`n` is convert_element_type(bf16/fp16 tensor, to)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or n.target != prims.convert_element_type.default:
+        return False
+    src = tensor_val(n.args[0])
+    return src is not None and src.dtype in WEIGHT_DTYPES and (to is None or n.args[1] == to)
+
+
+def _weight_of(rhs: fx.Node):
+    """(W [N, K] half-precision node, [nodes between W and the mm]) when `rhs` is W upcast and transposed, in
+    either order; else None."""
+    if _is_transpose(rhs) and _is_upcast(rhs.args[0]):
+        w = rhs.args[0].args[0]
+        return (w, [rhs.args[0], rhs]) if len(concrete_shape(tensor_val(w))) == 2 else None
+    if _is_upcast(rhs) and _is_transpose(rhs.args[0]):
+        wt = rhs.args[0]
+        w = wt.args[0]
+        if len(concrete_shape(tensor_val(w))) != 2:
+            return None
+        # convert(permute(W)): the op wants W itself, which the permute's input is.
+        return w, [wt, rhs]
+    return None
+
+
+def _look_alike(rhs: fx.Node) -> str | None:
+    """Why `rhs` (the mm's second operand) is an upcast half-precision weight transformed before the matmul, or
+    None when it is not built from one within two ops."""
+    node = rhs.args[0] if _is_transpose(rhs) else rhs
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if _is_upcast(node, to=None) and node.args[1] != torch.float32:
+        return (f"the weight is upcast to {node.args[1]}, not float32; dsv41::linear_upcast computes FP32 "
+                "products")
+    for a in node.all_input_nodes:
+        if _is_upcast(a) or (_is_transpose(a) and _is_upcast(a.args[0])):
+            return (f"the upcast weight goes through {node_label(node)} before the matmul; dsv41::linear_upcast "
+                    "multiplies by the upcast weight itself")
+    return None
+
+
+def _token_leading(x: fx.Node) -> tuple:
+    """Leading dims of the activation before the mm flattened it (through views), for the byte expressions."""
+    m = concrete_shape(tensor_val(x))[0]
+    n = x
+    for _ in range(4):
+        if not (isinstance(n, fx.Node) and n.op == "call_function" and is_view_op(n) and n.args):
+            break
+        n = n.args[0]
+        shp = concrete_shape(tensor_val(n)) if isinstance(n, fx.Node) and tensor_val(n) is not None else ()
+        if len(shp) >= 2:
+            lead = shp[:-1]
+            prod = 1
+            for d in lead:
+                prod *= d
+            if prod == m:
+                return tuple(lead)
+    return (m,)
+
+
+class UpcastLinearFamily(FusionFamily):
+    """Fuse `mm(x_f32, upcast(W_half)^T)` into `dsv41::linear_upcast` (module docstring)."""
+
+    name = "upcast_linear"
+    summary = "FP32 matmul by an upcast bf16/fp16 weight -> GEMV reading the weight once in its stored width"
+
+    def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Rewrite every matching matmul of `gm` in place; returns the matches and near-misses."""
+        graph = gm.graph
+        matches, misses = [], []
+        for mm in list(graph.nodes):
+            if mm.op != "call_function" or mm.target not in (aten.mm.default, aten.addmm.default):
+                continue
+            if mm.target == aten.addmm.default:
+                if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
+                    continue
+                bias, x, rhs = mm.args[:3]
+            else:
+                bias, (x, rhs) = None, mm.args[:2]
+            if not isinstance(rhs, fx.Node):
+                continue
+            found = _weight_of(rhs)
+            loc = SourceLocation.from_node(mm)
+            if found is None:
+                why = _look_alike(rhs)
+                if why is not None:
+                    misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
+                continue
+            xv = tensor_val(x)
+            if xv is None or xv.dtype != torch.float32:
+                misses.append(NearMiss(self.name, _PATTERN, "activation_dtype",
+                                       f"the matmul multiplies the upcast weight by a {getattr(xv, 'dtype', None)} "
+                                       "operand; dsv41::linear_upcast takes an FP32 activation", loc))
+                continue
+            matches.append(self._fuse(graph, mm, x, bias, *found))
+        graph.eliminate_dead_code()
+        alive = {n.name for n in graph.nodes}
+        return PassRecord(self.name, True, tuple(_finish(m, alive) for m in matches), tuple(misses))
+
+    def _fuse(self, graph: fx.Graph, mm: fx.Node, x: fx.Node, bias, w: fx.Node, chain: list) -> MatchRecord:
+        y = insert_node(graph, mm, dsv41_op("linear_upcast"), (x, w), like=mm)
+        if bias is not None:
+            y = insert_node(graph, mm, aten.add.Tensor, (y, bias), like=mm)
+        mm.replace_all_uses_with(y)
+        graph.erase_node(mm)
+
+        n, k = concrete_shape(tensor_val(w))
+        half = tensor_val(w).element_size()
+        rows, subs = token_rows(_token_leading(x))
+        upcast = next(c for c in chain if c.target == prims.convert_element_type.default)
+        io = rows * k * 4 + rows * n * 4 + (n * 4 if bias is not None else 0)
+        # Before: W read, its FP32 copy written, the GEMM reads the copy. After: W read once (`_finish` adds the
+        # copy back if something else still reads it).
+        before = n * k * half + 2 * n * k * 4 + io
+        after = n * k * half + io
+        region = chain + [mm]
+        return MatchRecord(
+            self.name, f"linear_upcast({tensor_val(w).dtype})", "dsv41::linear_upcast", SourceLocation.from_node(mm),
+            tuple(r.name for r in region), tuple(node_label(r) for r in region), str(sympy.expand(before)),
+            str(sympy.expand(after)), tuple(sorted(subs.items())),
+            (("N", n), ("K", k), ("weight_dtype", str(tensor_val(w).dtype)), ("bias", bias is not None),
+             ("upcast", upcast.name), ("upcast_bytes", n * k * (half + 4))))
+
+
+def _finish(m: MatchRecord, alive: set) -> MatchRecord:
+    """After dead-code elimination: keep only the chain nodes that really left the graph, and when the upcast
+    copy stayed (another consumer reads it) count its bytes in `bytes_after` (`detail["upcast_kept"]`)."""
+    import dataclasses
+    detail = dict(m.detail)
+    kept = detail.pop("upcast") in alive
+    extra = detail.pop("upcast_bytes") if kept else 0
+    detail["upcast_kept"] = kept
+    keep = [(a, b) for a, b in zip(m.nodes_replaced, m.ops_replaced) if a not in alive]
+    after = str(sympy.expand(sympy.sympify(m.bytes_after, locals={"B": BATCH, "L": LENGTH}) + extra))
+    return dataclasses.replace(m, nodes_replaced=tuple(a for a, _ in keep), ops_replaced=tuple(b for _, b in keep),
+                               bytes_after=after, detail=tuple(detail.items()))

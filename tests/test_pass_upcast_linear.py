@@ -1,0 +1,128 @@
+"""`upcast_linear` family: FP32 matmul by an upcast bf16 / fp16 weight -> dsv41::linear_upcast.
+
+A hand-written zoo (not dsv41/model) compiled once with backend="dsv41" (module fixture, debug mode):
+    head      F.linear(h.float(), W_bf16.float()), h bf16 [B, T, K]            -> fused
+    matmul_t  x @ W_fp16.float().t()                                           -> fused
+    bias      F.linear(x, W.float(), b.float())  (addmm)                       -> fused, bias added after
+    shared    the upcast weight also feeds a sum                                -> fused, the upcast copy stays
+    scaled    F.linear(x, W.float() * 0.5)                                     -> near-miss weight_transform
+    f64       F.linear(x.double(), W.double())                                  -> near-miss weight_transform
+    plain     an FP32 weight, no upcast                                        -> left to Inductor, no record
+Reference: the eager module in float64 (the weights' values are exact in it). Compiled outputs must equal it to
+FP32 summation rounding, and equal eager FP32 to the same tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsv41
+
+B, T, K, N = 2, 1, 96, 40
+
+
+class UpcastZoo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w_head = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.w_t = nn.Parameter(torch.randn(N + 3, K, generator=g).half(), requires_grad=False)
+        self.w_bias = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.b = nn.Parameter(torch.randn(N, generator=g).bfloat16(), requires_grad=False)
+        self.w_shared = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.w_scaled = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.w_f64 = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.w_plain = nn.Parameter(torch.randn(N, K, generator=g), requires_grad=False)
+
+    def forward(self, h, x):
+        head = F.linear(h.float(), self.w_head.float())  # site:head
+        mt = x @ self.w_t.float().t()  # site:matmul_t
+        bias = F.linear(x, self.w_bias.float(), self.b.float())  # site:bias
+        ws = self.w_shared.float()
+        shared = F.linear(x, ws) + ws.sum()  # site:shared
+        scaled = F.linear(x, self.w_scaled.float() * 0.5)  # site:scaled
+        f64 = F.linear(x.double(), self.w_f64.double()).float()  # site:f64
+        plain = F.linear(x, self.w_plain)  # site:plain
+        return head, mt, bias, shared, scaled, f64, plain
+
+
+def _site(loc) -> str | None:
+    code = getattr(loc, "code", "") or ""
+    return code.split("# site:")[-1].strip() if "# site:" in code else None
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, T, K, generator=g).bfloat16(), torch.randn(B, T, K, generator=g)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model = UpcastZoo()
+    h, x = _inputs()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="dsv41", options={"debug": True})(h, x)
+    rep = dsv41.last_report()
+    rec = {r.family: r for gr in rep.graphs for r in gr.records}["upcast_linear"]
+    return model, got, rep, rec
+
+
+def test_fused_sites_and_near_misses(compiled):
+    _, _, _, rec = compiled
+    fused = {_site(m.location): m for m in rec.matches}
+    assert set(fused) == {"head", "matmul_t", "bias", "shared"}, [m.location for m in rec.matches]
+    assert dict(fused["shared"].detail)["upcast_kept"] is True
+    assert dict(fused["head"].detail)["upcast_kept"] is False
+    assert dict(fused["matmul_t"].detail)["weight_dtype"] == "torch.float16"
+    assert dict(fused["bias"].detail)["bias"] is True
+    misses = {_site(m.location): m for m in rec.near_misses}
+    assert set(misses) == {"scaled", "f64"}, rec.near_misses
+    assert misses["scaled"].check == "weight_transform" and "mul" in misses["scaled"].reason
+    assert "float64" in misses["f64"].reason
+    # Bytes: the head reads its bf16 weight once instead of 2 + 4 + 4 bytes per element.
+    before, after = fused["head"].bytes_evaluated()
+    assert before - after == 2 * N * K * 4
+
+
+def test_the_upcasts_are_gone_from_the_graph(compiled):
+    """4 fused matmuls; the weight upcasts of head, matmul_t and bias are gone, the shared one (read by the sum)
+    and the look-alikes' stay."""
+    _, _, rep, _ = compiled
+
+    def upcasts(code):
+        return sum(1 for ln in code.splitlines() if "convert_element_type.default(arg" in ln and "torch.float32)" in ln)
+
+    before = "\n".join(gr.graph_before for gr in rep.graphs)
+    after = "\n".join(gr.graph_after for gr in rep.graphs)
+    assert after.count("torch.ops.dsv41.linear_upcast.default(") == 4
+    assert upcasts(before) - upcasts(after) == 3, (upcasts(before), upcasts(after))
+
+
+def test_outputs_equal_eager_and_float64(compiled):
+    model, got, _, _ = compiled
+    h, x = _inputs()
+    with torch.no_grad():
+        want = model(h, x)
+    for name, g, w in zip(("head", "mt", "bias", "shared", "scaled", "f64", "plain"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=name)
+    # float64 for the fused sites (bf16 / fp16 weights and bf16 h are exact in float64).
+    ref = {"head": h.double() @ model.w_head.double().T, "mt": x.double() @ model.w_t.double().T,
+           "bias": x.double() @ model.w_bias.double().T + model.b.double()}
+    for i, name in enumerate(("head", "mt", "bias")):
+        torch.testing.assert_close(got[i].double(), ref[name], rtol=1e-5, atol=1e-4, msg=name)
+
+
+def test_family_can_be_switched_off():
+    model = UpcastZoo()
+    h, x = _inputs()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="dsv41", options={"disable": ["upcast_linear"]})(h, x)
+    rec = {r.family: r for gr in dsv41.last_report().graphs for r in gr.records}["upcast_linear"]
+    assert not rec.enabled and not rec.matches
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], model(h, x)[0])
