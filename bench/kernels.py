@@ -253,6 +253,8 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 #                  E = n_routed_experts, k = num_experts_per_tok; N = E, K = d
 #   moe_combine    tokens * (k * d * elt(y) + d * elt(shared) + d * elt(out))    (V4.1's tail: weights = None)
 #                  N = d, K = k
+#   upcast_head    tokens * d * 4 [x fp32] + V * d * 2 [bf16 head weight, read once] + tokens * V * 4 [logits]
+#                  V = vocab_size; N = V, K = d
 #   grouped_fp4    U * out * (K/2 + K/32)                  codes + scales of the U distinct experts the ids name
 #                  + x bytes (tokens x K for w1/w3, tokens x k x K for w2) + tokens * k * 8 [ids]
 #                  + tokens * k * out * elt(y); shapes w1w3: out = moe_intermediate_size, K = d; w2: the reverse
@@ -399,6 +401,21 @@ def _case_moe_router(cfg, n, dev, dt, gen, state):
 
     return dict(shape=f"E{e}_k{k}", N=e, K=d, make=make, nbytes=nbytes, tri=mk.triton_moe_router,
                 ref=mk.reference_moe_router, ref_graph=True)
+
+
+def _case_upcast_head(cfg, n, dev, dt, gen, state):
+    from dsv41.kernels import upcast_gemv as ug
+    v, d = cfg.vocab_size, cfg.hidden_size
+
+    def make():
+        # The LM head as the model spells it: F.linear(h.float(), W.float()) with W in the model dtype.
+        return (_randn((n, d), gen, dev, 1.0), _randn((v, d), gen, dev, d ** -0.5, torch.bfloat16))
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + n * v * 4
+
+    return dict(shape=f"{v}x{d}", N=v, K=d, make=make, nbytes=nbytes, tri=ug.triton_linear_upcast,
+                ref=ug.reference_linear_upcast, ref_graph=True)
 
 
 def _case_moe_combine(cfg, n, dev, dt, gen, state):
@@ -701,6 +718,7 @@ FAMILY_CASES = [
     ("engram_gate", "dsv41::engram_gate", _case_engram_gate),
     ("moe_router", "dsv41::moe_router", _case_moe_router),
     ("moe_combine", "dsv41::moe_combine", _case_moe_combine),
+    ("upcast_head", "dsv41::linear_upcast", _case_upcast_head),
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w1w3")),
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w2")),
     ("c2_pool_store", "dsv41::c2_pool_norm_rope_fp4_store", functools.partial(_case_c2, True)),

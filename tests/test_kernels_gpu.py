@@ -235,3 +235,24 @@ def test_mhc_kernels_match_float64_reference_at_model_widths(d, dtype):
     ys = [mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, H.ITERS)[2] for _ in range(3)]
     assert all(torch.equal(ys[0], c) for c in ys[1:])  # split-K combine is deterministic
 
+
+
+# ------------------------------------------------------------------------------------------- linear_upcast
+U = load_reference("test_kernels_upcast_gemv")
+
+
+@pytest.mark.parametrize("n, k", [(129280, 5120), (2048, 5120), (24, 16384)], ids=["head", "wide", "narrow"])
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_upcast_gemv_matches_float64_at_h200_shapes(n, k, m, wdt):
+    """The FP32 GEMV over a half-precision weight (the h200 LM head among them) against float64, run twice
+    with identical bits (split-K combine is deterministic), and the op's CUDA dispatch giving the same."""
+    from dsv41.kernels import upcast_gemv as ug
+    gen = torch.Generator().manual_seed(n + m)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(wdt).to(DEV)
+    x = torch.randn(m, k, generator=gen).to(DEV)
+    y = ug.triton_linear_upcast(x, w)
+    assert torch.equal(y, ug.triton_linear_upcast(x, w))
+    assert torch.equal(y, torch.ops.dsv41.linear_upcast(x, w))
+    for n0 in range(0, n, 16384):
+        U.assert_close64(y[:, n0:n0 + 16384], x, w[n0:n0 + 16384])
