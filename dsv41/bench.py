@@ -227,7 +227,7 @@ def ablation_families() -> tuple[tuple[str, ...], str | None]:
 
 #: The `toggles` group (issue 6): CUDA graphs, PDL and side streams, each flipped alone from the backend default.
 TOGGLES = ("dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=true]")
-_VARIANT = re.compile(r"^dsv41\[([^\]]+)\]$")
+_VARIANT = re.compile(r"^dsv41\[(.+)\]$")
 
 
 def _split_names(spec: str) -> list:
@@ -244,15 +244,16 @@ def _split_names(spec: str) -> list:
 
 
 def variant_options(name: str) -> dict | None:
-    """The option overrides of a `dsv41[key=value;...]` row (values read as JSON where they parse, as with
-    `--option`), or None when `name` is not such a row. Raises: ValueError for an item without `=` or a key /
+    """The option overrides of a `dsv41[key=value;...]` row (items separated by `;`, values read as JSON where
+    they parse, as with `--option`: `dsv41[disable=["moe","mhc"];pdl=false]`), or None when `name` is not such a
+    row. Raises: ValueError for an item without `=` or a key /
     value the dsv41 backend rejects (its message names the key)."""
     m = _VARIANT.match(name)
     if m is None:
         return None
     from .cli import backend_options
     from .compiler.options import parse_options
-    opts = backend_options([x.strip() for x in re.split(r"[;,]", m.group(1)) if x.strip()])
+    opts = backend_options([x.strip() for x in m.group(1).split(";") if x.strip()])
     try:
         parse_options(opts, environ={})
     except (TypeError, ValueError) as e:
@@ -638,6 +639,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         rows[n]["options"] = _backend_options(n, options)
 
     console = Console(stderr=True, quiet=rank != 0)
+    _ORIGINS.clear()  # rows of an earlier run in this process are gone: their ids may be reused
     cache_root = tempfile.mkdtemp(prefix="dsv41-bench-cache-")
     saved_cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if os.environ.get("TRITON_CACHE_DIR"):

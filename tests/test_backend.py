@@ -263,3 +263,33 @@ def test_cpu_compile_ignores_cuda_graphs_and_leaves_pdl_off():
     assert torch.equal(y, torch.relu(x) * 2)
     assert dsv41.last_report().options.to_dict()["cuda_graphs"] is True
     assert not pdl_enabled()
+
+
+def test_pdl_switch_is_set_per_compiled_graph_call_and_restored():
+    """Each compiled CUDA graph runs with its own compile's PDL setting (a `dsv41[pdl=false]` benchmark row next
+    to a PDL one must not inherit it); the process setting is restored after the call, also when it raises, and
+    Inductor's calling-convention attributes survive the wrapper."""
+    from dsv41.compiler.pipeline import _with_pdl
+    from dsv41.kernels import pdl_enabled, set_pdl
+
+    seen = []
+
+    def graph(args):
+        seen.append(pdl_enabled())
+        if args == "boom":
+            raise RuntimeError("boom")
+        return args
+
+    graph._boxed_call = True
+    on, off = _with_pdl(graph, True), _with_pdl(graph, False)
+    assert on._boxed_call is True
+    set_pdl(False)
+    assert on([1]) == [1] and seen[-1] is True and not pdl_enabled()
+    set_pdl(True)
+    try:
+        assert off([2]) == [2] and seen[-1] is False and pdl_enabled()
+        with pytest.raises(RuntimeError, match="boom"):
+            off("boom")
+        assert pdl_enabled()
+    finally:
+        set_pdl(False)

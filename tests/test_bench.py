@@ -173,6 +173,9 @@ def test_toggle_rows_flip_one_option_each_over_the_run_options():
                                                                              "streams": True}
     o = parse_options(bench._backend_options("dsv41[streams=true]", None))
     assert o.streams is True
+    lists = bench.expand_backends('eager,dsv41[disable=["moe","mhc"];pdl=false],inductor', ("moe", "mhc"))
+    assert lists == ["eager", 'dsv41[disable=["moe","mhc"];pdl=false]', "inductor"]
+    assert bench._backend_options(lists[1], None) == {"disable": ["moe", "mhc"], "pdl": False}
 
 
 @pytest.mark.parametrize("name, match", [("dsv41[nope=1]", "unknown dsv41 option"),

@@ -95,7 +95,9 @@ def test_sparse_attention_fuses_under_the_rewrite_and_leftovers_go_back_to_mm():
     rep = dsv41.last_report()
     rec = {r.family: r for gr in rep.graphs for r in gr.records}
     assert len(rec["sparse_attention"].matches) == 1, rec["sparse_attention"].near_misses
-    assert any(m.pattern == "batch1_bmm" for m in rec["normalize"].matches)
+    # The four attention products (QK and PV over window and bank) were fused, so their rewrites stay in the
+    # record; the unrelated bmm was restored to mm, so its record is dropped.
+    assert sum(m.pattern == "batch1_bmm" for m in rec["normalize"].matches) == 4
     after = "\n".join(gr.graph_after for gr in rep.graphs)
     assert "aten.bmm" not in after and "aten.mm.default" in after
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)

@@ -7,6 +7,8 @@ A hand-written zoo (not dsv41/model) compiled once with backend="dsv41" (module 
     shared    the upcast weight also feeds a sum                                -> fused, the upcast copy stays
     scaled    F.linear(x, W.float() * 0.5)                                     -> near-miss weight_transform
     f64       F.linear(x.double(), W.double())                                  -> near-miss weight_transform
+    computed  W made in the graph (w_bf16 * 2, exact), then upcast              -> near-miss weight_source
+    cache     a bf16 buffer written this step, then multiplied by (PDL hazard)  -> near-miss weight_source
     plain     an FP32 weight, no upcast                                        -> left to Inductor, no record
 Reference: the eager module in float64 (the weights' values are exact in it). Compiled outputs must equal it to
 FP32 summation rounding, and equal eager FP32 to the same tolerance.
@@ -36,6 +38,8 @@ class UpcastZoo(nn.Module):
         self.w_scaled = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
         self.w_f64 = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
         self.w_plain = nn.Parameter(torch.randn(N, K, generator=g), requires_grad=False)
+        self.w_c = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
+        self.register_buffer("cache", torch.randn(N, K, generator=g).bfloat16())
 
     def forward(self, h, x):
         head = F.linear(h.float(), self.w_head.float())  # site:head
@@ -46,7 +50,10 @@ class UpcastZoo(nn.Module):
         scaled = F.linear(x, self.w_scaled.float() * 0.5)  # site:scaled
         f64 = F.linear(x.double(), self.w_f64.double()).float()  # site:f64
         plain = F.linear(x, self.w_plain)  # site:plain
-        return head, mt, bias, shared, scaled, f64, plain
+        computed = F.linear(x, (self.w_c * 2).float())  # site:computed
+        self.cache[0] = h[0, 0]
+        cache = x @ self.cache.float().t()  # site:cache
+        return head, mt, bias, shared, scaled, f64, plain, computed, cache
 
 
 def _site(loc) -> str | None:
@@ -80,7 +87,8 @@ def test_fused_sites_and_near_misses(compiled):
     assert dict(fused["matmul_t"].detail)["weight_dtype"] == "torch.float16"
     assert dict(fused["bias"].detail)["bias"] is True
     misses = {_site(m.location): m for m in rec.near_misses}
-    assert set(misses) == {"scaled", "f64"}, rec.near_misses
+    assert set(misses) == {"scaled", "f64", "computed", "cache"}, rec.near_misses
+    assert misses["computed"].check == misses["cache"].check == "weight_source"
     assert misses["scaled"].check == "weight_transform" and "mul" in misses["scaled"].reason
     assert "float64" in misses["f64"].reason
     # Bytes: the head reads its bf16 weight once instead of 2 + 4 + 4 bytes per element.
@@ -107,7 +115,7 @@ def test_outputs_equal_eager_and_float64(compiled):
     h, x = _inputs()
     with torch.no_grad():
         want = model(h, x)
-    for name, g, w in zip(("head", "mt", "bias", "shared", "scaled", "f64", "plain"), got, want):
+    for name, g, w in zip(("head", "mt", "bias", "shared", "scaled", "f64", "plain", "computed", "cache"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=name)
     # float64 for the fused sites (bf16 / fp16 weights and bf16 h are exact in float64).
     ref = {"head": h.double() @ model.w_head.double().T, "mt": x.double() @ model.w_t.double().T,

@@ -56,6 +56,26 @@ def _describe(t) -> str:
     return f"{type(t).__name__}:{t!r}" if isinstance(t, (int, float, bool, str)) else type(t).__name__
 
 
+def _with_pdl(fn, on: bool):
+    """`fn` (a compiled graph) with `dsv41.kernels.set_pdl(on)` around each call (restored after it); the
+    function's attributes (Inductor's calling-convention flags) are kept."""
+    import functools
+
+    from ..kernels import pdl_enabled, set_pdl
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        """Run the compiled graph with this compile's PDL setting."""
+        prev = pdl_enabled()
+        set_pdl(on)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_pdl(prev)
+
+    return call
+
+
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence, uuid: str, config_patches: dict) -> str:
     from torch._inductor import config as inductor_config
 
@@ -175,9 +195,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         for t in example_inputs:  # before CUDA-graph trees record: keep kernel state out of their pool
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 prepare_device(t.device)
-    if opts.use_pdl(on_cuda):
-        from ..kernels import set_pdl
-        set_pdl(True)  # read at launch time by every dsv41 kernel: PDL inside the recorded graphs
+    pdl = bool(opts.use_pdl(on_cuda))
+    if pdl:
         if "triton.enable_pdl" in inductor_config.get_config_copy():
             patches["triton.enable_pdl"] = True
     if apply_streams:
@@ -230,6 +249,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         result = GraphPassResult(tuple(PassRecord(n, n not in opts.disable, note="no post-grad graph")
                                        for n in FAMILY_ORDER))
 
+    if on_cuda:
+        # dsv41's kernels read the PDL switch at launch time: set it for this graph's calls only, so graphs
+        # compiled with other options in the same process (a benchmark's `dsv41[pdl=false]` row) keep theirs.
+        compiled = _with_pdl(compiled, pdl)
     kernels = None
     if opts.count_kernels:
         from .profiling import count_step_kernels

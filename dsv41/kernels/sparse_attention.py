@@ -38,9 +38,11 @@ all-bank). Program (query row, head block, split) owns BLOCK_H heads and a conti
 an online-softmax state (running max m, sum l, accumulator [BLOCK_H, D]) in registers. At batch-1 decode
 there is one query and few head blocks (64 heads -> 4), so the tiles are split over `attention_plan` programs
 (about `_TARGET_PROGRAMS`, one or two per SM of an H200) instead of one program per head block. Every split
-stores (m, l, acc) to a workspace and bumps a counter; the last program to arrive (acquire/release atomics, as
-in quant_gemv) combines the splits IN SPLIT ORDER (deterministic), adds the sink to the denominator, divides,
-applies the inverse RoPE and stores o. Channels are held as two halves (even and odd channels), which is what a
+stores (m, l, acc) to a workspace, and a second launch (`_sparse_attention_combine_kernel`, `combine_plan`)
+merges them: one program per (query row, head block, slice of channels) loads every split's state for its
+slice at once, reduces over the splits by a fixed tree (deterministic), adds the sink to the denominator,
+divides, applies the inverse RoPE and stores o. (Until 2026-11-30 the last split to arrive merged all splits
+alone, one dependent L2 round trip per split: an estimated 50-60 of the 86 us the h200 decode call took.) Channels are held as two halves (even and odd channels), which is what a
 packed E2M1 byte holds (low nibble even, high nibble odd): each bank byte is loaded once per head block and
 decoded into both halves, and the inverse RoPE pairs (2i, 2i+1) are elementwise partners in registers.
 HBM reads: each selected bank row (D/2 + D/16 bytes) and window row (D + D/32 bytes) once; head blocks after
@@ -61,10 +63,10 @@ from dsv41.model.formats import dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32
 from dsv41.model.rope import apply_rope
 
 from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, require_launchable,
-                      round_to, split_k_counters, use_pdl_for)
+                      round_to, use_pdl_for)
 
 __all__ = ["sparse_fp4_attention", "reference_sparse_fp4_attention", "triton_sparse_fp4_attention",
-           "attention_plan", "MAX_HEAD_DIM"]
+           "attention_plan", "combine_plan", "MAX_HEAD_DIM"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Largest head dim one program holds (two [BLOCK_H, D/2] FP32 accumulators in registers).
@@ -73,6 +75,8 @@ MAX_HEAD_DIM = 1024
 _BLOCK_H = 16
 #: Programs a launch aims for (about two per SM of a 132-SM H200), reached by splitting the rows.
 _TARGET_PROGRAMS = 256
+#: FP32 accumulator values one combine program loads at once (`combine_plan`).
+_COMBINE_ELEMENTS = 4096
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -162,7 +166,7 @@ def _e4m3_value(byte):
 
 @triton.jit
 def _sparse_fp4_attention_kernel(
-    q_ptr, wc_ptr, ws_ptr, wok_ptr, bc_ptr, bs_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, part_ptr, cnt_ptr,
+    q_ptr, wc_ptr, ws_ptr, wok_ptr, bc_ptr, bs_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, part_ptr,
     T, H, S, K, N, n_win_tiles, tiles_per_split, softmax_scale,
     sq_b, sq_t, sq_h, swc_b, swc_s, sws_b, sws_s, sok_b, sok_t, sok_s,
     sbc_b, sbc_n, sbs_b, sbs_n, si_b, si_t, si_k, scs_b, scs_t, ssn_b, ssn_t,
@@ -240,57 +244,36 @@ def _sparse_fp4_attention_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
-    hvec = heads * 0
     if SPLIT == 1:
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
         big_m = tl.maximum(m_i, sink)
         w = tl.exp(m_i - big_m)
         l_tot = l_i * w + tl.exp(sink - big_m)
-        o_e = acc_e * w[:, None]
-        o_o = acc_o * w[:, None]
-        last = (hvec + 1) != 0
+        _finish(acc_e * w[:, None], acc_o * w[:, None], l_tot, i, qmask, heads, b, t, T, H, cos_ptr, sin_ptr,
+                o_ptr, scs_b, scs_t, ssn_b, ssn_t, D2, HALF_R, Q_DT)
     else:
-        # Workspace record per (row, head block, split): m [BLOCK_H], l [BLOCK_H], acc_e, acc_o [BLOCK_H, BLOCK_D2].
+        # Workspace record per (row, head block, split): m [BLOCK_H], l [BLOCK_H], acc_e, acc_o [BLOCK_H, BLOCK_D2];
+        # `_sparse_attention_combine_kernel` merges the splits.
         PW: tl.constexpr = 2 * BLOCK_H + 2 * BLOCK_H * BLOCK_D2
-        tile_id = row * n_hb + hb
-        rec0 = part_ptr + tile_id.to(tl.int64) * SPLIT * PW
-        mine = rec0 + split * PW
+        mine = part_ptr + ((row * n_hb + hb).to(tl.int64) * SPLIT + split) * PW
         hh = tl.arange(0, BLOCK_H)
         acc_off = hh[:, None] * BLOCK_D2 + i[None, :]
         tl.store(mine + hh, m_i)
         tl.store(mine + BLOCK_H + hh, l_i)
         tl.store(mine + 2 * BLOCK_H + acc_off, acc_e)
         tl.store(mine + 2 * BLOCK_H + BLOCK_H * BLOCK_D2 + acc_off, acc_o)
-        # Every thread's partial must be visible before the counter moves (release at GPU scope).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        last = (hvec + arrived) == SPLIT - 1
-        big_m = sink
-        l_tot = tl.full([BLOCK_H], 1.0, tl.float32)  # programs that are not last store nothing
-        o_e = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
-        o_o = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
-        if arrived == SPLIT - 1:
-            # A while loop, not range(SPLIT): see quant_gemv (interpreter + NumPy 2). .cg: read from L2.
-            sp = split * 0
-            while sp < SPLIT:
-                big_m = tl.maximum(big_m, tl.load(rec0 + sp * PW + hh, cache_modifier=".cg"))
-                sp += 1
-            l_tot = tl.exp(sink - big_m)
-            sp = split * 0
-            while sp < SPLIT:
-                rec = rec0 + sp * PW
-                w = tl.exp(tl.load(rec + hh, cache_modifier=".cg") - big_m)
-                l_tot += w * tl.load(rec + BLOCK_H + hh, cache_modifier=".cg")
-                o_e += w[:, None] * tl.load(rec + 2 * BLOCK_H + acc_off, cache_modifier=".cg")
-                o_o += w[:, None] * tl.load(rec + 2 * BLOCK_H + BLOCK_H * BLOCK_D2 + acc_off, cache_modifier=".cg")
-                sp += 1
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
-    # o.to(q.dtype), then the inverse RoPE on the last R channels (pairs = (even, odd) halves at i >= D2 - HALF_R):
-    # a' = a cos + b sin, b' = b cos - a sin, computed in FP32 and rounded to q.dtype (model.rope.apply_rope).
+
+
+@triton.jit
+def _finish(o_e, o_o, l_tot, i, mask, heads, b, t, T, H, cos_ptr, sin_ptr, o_ptr, scs_b, scs_t, ssn_b, ssn_t,
+            D2: tl.constexpr, HALF_R: tl.constexpr, Q_DT: tl.constexpr):
+    """Store o = (o_e, o_o) / l_tot for channels 2i, 2i+1 of `heads`: o.to(q.dtype), then the inverse RoPE on the
+    last R channels (pairs = (even, odd) halves at i >= D2 - HALF_R): a' = a cos + b sin, b' = b cos - a sin, in
+    FP32 rounded to q.dtype (model.rope.apply_rope)."""
     o_e = round_to(o_e / l_tot[:, None], Q_DT)
     o_o = round_to(o_o / l_tot[:, None], Q_DT)
     pair = i - (D2 - HALF_R)
-    rot = (pair >= 0) & i_ok
+    rot = (pair >= 0) & (i < D2)
     c = tl.load(cos_ptr + b * scs_b + t * scs_t + pair, mask=rot, other=1.0)
     sn = tl.load(sin_ptr + b * ssn_b + t * ssn_t + pair, mask=rot, other=0.0)
     r_e = round_to(o_e * c[None, :] + o_o * sn[None, :], Q_DT)
@@ -298,9 +281,52 @@ def _sparse_fp4_attention_kernel(
     out_e = tl.where(rot[None, :], r_e, o_e)
     out_o = tl.where(rot[None, :], r_o, o_o)
     o_rows = o_ptr + ((b * T + t) * H + heads[:, None].to(tl.int64)) * (2 * D2) + 2 * i[None, :]
-    smask = qmask & last[:, None]
-    tl.store(o_rows, out_e.to(Q_DT), mask=smask)
-    tl.store(o_rows + 1, out_o.to(Q_DT), mask=smask)
+    tl.store(o_rows, out_e.to(Q_DT), mask=mask)
+    tl.store(o_rows + 1, out_o.to(Q_DT), mask=mask)
+
+
+@triton.jit
+def _sparse_attention_combine_kernel(
+    part_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, T, H, SPLIT, scs_b, scs_t, ssn_b, ssn_t,
+    D2: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+    SPLIT_POW2: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (query row, head block, channel slice of BLOCK_C) merges the SPLIT online-softmax states of its
+    # (row, head block): every split's m, l and accumulator slice in one vector load each (a fixed reduction
+    # tree over the splits: deterministic), the sink in the denominator, then the division and inverse RoPE.
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    cs = tl.program_id(2)
+    n_hb = tl.num_programs(1)
+    b = (row // T).to(tl.int64)
+    t = (row % T).to(tl.int64)
+    Q_DT: tl.constexpr = o_ptr.dtype.element_ty
+    PW: tl.constexpr = 2 * BLOCK_H + 2 * BLOCK_H * BLOCK_D2
+    hh = tl.arange(0, BLOCK_H)
+    heads = hb * BLOCK_H + hh
+    h_ok = heads < H
+    i = cs * BLOCK_C + tl.arange(0, BLOCK_C)
+    sp = tl.arange(0, SPLIT_POW2)
+    sp_ok = sp < SPLIT
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    rec = part_ptr + ((row * n_hb + hb).to(tl.int64) * SPLIT + sp) * PW
+    m = tl.load(rec[:, None] + hh[None, :], mask=sp_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+    l_sp = tl.load(rec[:, None] + BLOCK_H + hh[None, :], mask=sp_ok[:, None], other=0.0, cache_modifier=".cg")
+    off = rec[:, None, None] + 2 * BLOCK_H + hh[None, :, None] * BLOCK_D2 + i[None, None, :]
+    a_e = tl.load(off, mask=sp_ok[:, None, None], other=0.0, cache_modifier=".cg")
+    a_o = tl.load(off + BLOCK_H * BLOCK_D2, mask=sp_ok[:, None, None], other=0.0, cache_modifier=".cg")
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
+    big_m = tl.maximum(tl.max(m, axis=0), sink)
+    # Splits past SPLIT (and splits without a visible row) have m = -inf: weight 0.
+    w = tl.where(sp_ok[:, None], tl.exp(m - big_m[None, :]), 0.0)
+    l_tot = tl.sum(w * l_sp, axis=0) + tl.exp(sink - big_m)
+    o_e = tl.sum(w[:, :, None] * a_e, axis=0)
+    o_o = tl.sum(w[:, :, None] * a_o, axis=0)
+    _finish(o_e, o_o, l_tot, i, h_ok[:, None] & (i < D2)[None, :], heads, b, t, T, H, cos_ptr, sin_ptr, o_ptr,
+            scs_b, scs_t, ssn_b, ssn_t, D2, HALF_R, Q_DT)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -341,6 +367,17 @@ def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | N
             "num_warps": 8 if d >= 512 else 4, "grid": (rows, hb, split)}
 
 
+def combine_plan(split: int, block_h: int, block_d2: int) -> dict:
+    """Launch plan of the split combine: {"SPLIT_POW2", "BLOCK_C", "num_warps"}. A program holds every split's
+    [BLOCK_H, BLOCK_C] accumulator slice of both channel halves at once, at most `_COMBINE_ELEMENTS` FP32 values
+    (32 registers per thread at 4 warps + the m / l tiles), so BLOCK_C = the largest power of two <= BLOCK_D2
+    within that; at h200 decode (41 splits -> 64, 16 heads) that is 4 channels, 64 x 4 x 64 = 16,384 programs."""
+    sp2 = next_power_of_2(split)
+    c = max(1, min(block_d2, _COMBINE_ELEMENTS // (2 * sp2 * block_h)))
+    c = 1 << (c.bit_length() - 1)
+    return {"SPLIT_POW2": sp2, "BLOCK_C": c, "num_warps": 4}
+
+
 def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                                 window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                                 indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -374,13 +411,11 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
     if n_split > 1:
         width = 2 * plan["BLOCK_H"] + 2 * plan["BLOCK_H"] * plan["BLOCK_D2"]
         part = _empty((b * t * plan["HB"] * n_split, width), torch.float32, q.device)
-        cnt = split_k_counters(q.device, b * t * plan["HB"])
     else:  # not read when SPLIT == 1
         part = torch.empty(1, dtype=torch.float32, device=q.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=q.device)
     pdl = use_pdl_for(_sparse_fp4_attention_kernel, q.device)
     _sparse_fp4_attention_kernel[plan["grid"]](
-        q, window_codes, window_scales, ok, bank_codes, bank_scales, indices, sink, cos, sin, out, part, cnt,
+        q, window_codes, window_scales, ok, bank_codes, bank_scales, indices, sink, cos, sin, out, part,
         t, h, s, k, n, plan["n_win_tiles"], plan["tiles_per_split"], float(softmax_scale),
         q.stride(0), q.stride(1), q.stride(2), window_codes.stride(0), window_codes.stride(1),
         window_scales.stride(0), window_scales.stride(1), ok.stride(0), ok.stride(1), ok.stride(2),
@@ -390,6 +425,13 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         D2=d // 2, HALF_R=r // 2, BLOCK_H=plan["BLOCK_H"], BLOCK_N=plan["BLOCK_N"], BLOCK_D2=plan["BLOCK_D2"],
         SPLIT=n_split, USE_PDL=pdl, num_warps=plan["num_warps"], enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}))
+    if n_split > 1:
+        c = combine_plan(n_split, plan["BLOCK_H"], plan["BLOCK_D2"])
+        _sparse_attention_combine_kernel[(b * t, plan["HB"], plan["BLOCK_D2"] // c["BLOCK_C"])](
+            part, sink, cos, sin, out, t, h, n_split, cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            D2=d // 2, HALF_R=r // 2, BLOCK_H=plan["BLOCK_H"], BLOCK_D2=plan["BLOCK_D2"],
+            SPLIT_POW2=c["SPLIT_POW2"], BLOCK_C=c["BLOCK_C"], USE_PDL=pdl, num_warps=c["num_warps"],
+            enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -100,6 +100,14 @@ def _source_files() -> list[str]:
     return [os.path.join(d, f) for d in (here, model) for f in sorted(os.listdir(d)) if f.endswith(".py")]
 
 
+def _drop_restored(rec: PassRecord, restored: set) -> PassRecord:
+    """`rec` without the `normalize` batch1_bmm matches whose bmm was restored to Inductor's mm form."""
+    if rec.family != "normalize":
+        return rec
+    keep = tuple(m for m in rec.matches if dict(m.detail).get("bmm") not in restored)
+    return dataclasses.replace(rec, matches=keep)
+
+
 class PassManager(CustomGraphPass):
     """Run the enabled families on a post-grad graph and keep one `GraphPassResult` per graph in `results`.
 
@@ -141,7 +149,9 @@ class PassManager(CustomGraphPass):
             rec = FAMILIES[name]().run(gm)
             graph.lint()
             records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
-        restore_batch1_mm(gm)
+        restored = restore_batch1_mm(gm)
+        if restored:
+            records = [_drop_restored(r, restored) for r in records]
         after = graph.python_code("self").src if self.debug else None
         for p in self.chained:
             p(graph)

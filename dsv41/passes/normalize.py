@@ -65,19 +65,20 @@ def _dtype_of(n) -> torch.dtype | None:
     return v.dtype if v is not None else None
 
 
-def _record(match, rewrite: str, removed: list[fx.Node]) -> None:
+def _record(match, rewrite: str, removed: list[fx.Node], detail: tuple = ()) -> None:
     sink = getattr(_local, "sink", None)
     if sink is not None:
         sink.append(MatchRecord("normalize", rewrite, rewrite, SourceLocation.from_node(removed[-1]),
-                                tuple(n.name for n in removed), tuple(node_label(n) for n in removed)))
+                                tuple(n.name for n in removed), tuple(node_label(n) for n in removed),
+                                detail=detail))
 
 
-def _replace(match, new: fx.Node, rewrite: str) -> None:
+def _replace(match, new: fx.Node, rewrite: str, detail: tuple = ()) -> None:
     out = match.output_node()
     removed = [n for n in match.nodes if n.op == "call_function"]
     out.replace_all_uses_with(new)
     match.erase_nodes()
-    _record(match, rewrite, removed)
+    _record(match, rewrite, removed, detail)
 
 
 def _build():
@@ -176,16 +177,17 @@ def _build():
             from .base import insert_node
             new = insert_node(match.graph, match.output_node(), aten.bmm.default, (a, b), like=match.output_node())
             new.meta[BATCH1_TAG] = True
-            _replace(match, new, "batch1_bmm")
+            _replace(match, new, "batch1_bmm", (("bmm", new.name),))
 
     return pm
 
 
-def restore_batch1_mm(gm: fx.GraphModule) -> int:
+def restore_batch1_mm(gm: fx.GraphModule) -> set:
     """Give the `batch1_bmm` nodes that no fusion consumed back to Inductor in the form its GPU rewrite chose
-    (squeeze -> mm -> unsqueeze, so its mm templates and epilogue fusions still apply); returns how many."""
+    (squeeze -> mm -> unsqueeze, so its mm templates and epilogue fusions still apply); returns the names of the
+    restored bmm nodes (their `batch1_bmm` records are then dropped: the graph is as Inductor left it there)."""
     from .base import insert_node
-    done = 0
+    done = set()
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target != aten.bmm.default or not n.meta.get(BATCH1_TAG):
             continue
@@ -195,8 +197,8 @@ def restore_batch1_mm(gm: fx.GraphModule) -> int:
         mm = insert_node(gm.graph, n, aten.mm.default, (sa, sb), like=n)
         out = insert_node(gm.graph, n, aten.unsqueeze.default, (mm, 0), like=n)
         n.replace_all_uses_with(out)
+        done.add(n.name)
         gm.graph.erase_node(n)
-        done += 1
     return done
 
 

@@ -16,7 +16,14 @@ spelling but are consumed earlier by the `moe` and `mhc` families, which run bef
 Semantics need no probe: widening bf16 / fp16 to fp32 is exact, so the op multiplies exactly the values the
 FP32 matmul multiplies (sums in another FP32 order, as any two GEMMs differ; the report's tolerance).
 
+Only weights that are graph inputs the graph never writes (parameters and buffers, or views of them) are fused:
+the kernel requests its weight tile before waiting on the previous kernel (PDL), which is only safe for memory no
+kernel of the step writes. A weight computed or written in the graph is left unfused (near-miss `weight_source`).
+
 Near-misses (reported, not fused):
+
+    weight_source     the upcast weight is computed, or written in place, inside the graph (e.g. a bf16 cache
+                      the step updates, then multiplies by)
 
     weight_transform  the upcast weight goes through another op (a scale, a slice, a cast to float64) before the
                       matmul; the op multiplies by the upcast weight itself
@@ -33,8 +40,9 @@ import torch
 import torch.fx as fx
 
 from ..kernels.upcast_gemv import WEIGHT_DTYPES
-from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   insert_node, is_view_op, node_label, tensor_val, token_rows)
+from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
+                   dsv41_op, insert_node, is_view_op, node_label, tensor_val, token_rows)
+from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["UpcastLinearFamily"]
 
@@ -119,6 +127,7 @@ class UpcastLinearFamily(FusionFamily):
         """Rewrite every matching matmul of `gm` in place; returns the matches and near-misses."""
         graph = gm.graph
         matches, misses = [], []
+        written = mutated_inputs(graph)
         for mm in list(graph.nodes):
             if mm.op != "call_function" or mm.target not in (aten.mm.default, aten.addmm.default):
                 continue
@@ -136,6 +145,14 @@ class UpcastLinearFamily(FusionFamily):
                 why = _look_alike(rhs)
                 if why is not None:
                     misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
+                continue
+            base = _view_base(found[0])
+            if base.op not in ("placeholder", "get_attr") or base in written:
+                how = "written in place by" if base in written else "computed by"
+                misses.append(NearMiss(self.name, _PATTERN, "weight_source",
+                                       f"the upcast weight is {how} the graph ({node_label(base)}); "
+                                       "dsv41::linear_upcast reads its weight before waiting on the previous kernel "
+                                       "(PDL), so only weights no kernel of the step writes are fused", loc))
                 continue
             xv = tensor_val(x)
             if xv is None or xv.dtype != torch.float32:
