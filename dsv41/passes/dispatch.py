@@ -17,7 +17,9 @@ grid in one of the formats above; the matmul is `aten.mm` / `aten.addmm` taking 
 second operand. How it is confirmed (semantics): the region is evaluated on probe codes and scales and must
 equal `formats.dequantize_*` of them; the activation side is accepted as `act_quant=True` when the mm's
 first operand equals `formats.fake_quant_fp8_1x32` of a tensor that dominates it. A failed check is a
-near-miss that names the rule the code follows instead (e.g. the scale used as a plain multiplier).
+near-miss that names the rule the code follows instead (e.g. the scale used as a plain multiplier). The weight
+bytes must be graph inputs no kernel of the step writes (parameters, buffers, views of them): the fused GEMV
+requests its weight before waiting on the previous kernel under PDL (near-miss `weight_source` otherwise).
 
 Gathered experts (the decode path of the routed MoE, dsv41/model/moe.py `RoutedExperts.forward_gather`):
 
@@ -55,6 +57,7 @@ from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, Reg
                    SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op, insert_node,
                    is_dataflow_op, is_table_lookup, is_view_op, node_label, same_shape, sourced_nodes, tensor_val,
                    token_rows, wide_scale_probes)
+from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]
 
@@ -103,6 +106,7 @@ class DispatchFamily(FusionFamily):
         # Gathered experts first: their regions are 3-D/4-D, disjoint from the 2-D weights matched below.
         matches, misses = _GatheredMatcher(self.name, gm, ev, sourced).run()
         leaves = _leaf_sets(graph)
+        written = mutated_inputs(graph)
 
         for readings in _candidates(graph, leaves):
             verdict = None
@@ -122,6 +126,14 @@ class DispatchFamily(FusionFamily):
             if ok and cand.k % 32:
                 ok, check, reason = False, "op_shape", (f"K = {cand.k} is not a multiple of 32; the fused linear ops "
                                                        "quantise activations in 1x32 blocks")
+            if ok:
+                computed = [t for t in (cand.codes, cand.scale)
+                            if _view_base(t).op not in ("placeholder", "get_attr") or _view_base(t) in written]
+                if computed:
+                    ok, check, reason = False, "weight_source", (
+                        f"the weight bytes ({node_label(computed[0])}) are computed or written in place inside the "
+                        "graph; the fused linear ops read their weight before waiting on the previous kernel (PDL), "
+                        "so only weights no kernel of the step writes are fused")
             if not ok:
                 # Only a chain that reaches a matmul "started to match"; other look-alike tensors are not reported.
                 for u in matmuls:
