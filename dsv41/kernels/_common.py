@@ -167,6 +167,28 @@ def prepare_device(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------------- Triton helpers
 @triton.jit
+def split_k_merge_2d(acc, p_ptrs, split_stride, mask, cnt_ptr, tile, pid_k, SPLIT_K: tl.constexpr,
+                     SPLIT_POW2: tl.constexpr):
+    """Split-K merge of a [BM, BN] FP32 partial `acc` (quant_gemv, upcast_gemv): store it at `p_ptrs` +
+    pid_k * split_stride, bump the output tile's arrival counter (acquire/release at GPU scope), and in the last
+    program to arrive load every split's partial in one vector load and sum them by a fixed tree (deterministic),
+    then reset the counter. Returns (total, arrived): total is 0 in the other programs, which must not store
+    (`arrived == SPLIT_K - 1` marks the one that does). .cg loads read L2, never a stale L1 line."""
+    tl.store(p_ptrs + pid_k.to(tl.int64) * split_stride, acc, mask=mask)
+    # Every thread's partial must be visible before the counter moves (release at GPU scope).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    total = tl.zeros_like(acc)
+    if arrived == SPLIT_K - 1:
+        sp = tl.arange(0, SPLIT_POW2)
+        parts = tl.load(p_ptrs[None, :, :] + sp[:, None, None].to(tl.int64) * split_stride,
+                        mask=(sp < SPLIT_K)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
+        total = tl.sum(parts, axis=0)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+    return total, arrived
+
+
+@triton.jit
 def round_bf16(v):
     """fp32 -> fp32 value of the nearest bf16 (ties to even), computed on the bits; NaN stays NaN (the GPU's
     NaN is 0x7FFFFFFF, which the rounding add would carry into -0.0) and +-inf stays inf."""

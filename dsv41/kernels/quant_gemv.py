@@ -48,8 +48,8 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
 
 from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round,
-                      exp2_int, next_power_of_2, require_launchable, round_bf16, split_k_counters, ue8m0_exponent,
-                      use_pdl_for)
+                      exp2_int, next_power_of_2, require_launchable, round_bf16, split_k_counters, split_k_merge_2d,
+                      ue8m0_exponent, use_pdl_for)
 
 __all__ = [
     "linear_fp8_block", "linear_fp4",
@@ -241,22 +241,8 @@ def _quant_gemv_kernel(
         total = acc
     else:
         p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(p_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=mask_mn)
-        # Every thread's partial must be visible before the counter moves (release at GPU scope).
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if arrived == SPLIT_K - 1:
-            # All SPLIT_K partials in one load (independent requests, not a dependent chain of L2 round
-            # trips), summed over the split axis by a fixed reduction tree: deterministic. .cg: read from L2,
-            # never a stale L1 line.
-            sp = tl.arange(0, SPLIT_POW2)
-            parts = tl.load(p_ptrs[None, :, :] + sp[:, None, None].to(tl.int64) * M * N,
-                            mask=(sp < SPLIT_K)[:, None, None] & mask_mn[None, :, :], other=0.0,
-                            cache_modifier=".cg")
-            total = tl.sum(parts, axis=0)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        total, arrived = split_k_merge_2d(acc, p_ptrs, M * N, mask_mn, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                                          pid_k, SPLIT_K, SPLIT_POW2)
         mask_mn = mask_mn & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
     if y_ptr.dtype.element_ty == tl.bfloat16:
         total = round_bf16(total)  # RNE on the bits; exact for the cast below

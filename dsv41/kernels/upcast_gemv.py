@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, split_k_counters,
-                      use_pdl_for)
+                      split_k_merge_2d, use_pdl_for)
 
 __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "upcast_plan", "MAX_TRITON_M",
            "WEIGHT_DTYPES"]
@@ -113,20 +113,8 @@ def _upcast_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
         total = acc
     else:
         p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(p_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=mask_mn)
-        # Every thread's partial must be visible before the counter moves (release at GPU scope).
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if arrived == SPLIT_K - 1:
-            # The last program sums all partials in split order (deterministic); .cg reads L2, never stale L1.
-            sp = tl.arange(0, SPLIT_POW2)
-            parts = tl.load(p_ptrs[None, :, :] + sp[:, None, None].to(tl.int64) * M * N,
-                            mask=(sp < SPLIT_K)[:, None, None] & mask_mn[None, :, :], other=0.0,
-                            cache_modifier=".cg")
-            total = tl.sum(parts, axis=0)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        total, arrived = split_k_merge_2d(acc, p_ptrs, M * N, mask_mn, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                                          pid_k, SPLIT_K, SPLIT_POW2)
         mask_mn = mask_mn & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
     tl.store(y_ptrs, total, mask=mask_mn)
 
