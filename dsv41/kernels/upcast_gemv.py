@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, split_k_counters,
+from ._common import (check_same_device, check_tensor, require_launchable, split_k_counters,
                       split_k_merge_2d, use_pdl_for)
 
 __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "upcast_plan", "MAX_TRITON_M",
@@ -46,11 +46,8 @@ __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "
 MAX_TRITON_M = 8
 #: Weight dtypes the op reads (their widening to fp32 is exact).
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
-_BLOCK_N = 128
+#: Weight columns per tile (`upcast_plan`).
 _BLOCK_K = 64
-_NUM_WARPS = 4
-#: (K tiles per program, fewest programs that still leaves): as `quant_gemv._K_ITERS_RULE`.
-_K_ITERS_RULE = ((4, 4096), (2, 320))
 
 
 def _check_args(x, weight) -> tuple[int, int]:
@@ -126,30 +123,15 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def upcast_plan(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
                 k_iters: int | None = None, num_warps: int | None = None) -> dict:
-    """Launch parameters for x [m, k] and a half-precision [n, k] weight (module docstring, "Kernel").
-
-    BLOCK_M = next power of two >= min(m, 8); BLOCK_N = 128 (64 for BLOCK_M >= 4); BLOCK_K = 64; K_ITERS from
-    `_K_ITERS_RULE`; SPLIT_K = ceil(K tiles / K_ITERS). Explicit arguments override the heuristic.
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps and grid
-    (n tiles, K splits, m tiles).
-    Raises: ValueError for a block_n / block_k that is not a power of two, or k_iters < 1.
+    """Launch parameters for x [m, k] and a half-precision [n, k] weight (module docstring, "Kernel"):
+    `quant_gemv.gemv_plan`'s rules (BLOCK_M, BLOCK_N, K_ITERS, SPLIT_K, grid) with BLOCK_K = 64 by default, so a
+    2-byte tile is the 16 KiB of loads of a 1-byte FP8 tile. Explicit arguments override the heuristic.
+    Raises: ValueError for a block_n that is not a power of two, a block_k that is not a power-of-two multiple
+    of 32, or k_iters < 1.
     """
-    block_m = min(next_power_of_2(max(m, 1)), MAX_TRITON_M)
-    block_n = block_n or (_BLOCK_N if block_m < 4 else _BLOCK_N // 2)
-    block_k = block_k or _BLOCK_K
-    for name, v in (("block_n", block_n), ("block_k", block_k)):
-        if v & (v - 1):
-            raise ValueError(f"{name}={v} must be a power of two")
-    n_tiles, m_tiles, k_tiles = -(-n // block_n), -(-max(m, 1) // block_m), -(-k // block_k)
-    if k_iters is None:
-        k_iters = next((it for it, least in _K_ITERS_RULE if n_tiles * m_tiles * -(-k_tiles // it) >= least), 1)
-    if k_iters < 1:
-        raise ValueError(f"k_iters={k_iters} must be >= 1")
-    k_iters = min(k_iters, k_tiles)
-    split_k = -(-k_tiles // k_iters)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters, SPLIT_K=split_k,
-                SPLIT_POW2=next_power_of_2(split_k), num_warps=num_warps or _NUM_WARPS,
-                grid=(n_tiles, split_k, m_tiles))
+    from .quant_gemv import gemv_plan
+    return gemv_plan(m, n, k, False, block_n=block_n, block_k=block_k or _BLOCK_K, num_warps=num_warps,
+                     k_iters=k_iters)
 
 
 def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
