@@ -2,7 +2,8 @@
 
 The reference is the eager model's greedy output. The compiled model must produce the same tokens (FP32), compile
 fewer graphs than it has regions (layers of one variant share a graph), not recompile on a second generation, and
-put every region's graph into one fusion report that says launches are not attributed to layers.
+put every region's graph into one fusion report, with launches per layer taken from the graphs each layer's region
+ran in the first decode step.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_one_report_for_all_regions(regional_run):
     rep = regional_run["rm"].report
     assert dsv41.last_report() is rep
     d = rep.to_dict()
-    assert "regional" in d and d["kernels_by_layer"] is None and d["kernels_by_role"] is None
+    assert "regional" in d
     fams = d["families"]
     for fam in ("mhc", "moe", "dispatch", "sparse_attention"):
         assert fams[fam]["matches"] > 0, fam
@@ -89,3 +90,30 @@ def test_regional_compiles_regions_without_inductor_graphs_and_captures_the_step
     assert off.cuda_graphs is False and off.report.options.pdl is None
     assert compile_regional(model, "inductor-cudagraphs").cuda_graphs is True
     assert compile_regional(model, "inductor").cuda_graphs is False
+
+
+def test_launches_per_layer_come_from_the_graphs_each_region_ran(regional_run):
+    """Every layer ran compiled graphs in the first decode step and gets their static launches; layers of one role
+    and Engram presence (one shared graph) get equal counts; embedding + head count as `other`; per-role sums add
+    up to the total once the roles are known."""
+    r = regional_run
+    rep, model = r["rm"].report, r["model"]
+    steps = rep.regional_step_graphs
+    n = len(model.layers)
+    assert set(steps) == set(range(n)) | {"other"}
+    assert all(steps[i] for i in range(n)) and steps["other"]
+    kl = rep.to_dict()["kernels_by_layer"]
+    assert list(kl["by_layer"]) == [str(i) for i in range(n)] + ["other"]
+    assert all(kl["by_layer"][str(i)] > 0 for i in range(n)) and kl["by_layer"]["other"] > 0
+    assert kl["total"] == sum(kl["by_layer"].values()) and kl["note"] == ""
+    for i in range(n):
+        for j in range(n):
+            if steps[i] == steps[j]:
+                assert kl["by_layer"][str(i)] == kl["by_layer"][str(j)]
+    # The counts are the graphs' own static totals, attributed by which region called them.
+    for i in range(n):
+        assert kl["by_layer"][str(i)] == sum(rep.graphs[g].layer_kernels.total for g in steps[i])
+    rep.set_layer_roles(model.config.roles)
+    by_role = rep.to_dict()["kernels_by_role"]
+    assert sum(v for k, v in by_role.items() if k != "per_layer") == kl["total"]
+    assert set(by_role["per_layer"]) == set(model.config.roles)

@@ -25,6 +25,7 @@ of one call per decoder layer without running anything; the count is kept next t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,6 +55,37 @@ def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"T{tuple(str(s) for s in t.shape)}{tuple(str(s) for s in t.stride())}{t.dtype}{t.device.type}{t.requires_grad}"
     return f"{type(t).__name__}:{t!r}" if isinstance(t, (int, float, bool, str)) else type(t).__name__
+
+
+#: While `record_graph_calls` is active: (report, graph index) of every compiled-graph call, in call order.
+_CALL_LOG: list | None = None
+
+
+@contextlib.contextmanager
+def record_graph_calls():
+    """Record which compiled dsv41 graphs run inside the block: yields a list that fills with (FusionReport,
+    index of the graph in `report.graphs`) per call (nested blocks each get their own list)."""
+    global _CALL_LOG
+    prev, _CALL_LOG = _CALL_LOG, []
+    try:
+        yield _CALL_LOG
+    finally:
+        _CALL_LOG = prev
+
+
+def _logged(fn, report, index: int):
+    """`fn` (a compiled graph) that appends (report, index) to the active `record_graph_calls` list per call."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        """Run the compiled graph, noting the call while a recording is active."""
+        log = _CALL_LOG
+        if log is not None:
+            log.append((report, index))
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _with_pdl(fn, on: bool):
@@ -253,6 +285,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         # dsv41's kernels read the PDL switch at launch time: set it for this graph's calls only, so graphs
         # compiled with other options in the same process (a benchmark's `dsv41[pdl=false]` row) keep theirs.
         compiled = _with_pdl(compiled, pdl)
+    compiled = _logged(compiled, report, len(report.graphs))
     kernels = None
     if opts.count_kernels:
         from .profiling import count_step_kernels

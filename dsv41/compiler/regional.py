@@ -20,8 +20,9 @@ What changes against a whole-model compile:
   `inductor-cudagraphs`; plain `inductor` stays uncaptured, as without regions;
 - regions compile with static shapes (`dynamic=False`): layer variants see differently shaped inputs (Engram
   rows, the shared top-k selection), which would otherwise turn on automatic dynamic shapes;
-- the fusion report has one graph per compiled variant; launches per layer (`kernels_by_layer`) are not
-  attributed, since a graph serves several layers (the report's note says so).
+- the fusion report has one graph per compiled variant; since a graph serves several layers, launches per layer
+  (`kernels_by_layer`, and per role) come from the first decode step: the wrapper notes which compiled graphs each
+  region runs (`pipeline.record_graph_calls`) and counts a layer as the static launches of its graphs.
 
 `RegionalModel` wraps a `DeepseekV41Flash` without changing it (the eager model stays usable as a reference) and
 exposes it as `_orig_mod`, like `torch.compile`'s wrapper, so `generate` and the benchmark use it unchanged.
@@ -84,11 +85,34 @@ class RegionalModel(nn.Module):
 
     def _run(self, input_ids, positions, last_only, return_features):
         m = self._orig_mod
+        embed, layers, head = self._embed, self._layers, self._logits
+        steps = None
+        if self.report is not None and self.report.regional_step_graphs is None and input_ids.shape[1] == 1:
+            # The first decode step (uncaptured: the wrapper captures from the second call of a signature) notes
+            # which compiled graphs each region runs, for the per-layer launch counts of the report.
+            steps = {}
+            embed, head = self._noting("other", embed, steps), self._noting("other", head, steps)
+            layers = [self._noting(i, f, steps) for i, f in enumerate(layers)]
         with torch._dynamo.config.patch(**_limit_patch()):
-            H, pre_mix, rows = self._embed(input_ids, positions)
-            H, pre_mix, feats = m.run_layers(H, pre_mix, positions, rows, return_features, layers=self._layers)
-            logits = self._logits(H, pre_mix, last_only)
+            H, pre_mix, rows = embed(input_ids, positions)
+            H, pre_mix, feats = m.run_layers(H, pre_mix, positions, rows, return_features, layers=layers)
+            logits = head(H, pre_mix, last_only)
+        if steps is not None:
+            self.report.regional_step_graphs = steps
         return logits, feats
+
+    def _noting(self, tag, fn, steps: dict):
+        """`fn` (a region) that adds the indices of the dsv41 graphs it runs to `steps[tag]`."""
+        from .pipeline import record_graph_calls
+
+        def run(*args, **kwargs):
+            """Call the region, recording the report graphs it ran."""
+            with record_graph_calls() as log:
+                out = fn(*args, **kwargs)
+            steps.setdefault(tag, []).extend(i for r, i in log if r is self.report)
+            return out
+
+        return run
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
                 return_features: bool = False):
@@ -181,8 +205,8 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
             opts["pdl"] = True
         be = _SharedReportBackend(opts, None)
         report = be.report
-        report.regional = ("regional compilation: one graph per compiled layer variant, so launches are not attributed "
-                       "to layers")
+        report.regional = ("regional compilation: one graph per compiled layer variant; launches per layer are those "
+                           "of the graphs each layer's region ran in the first decode step")
 
         def compile_fn(fn):
             """`fn` compiled by the shared-report dsv41 backend with static shapes."""

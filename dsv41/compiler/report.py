@@ -136,8 +136,12 @@ class FusionReport:
         #: batch-size buckets seen by a `buckets.BucketedModel` wrapping the compiled model (None: not wrapped).
         self.buckets: dict | None = None
         self.layer_roles: tuple[str, ...] | None = None
-        #: set by `regional.compile_regional`: why launches are not attributed to layers (None: whole-model compile)
+        #: set by `regional.compile_regional`: how launches are attributed under regional compilation (None: whole
+        #: model)
         self.regional: str | None = None
+        #: set by `regional.RegionalModel` on its first decode step: {layer index or "other": [indices of the graphs
+        #: that region ran]}; None before (or for a whole-model compile)
+        self.regional_step_graphs: dict | None = None
 
     def set_layer_roles(self, roles) -> None:
         """Name the role of each decoder layer (e.g. `ModelConfig.roles`: swa / full / reindex / reuse), so the
@@ -238,10 +242,40 @@ class FusionReport:
                 out[name] = list(dict.fromkeys(out.get(name, []) + list(found)))
         return out
 
+    def regional_kernels_by_layer(self) -> dict | None:
+        """Under regional compilation: launches of one decode step per decoder layer, each layer counted as the
+        static launches (`kernel_counts`) of the graphs its region ran during `RegionalModel`'s first decode step
+        (`regional_step_graphs`; embedding and head regions are `other`). Same keys as `kernels_by_layer()`;
+        None before a decode step ran."""
+        steps = self.regional_step_graphs
+        if not steps:
+            return None
+        by_layer: Counter = Counter()
+        kinds: Counter = Counter()
+        uncounted = 0
+        for tag, indices in steps.items():
+            for i in indices:
+                lk = self.graphs[i].layer_kernels if 0 <= i < len(self.graphs) else None
+                if lk is None:
+                    uncounted += 1
+                    continue
+                by_layer[str(tag)] += lk.total
+                kinds.update(dict(lk.by_kind))
+        layers = {str(k): by_layer[str(k)] for k in sorted(int(x) for x in by_layer if x != OTHER)}
+        layers[OTHER] = by_layer[OTHER]
+        note = f"{uncounted} region call(s) ran a graph without a launch count" if uncounted else ""
+        return {"total": sum(layers.values()), "by_layer": layers, "no_provenance": None,
+                "by_kind": dict(sorted(kinds.items())),
+                "method": "regional: per layer, the static launches of the compiled graphs that layer's region ran "
+                          "in the first decode step (embedding and head regions: other)",
+                "note": note, "graphs_counted": len({i for v in steps.values() for i in v}), "profiler": None,
+                "detail": None, "per_graph": None}
+
     def kernels_by_role(self) -> dict | None:
         """`kernels_by_layer()` summed per layer role ({role: launches, ..., "other": n}, plus
         "per_layer": {role: {layers, min, max, mean}}), or None before `set_layer_roles` or without counts."""
-        by_layer = self.kernels_by_layer()["by_layer"]
+        kl = self.regional_kernels_by_layer() if self.regional else self.kernels_by_layer()
+        by_layer = None if kl is None else kl["by_layer"]
         if self.layer_roles is None or by_layer is None:
             return None
         out = kernels_by_role(by_layer, self.layer_roles)
@@ -282,9 +316,9 @@ class FusionReport:
                         "L": "sequence extent of the step (leading dim 1: 1 at decode, prompt length at prefill)"},
             "families": fams,
             "kernels": self.kernels(),
-            "kernels_by_layer": None if self.regional else self.kernels_by_layer(),
+            "kernels_by_layer": self.regional_kernels_by_layer() if self.regional else self.kernels_by_layer(),
             "layer_roles": None if self.layer_roles is None else list(self.layer_roles),
-            "kernels_by_role": None if self.regional else self.kernels_by_role(),
+            "kernels_by_role": self.kernels_by_role(),
             **({"regional": self.regional} if self.regional else {}),
             "bytes": {"before": str(bb), "after": str(ba),
                       "before_value": sum(f["bytes_before_value"] for f in fused),
@@ -410,7 +444,7 @@ class FusionReport:
         from rich.table import Table
 
         kl, roles = d["kernels_by_layer"], d["layer_roles"]
-        if kl is None or kl["total"] is None:  # regional compilation: graphs are not per layer
+        if kl is None or kl["total"] is None:  # regional compilation before its first decode step
             return []
         t = Table(title=f"launches per call by layer (static, {kl['total']} total)", title_justify="left")
         for col in ("layer", "role", "launches"):
