@@ -269,7 +269,7 @@ def test_pdl_switch_is_set_per_compiled_graph_call_and_restored():
     """Each compiled CUDA graph runs with its own compile's PDL setting (a `dsv41[pdl=false]` benchmark row next
     to a PDL one must not inherit it); the process setting is restored after the call, also when it raises, and
     Inductor's calling-convention attributes survive the wrapper."""
-    from dsv41.compiler.pipeline import _with_pdl
+    from dsv41.compiler.pipeline import _graph_call, record_graph_calls
     from dsv41.kernels import pdl_enabled, set_pdl
 
     seen = []
@@ -281,10 +281,14 @@ def test_pdl_switch_is_set_per_compiled_graph_call_and_restored():
         return args
 
     graph._boxed_call = True
-    on, off = _with_pdl(graph, True), _with_pdl(graph, False)
+    on, off, cpu = _graph_call(graph, "rep", 3, True), _graph_call(graph, "rep", 4, False), _graph_call(graph, "rep", 5, None)
     assert on._boxed_call is True
     set_pdl(False)
-    assert on([1]) == [1] and seen[-1] is True and not pdl_enabled()
+    with record_graph_calls() as log:
+        assert on([1]) == [1] and seen[-1] is True and not pdl_enabled()
+        assert cpu([0]) == [0] and seen[-1] is False  # None: the process setting is left alone
+    assert log == [("rep", 3), ("rep", 5)]
+    assert on([1]) == [1] and log == [("rep", 3), ("rep", 5)]  # nothing noted outside the block
     set_pdl(True)
     try:
         assert off([2]) == [2] and seen[-1] is False and pdl_enabled()

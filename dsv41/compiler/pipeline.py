@@ -73,33 +73,25 @@ def record_graph_calls():
         _CALL_LOG = prev
 
 
-def _logged(fn, report, index: int):
-    """`fn` (a compiled graph) that appends (report, index) to the active `record_graph_calls` list per call."""
-    import functools
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        """Run the compiled graph, noting the call while a recording is active."""
-        log = _CALL_LOG
-        if log is not None:
-            log.append((report, index))
-        return fn(*args, **kwargs)
-
-    return call
-
-
-def _with_pdl(fn, on: bool):
-    """`fn` (a compiled graph) with `dsv41.kernels.set_pdl(on)` around each call (restored after it); the
-    function's attributes (Inductor's calling-convention flags) are kept."""
+def _graph_call(fn, report, index: int, pdl: bool | None):
+    """`fn` (a compiled graph) as Dynamo will call it: each call is noted as (report, index) in the active
+    `record_graph_calls` list, and with `pdl` not None runs under `dsv41.kernels.set_pdl(pdl)` (restored after
+    the call, also when it raises) -- dsv41's kernels read that switch at launch time, so each compile keeps its
+    own setting next to others in the process. Inductor's calling-convention attributes are kept."""
     import functools
 
     from ..kernels import pdl_enabled, set_pdl
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        """Run the compiled graph with this compile's PDL setting."""
+        """Run the compiled graph (see `_graph_call`)."""
+        log = _CALL_LOG
+        if log is not None:
+            log.append((report, index))
+        if pdl is None:
+            return fn(*args, **kwargs)
         prev = pdl_enabled()
-        set_pdl(on)
+        set_pdl(pdl)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -281,11 +273,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         result = GraphPassResult(tuple(PassRecord(n, n not in opts.disable, note="no post-grad graph")
                                        for n in FAMILY_ORDER))
 
-    if on_cuda:
-        # dsv41's kernels read the PDL switch at launch time: set it for this graph's calls only, so graphs
-        # compiled with other options in the same process (a benchmark's `dsv41[pdl=false]` row) keep theirs.
-        compiled = _with_pdl(compiled, pdl)
-    compiled = _logged(compiled, report, len(report.graphs))
+    compiled = _graph_call(compiled, report, len(report.graphs), pdl if on_cuda else None)
     kernels = None
     if opts.count_kernels:
         from .profiling import count_step_kernels

@@ -333,6 +333,7 @@ def _signature(region: list, inputs: tuple) -> tuple:
     index.update({n: f"in{i}" for i, n in enumerate(inputs)})
 
     def lit(a):
+        """A hashable form of argument `a`: nodes by their position in the region (or input slot), literals by repr."""
         if isinstance(a, fx.Node):
             return ("node", index.get(a, a.name))
         if isinstance(a, (list, tuple)):
@@ -600,6 +601,7 @@ class _GatheredMatcher:
         where = SourceLocation.from_node(mm)
 
         def miss(check, reason):
+            """The `NearMiss` of failed check `check` (id) with `reason` (one sentence), at the matmul."""
             return NearMiss(self.family, f"gather -> dequantize(fp4) -> {node_label(mm)}", check, reason, where)
 
         (ga, sa, ia), (gb, sb, ib) = gathers

@@ -89,6 +89,7 @@ def _build():
     pm = PatternMatcherPass(pass_name="dsv41_normalize")
 
     def roundtrip_ok(match: Match) -> bool:
+        """The round trip ends in the dtype it started from."""
         x, out = match.kwargs["x"], match.output_node()
         return _dtype_of(x) is not None and _dtype_of(x) == _dtype_of(out)
 
@@ -96,10 +97,12 @@ def _build():
         CallFunction(aten.view.dtype, CallFunction(aten.view.dtype, KeywordArg("x"), KeywordArg("mid")),
                      KeywordArg("dt")), extra_check=roundtrip_ok, pass_dict=pm)
     def dtype_view_roundtrip(match: Match, x, mid, dt):
+        """view.dtype(view.dtype(x, a), x.dtype) -> x."""
         _replace(match, x, "dtype_view_roundtrip")
 
     for reshape in _RESHAPES:
         def same_width(match: Match) -> bool:
+            """A round trip through a dtype of the same element size (so the reshape sees the same elements)."""
             x = match.kwargs["x"]
             return roundtrip_ok(match) and match.kwargs["mid"].itemsize == _dtype_of(x).itemsize
 
@@ -109,12 +112,14 @@ def _build():
                                       KeywordArg("shape")),
                          KeywordArg("dt")), extra_check=same_width, pass_dict=pm)
         def dtype_view_reshape(match: Match, x, mid, shape, dt):
+            """view.dtype(reshape(view.dtype(x, a), s), x.dtype) -> reshape(x, s)."""
             from .base import insert_node
             new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, shape),
                               like=match.output_node())
             _replace(match, new, "dtype_view_reshape")
 
     def exact_roundtrip(match: Match) -> bool:
+        """The intermediate dtype holds every value of x exactly (`EXACT_CASTS`)."""
         x, wide = match.kwargs["x"], match.kwargs["wide"]
         return roundtrip_ok(match) and wide in EXACT_CASTS.get(_dtype_of(x), ())
 
@@ -123,6 +128,7 @@ def _build():
                      CallFunction(prims.convert_element_type.default, KeywordArg("x"), KeywordArg("wide")),
                      KeywordArg("back")), extra_check=exact_roundtrip, pass_dict=pm)
     def exact_cast_roundtrip(match: Match, x, wide, back):
+        """convert(convert(x, wide), x.dtype) -> x."""
         _replace(match, x, "exact_cast_roundtrip")
 
     for outer in _RESHAPES:
@@ -131,12 +137,14 @@ def _build():
                 CallFunction(outer, CallFunction(inner, KeywordArg("x"), KeywordArg("s1")), KeywordArg("s2")),
                 pass_dict=pm)
             def reshape_chain(match: Match, x, s1, s2):
+                """reshape(reshape(x, s1), s2) -> reshape(x, s2)."""
                 from .base import insert_node
                 new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, s2),
                                   like=match.output_node())
                 _replace(match, new, "reshape_chain")
 
     def clone_is_noop(match: Match) -> bool:
+        """A clone of a contiguous, non-placeholder x that nothing writes in place afterwards."""
         x, out = match.kwargs["x"], match.output_node()
         xv, ov = tensor_val(x), tensor_val(out)
         if xv is None or ov is None or not xv.is_contiguous() or not ov.is_contiguous():
@@ -156,13 +164,16 @@ def _build():
                   CallFunction(aten.clone.default, KeywordArg("x"), memory_format=KeywordArg("memory_format"))):
         @register_graph_pattern(clone, extra_check=clone_is_noop, pass_dict=pm)
         def contiguous_clone(match: Match, x, memory_format=None):
+            """clone(x) -> x."""
             _replace(match, x, "contiguous_clone")
 
     @register_graph_pattern(CallFunction(aten.alias.default, KeywordArg("x")), pass_dict=pm)
     def alias(match: Match, x):
+        """alias(x) -> x."""
         _replace(match, x, "alias")
 
     def batch1_operands(match: Match) -> bool:
+        """Both matmul operands are 3-D with batch 1 (the form Inductor's bmm_to_mm rewrites)."""
         a, b = tensor_val(match.kwargs["a"]), tensor_val(match.kwargs["b"])
         return (a is not None and b is not None and a.dim() == 3 and b.dim() == 3
                 and a.shape[0] == 1 and b.shape[0] == 1)
@@ -174,6 +185,7 @@ def _build():
                                       CallFunction(aten.squeeze.dim, KeywordArg("b"), dim)), 0),
             extra_check=batch1_operands, pass_dict=pm)
         def batch1_bmm(match: Match, a, b):
+            """unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0) -> bmm(a, b), tagged `BATCH1_TAG`."""
             from .base import insert_node
             new = insert_node(match.graph, match.output_node(), aten.bmm.default, (a, b), like=match.output_node())
             new.meta[BATCH1_TAG] = True

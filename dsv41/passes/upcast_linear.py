@@ -35,6 +35,8 @@ bytes say so).
 
 from __future__ import annotations
 
+import dataclasses
+
 import sympy
 import torch
 import torch.fx as fx
@@ -193,7 +195,6 @@ class UpcastLinearFamily(FusionFamily):
 def _finish(m: MatchRecord, alive: set) -> MatchRecord:
     """After dead-code elimination: keep only the chain nodes that really left the graph, and when the upcast
     copy stayed (another consumer reads it) count its bytes in `bytes_after` (`detail["upcast_kept"]`)."""
-    import dataclasses
     detail = dict(m.detail)
     kept = detail.pop("upcast") in alive
     extra = detail.pop("upcast_bytes") if kept else 0
