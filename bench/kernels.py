@@ -10,7 +10,8 @@ row adds the Python + launch overhead. The GEMV rows also time the fallback the 
 Usage:
     python bench/kernels.py [--json PATH] [--reps-ms MS] [--sweep] [--only NAME ...] [--pdl]
     python bench/kernels.py --families [--m M ...] [--contexts C,C,...] [--tiny] [--device cpu] [--only NAME ...]
-`--sweep` also times a small grid of GEMV launch configurations per shape (to tune `gemv_plan`).
+`--sweep` also times a small grid of GEMV launch configurations per shape (to tune `gemv_plan`), the grouped FP4
+expert GEMV's too (`GROUPED_SHAPES`, `--only grouped_w1w3 grouped_w2`).
 Shapes are the h200 preset's decode shapes (MODEL.md §4.3): wq_b 32768x1280, wo_b 5120x8192, wq_a 1280x5120,
 shared w1 2304x5120, w2 5120x2304, FP4 expert 2304x5120 / 5120x2304, head-like 129280x5120 (fp8).
 `--families` times the fusion-family ops instead (Engram lookup / gate, MoE router / tail, grouped FP4 experts,
@@ -56,6 +57,15 @@ ROPE_SHAPES = [
     ("index_q_fake", (1, 1, 32), 128, 32, 32, False, "fake"),
     ("bank_quant_prefill", (1, 256), 512, 32, 16, True, "quant"),
 ]
+#: (name, N, K) of the grouped FP4 expert GEMVs of one h200 decode step (k = 6 of 96 experts per token; w1 and w3
+#: have the same shape). Timed by the GEMV section (heuristic plan) and, with --sweep, over `GROUPED_SWEEP`.
+GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
+#: (BLOCK_N, BLOCK_K, num_warps, K_ITERS) tried by --sweep on the grouped GEMV: the heuristic's (128, 128, 4, 2)
+#: runs 20 K splits per output tile there (a quarter of copy bandwidth, 2026-11-30); fewer, longer programs and
+#: narrower tiles trade split-K round trips against loads in flight per SM.
+GROUPED_SWEEP = [(128, 128, 4, 1), (128, 128, 4, 4), (128, 128, 4, 8), (128, 128, 8, 4), (64, 128, 4, 2),
+                 (64, 128, 4, 4), (64, 128, 4, 8), (64, 256, 4, 2), (64, 256, 4, 4), (32, 512, 4, 1), (32, 512, 4, 2),
+                 (32, 256, 2, 4), (256, 128, 8, 2)]
 #: (BLOCK_N, BLOCK_K, num_warps, K_ITERS) tried by --sweep at M = 1.
 SWEEP = [(128, 128, 4, 1), (128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 8, 2), (64, 128, 4, 1), (64, 128, 4, 4),
          (128, 256, 4, 1), (128, 256, 8, 1), (64, 256, 4, 2), (256, 128, 8, 1), (32, 512, 4, 1), (64, 64, 2, 4)]
@@ -169,6 +179,46 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
                 print(f"  sweep {name} bn={bn} bk={bk} w={nw} it={ki}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             rows.append(row(f"sweep bn={bn} bk={bk} w={nw} it={ki}", t))
+    return rows
+
+
+def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
+    """Rows for one grouped FP4 expert GEMV shape at one token: the heuristic plan (graph and eager) and, with
+    `sweep`, every `GROUPED_SWEEP` configuration. Each call of a graph picks its own `topk` distinct experts of an
+    [experts, n, k/2] stack (566 MB for w1 at h200, beyond L2), so the weights come from HBM; bytes are the picked
+    experts' codes + scales, x and y (`--families`' grouped_fp4 rule)."""
+    from dsv41.kernels import grouped_gemv as gg
+    w = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    s = torch.randint(117, 124, (experts, n, k // 32), dtype=torch.uint8, device="cuda", generator=gen)
+    shared = name == "grouped_w1w3"  # w1 / w3 read one x row per token, w2 one per (token, expert)
+    x = torch.randn(*((1, k) if shared else (1, topk, k)), device="cuda", dtype=torch.bfloat16, generator=gen)
+    per_call = topk * n * (k // 2 + k // 32)
+    copies = _copies_for(per_call)
+    idxs = [torch.randperm(experts, device="cuda", generator=gen)[:topk][None] for _ in range(copies)]
+    moved = per_call + x.numel() * 2 + topk * n * 2
+    base = dict(kernel="grouped_linear_fp4", shape=name, M=1, N=n, K=k)
+
+    def row(variant, t, **extra):
+        return dict(base, variant=variant, bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
+                    eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw, **extra)
+
+    plan = gg.grouped_gemv_plan(topk, n, k)
+    rows = [row("triton (graph)", _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True)
+                                                for i in idxs], reps_ms),
+                plan={kk: (list(v) if kk == "grid" else v) for kk, v in plan.items()}),
+            row("triton (eager, incl. launch)", _bench(lambda: gg.triton_grouped_linear_fp4(x, w, s, idxs[0], True),
+                                                       reps_ms))]
+    if sweep:
+        for bn, bk, nw, ki in GROUPED_SWEEP:
+            try:
+                t = _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, block_n=bn, block_k=bk,
+                                                                           num_warps=nw, k_iters=ki)
+                                  for i in idxs], reps_ms / 4)
+            except Exception as exc:  # a config that does not compile (registers, shared memory)
+                print(f"  sweep {name} bn={bn} bk={bk} w={nw} it={ki}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(row(f"sweep bn={bn} bk={bk} w={nw} it={ki}", t))
+    del w, s
     return rows
 
 
@@ -976,6 +1026,11 @@ def main(argv=None) -> int:
         for m in args.m:
             rows += bench_gemv(name, fmt, n, k, m, bw, args.reps_ms, args.sweep, gen)
             torch.cuda.empty_cache()
+    for name, n, k in GROUPED_SHAPES:
+        if args.only and name not in args.only:
+            continue
+        rows += bench_grouped(name, n, k, bw, args.reps_ms, args.sweep, gen)
+        torch.cuda.empty_cache()
     if not args.only or "chain" in args.only:
         rows += bench_gemv_chain(bw, args.reps_ms, gen)
         torch.cuda.empty_cache()

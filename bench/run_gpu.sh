@@ -18,8 +18,8 @@ for s in $sections; do
     tests)
       python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
     regional)
-      # The regional wrapper's whole-step CUDA graph; a hang dumps every thread's stack (faulthandler) before the kill.
-      timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s -o faulthandler_timeout=${FAULT_S:-100} tests/test_regional_gpu.py \
+      # The regional wrapper's whole-step CUDA graph (no faulthandler_timeout: its dump segfaulted inside Dynamo here).
+      timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s tests/test_regional_gpu.py \
         2>&1 | tee "$OUTDIR/gpu_regional.log" | tail -${REGIONAL_TAIL:-40} ;;
     kernels)
       python3 bench/kernels.py --json "$OUTDIR/kernels.json" 2>&1 | tail -30 ;;

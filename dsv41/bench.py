@@ -542,7 +542,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   weight_mode: str = "checkpoint", device: str | None = None, options: dict | None = None,
                   dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
-                  tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False) -> dict:
+                  tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False,
+                  on_update: Callable[[dict], None] | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -574,6 +575,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             protocol in lockstep (collectives); the result gains `tp` (plan, world size, whether every rank's
             eager tokens agree) and only rank 0 prints progress. The roofline stays the whole model's bytes over
             one GPU's copy bandwidth (a TP rank reads about 1/N of them).
+        on_update: called with the result so far (`partial: true`, rows holding what each phase filled in) after
+            every phase of every backend, so a run killed by a time limit still leaves what it measured.
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -654,7 +657,16 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 """Print one progress line above the bars (plain text, not rich markup)."""
                 prog.console.print(msg, markup=False, highlight=False)
 
+            def update() -> None:
+                """Hand the partial result to `on_update` (a failing writer must not end the run)."""
+                if on_update is not None:
+                    try:
+                        on_update({**res, "partial": True, "notes_so_far": {k: list(v) for k, v in notes.items()}})
+                    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                        say(f"on_update failed: {_fail(e)}")
+
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
+            t_ref = time.perf_counter()
             ref = generate(model, prompt, new_tokens)
             ref_logits = teacher_forced_logits(model, prompt, ref.tokens)
             if tp_info is not None:  # replicated head on all-reduced activations: every rank picks the same tokens
@@ -663,6 +675,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 dist.all_gather_object(toks, ref.tokens.tolist())
                 tp_info["ranks_agree"] = all(t == toks[0] for t in toks)
             prog.advance(task)
+            say(f"eager reference: {time.perf_counter() - t_ref:.1f} s")
+            update()
 
             task = prog.add_task("cold compile + first run", total=len(names))
             for n in names:
@@ -696,6 +710,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 except Exception as e:  # reported in the row, never silently dropped
                     notes[n].append(_fail(e))
                     say(f"{n}: {_fail(e)}")
+                update()
                 prog.advance(task)
 
             # One reset, then every backend recompiles from its own warm cache dir: the discarded warm-up run.
@@ -745,6 +760,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     notes[n].append("teacher forcing " + _fail(e))
                 say(f"{n}: kernels/step {rows[n]['kernels_per_step']}, max rel logit err "
                     f"{rows[n]['max_rel_logit_err']}")
+                update()
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
@@ -947,13 +963,22 @@ def _bench_from_args(a) -> int:
         a.device, rank = str(info.device), info.rank
         tp = {"moe_mode": a.tp_moe, "pad_to": a.tp_pad_to}
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+
+    def write_json(r: dict) -> None:
+        """Write `r` to --json (rank 0 only); the partial results along the way, the final one at the end."""
+        if a.json and rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1, default=str)
+
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
                         a.weight_mode, a.device, options=backend_options(a.option) or None, dtype=a.dtype,
                         warm_compile=a.warm_compile,
                         speculative=a.speculative,
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
-                        context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache)
+                        context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache,
+                        on_update=write_json)
     if rank != 0:
         return 0
     from rich.console import Console
@@ -961,9 +986,7 @@ def _bench_from_args(a) -> int:
     if not console.is_terminal:
         console = Console(width=220)
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_json(res)
         console.print(f"wrote {a.json}")
     png = None
     if a.png is not None:

@@ -358,8 +358,13 @@ def test_table_prints_notes_with_brackets_verbatim():
 
 
 def test_without_warm_compile_the_cold_runner_is_measured():
+    """Also: every phase hands the partial result to on_update (a run killed by a time limit keeps it)."""
+    partial = []
     r = bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=2, repeats=1, device="cpu",
-                            warm_compile=False)
+                            warm_compile=False, on_update=lambda d: partial.append(json.loads(json.dumps(d))))
+    assert len(partial) >= 3 and all(p["partial"] is True for p in partial) and "partial" not in r
+    assert partial[0]["backends"]["eager"]["decode_tok_s"] is None  # before anything was measured
+    assert partial[-1]["backends"]["eager"]["max_rel_logit_err"] == 0.0 and "notes_so_far" in partial[-1]
     assert r["warm_compile"] is False
     e = r["backends"]["eager"]
     assert e["compile_warm_s"] is None and e["decode_tok_s"]["median"] > 0 and e["tokens_match_eager"] is True

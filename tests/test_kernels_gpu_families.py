@@ -306,6 +306,31 @@ def test_grouped_linear_fp4_at_h200_shapes(expert_stacks, case):
     _assert_pair(got, want, y64, 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30, "grouped_linear_fp4 vs the CPU op")
 
 
+def _grouped_sweep_configs():
+    """bench/kernels.py's GROUPED_SWEEP (imported by path: bench/ is not a package)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("_dsv41_bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.GROUPED_SWEEP
+
+
+@pytest.mark.parametrize("cfg", _grouped_sweep_configs(), ids=lambda c: "bn{}-bk{}-w{}-it{}".format(*c))
+def test_grouped_sweep_configs_are_correct(expert_stacks, cfg):
+    # bench/kernels.py --sweep times these launch configurations of the grouped GEMV; each must compute the same
+    # result as the float64 reference at the h200 w1 shape.
+    bn, bk, nw, it = cfg
+    w, s, w_cpu, s_cpu = expert_stacks["w13"]
+    idx = _grouped_indices(1, 7)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16) * 2
+    y = gg.triton_grouped_linear_fp4(x.to(DEV), w, s, idx.to(DEV), True, block_n=bn, block_k=bk, num_warps=nw,
+                                     k_iters=it)
+    y64, abs64 = GG.ref_grouped(x, w_cpu, s_cpu, idx, True)
+    GG.assert_close_to_ref(y.cpu(), y64, abs64)
+
+
 # ------------------------------------------------------------------------------------------- C2 bank write
 def _write_counts(rows: torch.Tensor) -> torch.Tensor:
     """int64 [B, CACHE_ROWS]: how many tokens of each batch row write each cache row (rows out of range skipped)."""

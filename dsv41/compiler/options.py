@@ -11,7 +11,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
 | `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: same as `cuda_graphs`): `dsv41.kernels.set_pdl` around each call of the compiled graphs (other compiles keep their own), and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
-| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`: `sparse_attention`, `indexer`); off, they show in the report as off with that reason. CPU always runs them |
+| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200); off, they show in the report as off with that reason. CPU always runs them |
 | `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: off until the rewrite is validated on a GPU (it has only run on CPU); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
@@ -64,11 +64,11 @@ class Options:
     def gated_families(self, on_cuda: bool) -> dict:
         """{family: reason} of the families switched off for a graph on CUDA because their kernels have not yet
         run on a GPU (none on CPU, none with `gpu_unvalidated=True`, none already in `disable`)."""
-        from ..passes.manager import GPU_UNVALIDATED
+        from ..passes import manager
         if not on_cuda or self.gpu_unvalidated:
             return {}
         return {n: "off on CUDA: its kernels have not yet run on a GPU (option gpu_unvalidated=True runs them)"
-                for n in GPU_UNVALIDATED if n not in self.disable}
+                for n in manager.GPU_UNVALIDATED if n not in self.disable}
 
     def use_cuda_graphs(self, on_cuda: bool) -> bool:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
