@@ -24,7 +24,7 @@ for s in $sections; do
     kernels)
       python3 bench/kernels.py --json "$OUTDIR/kernels.json" 2>&1 | tail -30 ;;
     sweep)
-      python3 bench/kernels.py --pdl --sweep --only ${SWEEP_SHAPES:-wq_b wo_b wq_a shared_w1 expert_w1 head} \
+      python3 bench/kernels.py --pdl --sweep --only ${SWEEP_SHAPES:-grouped_w1w3 grouped_w2 wq_b wo_b wq_a shared_w1 expert_w1 head} \
         --json "$OUTDIR/kernels_sweep_pdl.json" 2>&1 | tail -120 ;;
     families)
       python3 bench/kernels.py --families --pdl --json "$OUTDIR/kernels_families.json" 2>&1 | tail -40 ;;

@@ -348,3 +348,56 @@ def test_tiny_decode_has_one_dispatch_match_per_quantised_linear(tiny_dsv41, tin
     before = tiny_dsv41["report"]["graphs"][0]["graph_before"]
     assert before.count("float8_e4m3fn") > after.count("float8_e4m3fn")
 
+
+
+# ------------------------------------------------------------------------------------------- probe verdict cache
+def test_a_weight_layout_is_probed_once_across_graphs_but_constants_are_not_trusted(monkeypatch):
+    """A regional compile runs the passes on one graph per layer variant: the probe verdict of a weight region is
+    reused in another graph with the same region signature. It is not reused for a look-alike of the same
+    shapes (other ops), nor for a region reading a constant tensor, whose name (`_tensor_constant0`) says nothing
+    of its values: a wrong E2M1 table under the same name must still be probed and rejected."""
+    import collections
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dsv41.model.formats import dequantize_fp8_block, fake_quant_fp8_1x32
+    from dsv41.passes import dispatch
+
+    monkeypatch.setattr(dispatch, "_VERDICT_CACHE", collections.OrderedDict())
+    probed = []
+    verify = dispatch._verify_weight
+    monkeypatch.setattr(dispatch, "_verify_weight", lambda cand, ev: probed.append(cand.fmt) or verify(cand, ev))
+    gen = torch.Generator().manual_seed(5)
+    lin = Linear(64, 96, "fp8_block", torch.float32, "cpu")
+    lin.init_random(gen)
+    packed, exps = quantize_fp4_for_test(torch.randn(40, 64, generator=gen) / 8)
+    x = torch.randn(2, 64)
+
+    def good(x, w, s):
+        return F.linear(fake_quant_fp8_1x32(x), dequantize_fp8_block(w, s, torch.float32))
+
+    def other_graph(x, w, s):
+        return torch.relu(good(x, w, s)) * 2
+
+    def lookalike(x, w, s):  # the scale byte as a plain multiplier
+        sc = s.float().repeat_interleave(32, 0)[:96].repeat_interleave(32, 1)[:, :64]
+        return F.linear(x, w.view(torch.float8_e4m3fn).float() * sc)
+
+    def lut_linear(table):
+        def fn(x, p, e):
+            idx = torch.stack((p & 15, p >> 4), -1).reshape(p.shape[0], -1).long()
+            lut = torch.tensor(table, dtype=torch.float32)
+            vals = torch.where((idx & 8) != 0, -lut[idx & 7], lut[idx & 7])
+            return x @ (vals.view(p.shape[0], -1, 32) * torch.exp2(e.float() - 127)[..., None]).reshape(
+                p.shape[0], -1).t()
+        return fn
+
+    runs = [(good, lin.weight, lin.scale), (other_graph, lin.weight, lin.scale), (lookalike, lin.weight, lin.scale),
+            (lut_linear(E2M1), packed, exps), (lut_linear(E2M1[::-1]), packed, exps)]
+    matched = []
+    for fn, w, s in runs:
+        rec = dispatch.DispatchFamily().run(make_fx(fn, tracing_mode="fake")(x, w, s))
+        matched.append(len(rec.matches))
+    assert matched == [1, 1, 0, 1, 0]
+    # good probed; other_graph served from the cache; lookalike and both table regions probed
+    assert probed == ["fp8_block", "fp8_block", "fp4", "fp4"]

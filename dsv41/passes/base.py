@@ -521,6 +521,8 @@ def agree_where_representable(got: torch.Tensor, ref: torch.Tensor) -> bool:
     overflowed and subnormal reference values are not compared (rounding spellings may differ there)."""
     if got.shape != ref.shape:
         return False
+    if got.dtype == ref.dtype and torch.equal(got, ref):
+        return True  # the usual verdict, in one pass (the masked float64 compare below is ~20x slower)
     g, r = got.double(), ref.double()
     fi = torch.finfo(ref.dtype)
     keep = (r == 0) | ((r.abs() >= fi.tiny) & (r.abs() <= fi.max))

@@ -43,6 +43,7 @@ instead of generating code for it (complex-valued ops, ops without a lowering, e
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -71,6 +72,13 @@ GROUPED_OP = "grouped_linear_fp4"
 #: float64 tolerance of the end-to-end probe check, relative to sum |x w| (summation order only).
 _E2E_RTOL = 1e-9
 _DOMINATOR_STEPS = 256
+#: Probe verdicts of weight regions across graphs and compiles: (region signature, format, transposed, device
+#: type) -> (ok, check, reason). A signature fixes the region's function (`_signature`) unless the region reads a
+#: constant tensor (`get_attr`, keyed by name only; such regions are not cached here), so a regional compile (one
+#: graph per layer variant) probes each weight layout once, not once per graph (at h200 a probe of one
+#: 32768 x 1280 weight takes seconds on the host). Bounded, oldest verdict dropped first.
+_VERDICT_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_VERDICT_CACHE_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -111,10 +119,13 @@ class DispatchFamily(FusionFamily):
         for readings in _candidates(graph, leaves):
             verdict = None
             for cand in readings:
-                sig = _signature(collect_region([cand.node], [cand.codes, cand.scale]), (cand.codes, cand.scale))
-                key = (sig, cand.fmt, cand.transposed)
+                region = collect_region([cand.node], [cand.codes, cand.scale])
+                key = (_signature(region, (cand.codes, cand.scale)), cand.fmt, cand.transposed,
+                       tensor_val(cand.node).device.type)
                 if key not in verdicts:
-                    verdicts[key] = _verify_weight(cand, ev)
+                    # A constant tensor in the region is keyed by name only: its verdict holds for this graph alone.
+                    portable = not any(n.op == "get_attr" for n in region)
+                    verdicts[key] = _cached_verdict(key, cand, ev) if portable else _verify_weight(cand, ev)
                 if verdicts[key][0] or verdict is None:
                     verdict = (cand, verdicts[key])
                 if verdicts[key][0]:
@@ -346,16 +357,29 @@ def _signature(region: list, inputs: tuple) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ semantics
+def _cached_verdict(key: tuple, cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str]:
+    """`_verify_weight(cand, ev)`, served from `_VERDICT_CACHE` when a region with the same `key` was probed."""
+    hit = _VERDICT_CACHE.get(key)
+    if hit is not None:
+        _VERDICT_CACHE.move_to_end(key)
+        return hit
+    verdict = _verify_weight(cand, ev)
+    _VERDICT_CACHE[key] = verdict
+    while len(_VERDICT_CACHE) > _VERDICT_CACHE_SIZE:
+        _VERDICT_CACHE.popitem(last=False)
+    return verdict
+
+
 def _probe_weight(cand: _Weight, device) -> tuple:
     gen = torch.Generator().manual_seed(1234)
     cshape = concrete_shape(tensor_val(cand.codes))
     sshape = concrete_shape(tensor_val(cand.scale))
-    codes = torch.randint(0, 256, cshape, generator=gen, dtype=torch.int32)
+    codes = torch.randint(0, 256, cshape, generator=gen, dtype=torch.uint8)  # uint8 directly: h200 weights are big
     if cand.fmt == "fp8_block":
         codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)  # no NaN encodings
     # Exponents 2^-11 .. 2^4 keep every product normal (and finite) even in float16.
-    scale = torch.randint(116, 132, sshape, generator=gen, dtype=torch.int32)
-    return codes.to(torch.uint8).to(device), scale.to(torch.uint8).to(device)
+    scale = torch.randint(116, 132, sshape, generator=gen, dtype=torch.uint8)
+    return codes.to(device), scale.to(device)
 
 
 _SCALE_RANGE_REASON = ("the region equals the UE8M0 dequantisation only for scale exponents 2^-11 .. 2^4: it "
