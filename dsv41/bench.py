@@ -62,6 +62,7 @@ has `speculative` {simulated_acceptance, block_size} (else null) and every row `
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -575,8 +576,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             protocol in lockstep (collectives); the result gains `tp` (plan, world size, whether every rank's
             eager tokens agree) and only rank 0 prints progress. The roofline stays the whole model's bytes over
             one GPU's copy bandwidth (a TP rank reads about 1/N of them).
-        on_update: called with the result so far (`partial: true`, rows holding what each phase filled in) after
-            every phase of every backend, so a run killed by a time limit still leaves what it measured.
+        on_update: called with a finalised copy of the result so far (`partial: true`) after the eager reference
+            and after each backend's cold compile, warm-up and kernel count, after the measured runs and after the
+            context sweep, so a run killed by a time limit still leaves what it measured.
     Raises:
         ValueError: bad sizes, unknown backend names (before anything is built).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
@@ -641,15 +643,43 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         rows[n] = _empty_row()
         rows[n]["options"] = _backend_options(n, options)
 
+    ref = None
+    runnable, cold_wall, warm_wall, runners = [], {}, {}, {}
+    outs: dict = {}
+    order: list = []
+
+    def finalize(r: dict, notes_: dict) -> None:
+        """Fill the rows of result `r` from the measured runs so far and join `notes_` into their notes."""
+        r["run_order"] = list(order)
+        r["reference_tokens"] = ref.tokens.tolist() if ref is not None else None
+        r["cache_max_seq_len"] = getattr(model, "max_seq_len", None)
+        for n in names:
+            row, runs = r["backends"][n], outs.get(n) or []
+            if runs:
+                row.update(summarize_runs([x["out"] for x in runs], None if speculative is not None else ref.tokens,
+                                          r["roofline_tok_s"]))
+                if speculative is not None:
+                    row["mean_acceptance"] = statistics.median(x["out"].mean_acceptance for x in runs)
+                    row["mean_natural_acceptance"] = statistics.median(x["out"].mean_natural_acceptance for x in runs)
+                    notes_[n].append(f"DSpark, simulated acceptance {speculative}: measured mean "
+                                     f"{row['mean_acceptance']:.3f} tokens/round; tokens not compared with eager")
+                walls = statistics.median(x["wall_s"] for x in runs)
+                if n != "eager" and n in cold_wall:
+                    row["compile_s"] = max(0.0, cold_wall[n] - walls)
+                if n != "eager" and n in warm_wall:
+                    row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
+                row["peak_mem_gb"] = max(x["peak_gb"] for x in runs) if cuda else None
+            elif row["note"] is None and not notes_[n]:
+                notes_[n].append("not measured")
+            if notes_[n]:
+                row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes_[n])
+
     console = Console(stderr=True, quiet=rank != 0)
     _ORIGINS.clear()  # rows of an earlier run in this process are gone: their ids may be reused
     cache_root = tempfile.mkdtemp(prefix="dsv41-bench-cache-")
     saved_cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if os.environ.get("TRITON_CACHE_DIR"):
         res["cache_note"] = "TRITON_CACHE_DIR is set, so cold compiles may reuse Triton binaries from it"
-    runnable, cold_wall, warm_wall, runners = [], {}, {}, {}
-    outs: dict = {}
-    order: list = []
     try:
         with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)), \
                 Progress(console=console, transient=True) as prog:
@@ -658,12 +688,16 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.console.print(msg, markup=False, highlight=False)
 
             def update() -> None:
-                """Hand the partial result to `on_update` (a failing writer must not end the run)."""
-                if on_update is not None:
-                    try:
-                        on_update({**res, "partial": True, "notes_so_far": {k: list(v) for k, v in notes.items()}})
-                    except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                        say(f"on_update failed: {_fail(e)}")
+                """Hand `on_update` a finalised copy of the result so far, with `partial: true` (a failing
+                callback is reported and the run goes on)."""
+                if on_update is None:
+                    return
+                try:
+                    snap = copy.deepcopy(res)
+                    finalize(snap, copy.deepcopy(notes))
+                    on_update({**snap, "partial": True})
+                except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                    say(f"on_update failed: {_fail(e)}")
 
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
             t_ref = time.perf_counter()
@@ -732,6 +766,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     notes[n].append(_fail(e))
                     runnable.remove(n)
                     say(f"{n}: warm compile {_fail(e)}")
+                update()
                 prog.advance(task)
 
             task = prog.add_task("kernels per step + teacher-forced logits", total=len(runnable))
@@ -769,10 +804,12 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             for n, err in errors.items():
                 notes[n].append("measured run failed: " + err)
             say(f"measured {len(order)} runs in the order {' '.join(order)}")
+            update()
 
             if contexts:
                 res["decode_vs_context"] = _context_sweep(model, runners, runnable, contexts, context_tokens, cuda,
                                                           res.get("copy_bandwidth_tb_s"), prog, say)
+                update()
     finally:
         if saved_cache_env is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -780,29 +817,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_cache_env
         shutil.rmtree(cache_root, ignore_errors=True)
 
-    res["run_order"] = order
-    res["reference_tokens"] = ref.tokens.tolist()
-    res["cache_max_seq_len"] = getattr(model, "max_seq_len", None)
-    for n in names:
-        row, runs = rows[n], outs.get(n) or []
-        if runs:
-            row.update(summarize_runs([r["out"] for r in runs], None if speculative is not None else ref.tokens,
-                                      res["roofline_tok_s"]))
-            if speculative is not None:
-                row["mean_acceptance"] = statistics.median(r["out"].mean_acceptance for r in runs)
-                row["mean_natural_acceptance"] = statistics.median(r["out"].mean_natural_acceptance for r in runs)
-                notes[n].append(f"DSpark, simulated acceptance {speculative}: measured mean "
-                                f"{row['mean_acceptance']:.3f} tokens/round; tokens not compared with eager")
-            walls = statistics.median(r["wall_s"] for r in runs)
-            if n != "eager" and n in cold_wall:
-                row["compile_s"] = max(0.0, cold_wall[n] - walls)
-            if n != "eager" and n in warm_wall:
-                row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
-            row["peak_mem_gb"] = max(r["peak_gb"] for r in runs) if cuda else None
-        elif row["note"] is None and not notes[n]:
-            notes[n].append("not measured")
-        if notes[n]:
-            row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes[n])
+    finalize(res, notes)
     return res
 
 
@@ -968,8 +983,10 @@ def _bench_from_args(a) -> int:
         """Write `r` to --json (rank 0 only); the partial results along the way, the final one at the end."""
         if a.json and rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-            with open(a.json, "w") as f:
+            tmp = a.json + ".tmp"  # a kill mid-write leaves the previous file whole
+            with open(tmp, "w") as f:
                 json.dump(r, f, indent=1, default=str)
+            os.replace(tmp, a.json)
 
     res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
                         a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,

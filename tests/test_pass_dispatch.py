@@ -401,3 +401,28 @@ def test_a_weight_layout_is_probed_once_across_graphs_but_constants_are_not_trus
     assert matched == [1, 1, 0, 1, 0]
     # good probed; other_graph served from the cache; lookalike and both table regions probed
     assert probed == ["fp8_block", "fp8_block", "fp4", "fp4"]
+
+
+def test_a_weight_region_reading_another_graph_input_is_a_near_miss():
+    """A weight scaled by a SymInt graph input: probing sees only the input's hint (right for c = 7 by chance of
+    the construction), the fused op would not see it at all, so the region is rejected for every c."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dsv41.model.formats import dequantize_fp8_block
+    from dsv41.passes import dispatch
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 120, (96, 64), dtype=torch.uint8, generator=gen)  # no NaN encodings
+    s = torch.randint(120, 130, (3, 2), dtype=torch.uint8, generator=gen)
+    x = torch.randn(2, 64)
+
+    def fn(x, w, s, c):
+        return F.linear(x, dequantize_fp8_block(w, s, torch.float32) * (c - 6))
+
+    for c in (7, 9):
+        gm = make_fx(fn, tracing_mode="symbolic")(x, w, s, c)
+        rec = dispatch.DispatchFamily().run(gm)
+        assert len(rec.matches) == 0 and [m.check for m in rec.near_misses] == ["region_closed"]
+        assert "c_1" in rec.near_misses[0].reason
+        gm.recompile()
+        assert torch.equal(gm(x, w, s, c), fn(x, w, s, c))

@@ -73,8 +73,9 @@ GROUPED_OP = "grouped_linear_fp4"
 _E2E_RTOL = 1e-9
 _DOMINATOR_STEPS = 256
 #: Probe verdicts of weight regions across graphs and compiles: (region signature, format, transposed, device
-#: type) -> (ok, check, reason). A signature fixes the region's function (`_signature`) unless the region reads a
-#: constant tensor (`get_attr`, keyed by name only; such regions are not cached here), so a regional compile (one
+#: type) -> (ok, check, reason). A signature fixes the region's function (`_signature`) when the region is made of
+#: ATen calls alone (a constant tensor, `get_attr`, is keyed by name only: such regions are not cached), so a
+#: regional compile (one
 #: graph per layer variant) probes each weight layout once, not once per graph (at h200 a probe of one
 #: 32768 x 1280 weight takes seconds on the host). Bounded, oldest verdict dropped first.
 _VERDICT_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
@@ -123,9 +124,16 @@ class DispatchFamily(FusionFamily):
                 key = (_signature(region, (cand.codes, cand.scale)), cand.fmt, cand.transposed,
                        tensor_val(cand.node).device.type)
                 if key not in verdicts:
-                    # A constant tensor in the region is keyed by name only: its verdict holds for this graph alone.
-                    portable = not any(n.op == "get_attr" for n in region)
-                    verdicts[key] = _cached_verdict(key, cand, ev) if portable else _verify_weight(cand, ev)
+                    other_inputs = [n for n in region if n.op == "placeholder"]
+                    if other_inputs:
+                        # e.g. a SymInt input: the probe would see only its hint, the fused op not at all.
+                        verdicts[key] = (False, "region_closed", (
+                            f"the weight region also reads graph input {other_inputs[0].name} besides (codes, "
+                            "scale); a fused op's weight must be a function of its codes and scales alone"))
+                    elif all(n.op == "call_function" for n in region):
+                        verdicts[key] = _cached_verdict(key, cand, ev)
+                    else:  # a constant tensor (get_attr) is keyed by name only: the verdict holds for this graph
+                        verdicts[key] = _verify_weight(cand, ev)
                 if verdicts[key][0] or verdict is None:
                     verdict = (cand, verdicts[key])
                 if verdicts[key][0]:
