@@ -12,7 +12,7 @@ def main(folder: str) -> None:
     for fn in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(fn) as f:
             d = json.load(f)
-        name = os.path.basename(fn)
+        name = os.path.basename(fn) + (" (partial)" if d.get("partial") else "")  # a run cut by its time limit
         if "decode_tok_s" in d:
             rows.append(f"{name:34s} {d.get('backend', ''):10s} prefill {d['prefill_tok_s']:10.1f} tok/s  "
                         f"decode {d['decode_tok_s']:8.2f} tok/s  peak {d.get('peak_mem_gb', float('nan')):6.1f} GB  "
