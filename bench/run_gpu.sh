@@ -78,17 +78,19 @@ for s in $sections; do
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
     toggles)
-      # Issue 6: CUDA graphs, PDL and side streams each toggled alone, all rows compiled into one cache dir
-      # (--shared-cache: later compiles reuse Triton binaries, compile_s not cold). Four dsv41 compiles of `small`
-      # fill a call; Inductor reduce-overhead goes in another (TOGGLE_BACKENDS=eager,inductor-cudagraphs).
+      # Issue 6: CUDA graphs, PDL and side streams each toggled alone, compiled into one cache dir (--shared-cache).
+      # A cold `small` compile is ~180 s and the measured runs start only after every row compiled, so four rows
+      # (the `toggles` group) did not fit a 580 s call (2026-11-30): two rows per call, e.g. TOGGLE_BACKENDS=
+      # "dsv41,dsv41[pdl=false]", "dsv41,dsv41[streams=true]", "eager,inductor-cudagraphs".
       timeout ${TOGGLES_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
-        --backends ${TOGGLE_BACKENDS:-dsv41,toggles} --prompt-len ${PROMPT_LEN:-512} \
-        --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile --shared-cache ${TOGGLE_FLAGS:-} \
+        --backends "${TOGGLE_BACKENDS:-dsv41,dsv41[cuda_graphs=false]}" --prompt-len ${PROMPT_LEN:-128} \
+        --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile --shared-cache ${TOGGLE_FLAGS:-} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/toggles_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
     ablate)
-      # Issue 4: the ladder, dsv41 with each family off in turn (ABL_BACKENDS splits it over calls), shared cache.
+      # Issue 4: the ladder, dsv41 with each family off in turn, shared cache. Like `toggles`, two or three rows
+      # fit a call (~180 s per cold `small` compile): split it with ABL_BACKENDS, e.g. "dsv41,dsv41-no-mhc".
       timeout ${ABL_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
-        --backends ${ABL_BACKENDS:-dsv41,ablations} --prompt-len ${PROMPT_LEN:-512} --new-tokens ${NEW_TOKENS:-64} \
+        --backends "${ABL_BACKENDS:-dsv41,dsv41-no-dispatch}" --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} \
         --repeats ${REPEATS:-1} --no-warm-compile --shared-cache ${ABL_FLAGS:-} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/ablate_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
     backends)
