@@ -60,15 +60,25 @@ ROPE_SHAPES = [
 #: (name, N, K) of the grouped FP4 expert GEMVs of one h200 decode step (k = 6 of 96 experts per token; w1 and w3
 #: have the same shape). Timed by the GEMV section (heuristic plan) and, with --sweep, over `GROUPED_SWEEP`.
 GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
-#: (BLOCK_N, BLOCK_K, num_warps, K_ITERS) tried by --sweep on the grouped GEMV: the heuristic's (128, 128, 4, 2)
-#: runs 20 K splits per output tile there (a quarter of copy bandwidth, 2026-11-30); fewer, longer programs and
-#: narrower tiles trade split-K round trips against loads in flight per SM.
-GROUPED_SWEEP = [(128, 128, 4, 1), (128, 128, 4, 4), (128, 128, 4, 8), (128, 128, 8, 4), (64, 128, 4, 2),
-                 (64, 128, 4, 4), (64, 128, 4, 8), (64, 256, 4, 2), (64, 256, 4, 4), (32, 512, 4, 1), (32, 512, 4, 2),
-                 (32, 256, 2, 4), (256, 128, 8, 2)]
-#: (BLOCK_N, BLOCK_K, num_warps, K_ITERS) tried by --sweep at M = 1.
-SWEEP = [(128, 128, 4, 1), (128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 8, 2), (64, 128, 4, 1), (64, 128, 4, 4),
-         (128, 256, 4, 1), (128, 256, 8, 1), (64, 256, 4, 2), (256, 128, 8, 1), (32, 512, 4, 1), (64, 64, 2, 4)]
+#: (BLOCK_N, BLOCK_K, num_warps, STAGES, programs per SM, MMA) tried by --sweep on every GEMV shape at M = 1 and
+#: on the grouped GEMV (bf16 x). MMA False: CUDA-core FMA tiles; STAGES 1 is the tile-at-once layout with its own
+#: K_ITERS rule (the default until 2026-12-01: a quarter to a half of copy bandwidth). MMA True: tensor-core tiles
+#: in a software-pipelined K loop. For STAGES > 1 the K split is sized to the given programs per SM
+#: (`gemv_plan(sm_count=132 * density / 4)`, 4 per SM by default).
+SWEEP = [(128, 128, 4, 1, 4, False), (64, 128, 4, 4, 8, False), (64, 128, 4, 3, 4, True), (64, 128, 4, 4, 4, True),
+         (64, 128, 4, 2, 4, True), (64, 128, 4, 3, 2, True), (64, 128, 4, 3, 8, True), (64, 128, 4, 4, 6, True),
+         (128, 128, 4, 3, 4, True), (128, 128, 8, 3, 4, True), (128, 128, 8, 4, 2, True), (64, 256, 4, 3, 4, True),
+         (64, 256, 4, 2, 8, True)]
+GROUPED_SWEEP = SWEEP
+
+
+def _sweep_overrides(bn, bk, nw, st, density, mma):
+    """gemv_plan overrides and a row label for one SWEEP entry."""
+    over = dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, mma=mma)
+    if st > 1:
+        over["sm_count"] = max(1, int(132 * density / 4))
+    label = f"sweep {'mma' if mma else 'fma'} bn={bn} bk={bk} w={nw} st={st}" + (f" {density}/SM" if st > 1 else "")
+    return over, label
 
 
 def _bench(fn, reps_ms: float) -> float:
@@ -171,14 +181,14 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
                     _bench_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in wds], reps_ms), bf16_bytes))
     del wd, wds
     if sweep and m == 1:
-        for bn, bk, nw, ki in SWEEP:
+        for cfg in SWEEP:
+            over, label = _sweep_overrides(*cfg)
             try:
-                t = _bench_graph([lambda w=w, s=s: tri(x, w, s, True, block_n=bn, block_k=bk, num_warps=nw,
-                                                       k_iters=ki) for w, s in ws], reps_ms / 4)
+                t = _bench_graph([lambda w=w, s=s: tri(x, w, s, True, **over) for w, s in ws], reps_ms / 4)
             except Exception as exc:  # a config that does not compile (registers, shared memory)
-                print(f"  sweep {name} bn={bn} bk={bk} w={nw} it={ki}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"  {label} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            rows.append(row(f"sweep bn={bn} bk={bk} w={nw} it={ki}", t))
+            rows.append(row(label, t, plan=qg.gemv_plan(m, n, k, fp4, **over)["grid"]))
     return rows
 
 
@@ -209,15 +219,15 @@ def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
             row("triton (eager, incl. launch)", _bench(lambda: gg.triton_grouped_linear_fp4(x, w, s, idxs[0], True),
                                                        reps_ms))]
     if sweep:
-        for bn, bk, nw, ki in GROUPED_SWEEP:
+        for cfg in GROUPED_SWEEP:
+            over, label = _sweep_overrides(*cfg)
             try:
-                t = _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, block_n=bn, block_k=bk,
-                                                                           num_warps=nw, k_iters=ki)
-                                  for i in idxs], reps_ms / 4)
+                t = _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, **over) for i in idxs],
+                                 reps_ms / 4)
             except Exception as exc:  # a config that does not compile (registers, shared memory)
-                print(f"  sweep {name} bn={bn} bk={bk} w={nw} it={ki}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"  {label} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            rows.append(row(f"sweep bn={bn} bk={bk} w={nw} it={ki}", t))
+            rows.append(row(label, t, plan=gg.grouped_gemv_plan(topk, n, k, **over)["grid"]))
     del w, s
     return rows
 

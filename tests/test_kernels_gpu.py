@@ -79,6 +79,37 @@ def test_gemv_matches_float64_reference_at_h200_shapes(shape, m):
     _check(y, x, w, s, True, fp4)
 
 
+def _sweep_configs():
+    """bench/kernels.py's SWEEP and its override rule (imported by path: bench/ is not a package)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("_dsv41_bench_kernels_gemv", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [mod._sweep_overrides(*cfg)[0] for cfg in mod.SWEEP]
+
+
+_SWEEP_SHAPES = {"wo_b": (False, 5120, 8192), "expert_w2": (True, 5120, 2304)}
+_SWEEP_DATA: dict = {}
+
+
+@pytest.mark.parametrize("over", _sweep_configs(), ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("name", list(_SWEEP_SHAPES))
+def test_sweep_configs_are_correct(name, over, monkeypatch):
+    # bench/kernels.py --sweep times these configurations (pipelined or tile-at-once, split or not, 2-8 warps);
+    # each must match the float64 reference: wo_b splits 64 K tiles unevenly, expert_w2 has a partial K range.
+    fp4, n, k = _SWEEP_SHAPES[name]
+    if name not in _SWEEP_DATA:
+        w, s = _weights(n, k, fp4, seed=n + k + 1)
+        _SWEEP_DATA[name] = (w, s, torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 2)
+    w, s, x = _SWEEP_DATA[name]
+    monkeypatch.setattr(qg, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                               device=device))
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    _check(fn(x, w, s, True, **over), x, w, s, True, fp4)
+
+
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_gemv_other_dtypes_and_no_act_quant(fp4, dtype):

@@ -306,26 +306,27 @@ def test_grouped_linear_fp4_at_h200_shapes(expert_stacks, case):
     _assert_pair(got, want, y64, 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30, "grouped_linear_fp4 vs the CPU op")
 
 
-def _grouped_sweep_configs():
-    """bench/kernels.py's GROUPED_SWEEP (imported by path: bench/ is not a package)."""
+def _bench_kernels():
+    """bench/kernels.py as a module (imported by path: bench/ is not a package)."""
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
     spec = importlib.util.spec_from_file_location("_dsv41_bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.GROUPED_SWEEP
+    return mod
 
 
+_BENCH = _bench_kernels()
 _SWEEP_REF: dict = {}
 
 
-@pytest.mark.parametrize("cfg", _grouped_sweep_configs(), ids=lambda c: "bn{}-bk{}-w{}-it{}".format(*c))
+@pytest.mark.parametrize("cfg", _BENCH.GROUPED_SWEEP, ids=lambda c: "bn{}-bk{}-w{}-st{}-d{}-mma{}".format(*c))
 @pytest.mark.parametrize("name", ["w13", "w2"])
 def test_grouped_sweep_configs_are_correct(expert_stacks, name, cfg):
     # bench/kernels.py --sweep times these launch configurations of the grouped GEMV; each must compute the same
-    # result as the float64 reference at both h200 shapes (w2: K = 2304, partial last K tiles / masked K_ITERS).
-    bn, bk, nw, it = cfg
+    # result as the float64 reference at both h200 shapes (w2: K = 2304, a partial last K tile in every split).
+    over, _ = _BENCH._sweep_overrides(*cfg)
     w, s, w_cpu, s_cpu = expert_stacks[name]
     k_in = w.shape[2] * 2
     idx = _grouped_indices(1, 7)
@@ -333,8 +334,7 @@ def test_grouped_sweep_configs_are_correct(expert_stacks, name, cfg):
     x = (torch.randn(*((1, k_in) if name == "w13" else (1, TOPK, k_in)), generator=gen) * 2).to(torch.bfloat16)
     if name not in _SWEEP_REF:  # the float64 reference once per shape, not per configuration
         _SWEEP_REF[name] = GG.ref_grouped(x, w_cpu, s_cpu, idx, True)
-    y = gg.triton_grouped_linear_fp4(x.to(DEV), w, s, idx.to(DEV), True, block_n=bn, block_k=bk, num_warps=nw,
-                                     k_iters=it)
+    y = gg.triton_grouped_linear_fp4(x.to(DEV), w, s, idx.to(DEV), True, **over)
     GG.assert_close_to_ref(y.cpu(), *_SWEEP_REF[name])
 
 

@@ -154,6 +154,11 @@ GEMV_CASES = [
     ((5,), 40, 64, torch.float32, True, {}),  # M not a power of two: masked rows
     ((2, 3), 40, 64, torch.float16, True, {}),  # odd leading shape, fp16 roundings
     ((12,), 40, 64, torch.bfloat16, True, {}),  # two m-tiles
+    # tensor-core tiles (bf16 x only), pipelined over K
+    ((1,), 96, 384, torch.bfloat16, True, {"mma": True, "stages": 3, "k_iters": 3}),
+    ((3,), 40, 160, torch.bfloat16, False, {"mma": True, "block_k": 32, "k_iters": 2}),  # split K, masked rows
+    ((8,), 72, 160, torch.bfloat16, True, {"mma": True, "block_n": 32}),  # half-empty last K tile
+    ((12,), 40, 64, torch.bfloat16, True, {"mma": True}),  # two m-tiles, the second of 4 rows
 ]
 
 
@@ -210,9 +215,10 @@ def test_in_kernel_activation_quant_is_bit_exact(fp4, dtype, poisoned_outputs):
         w[torch.arange(k), torch.arange(k)] = 0x38  # E4M3 1.0
         s = torch.full((k // 32, k // 32), 127, dtype=torch.uint8)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
-    y = fn(x, w, s, True, block_k=128)
     want = ref_fake_quant_fp8(x)
-    assert torch.equal(y.double(), want), (y.double() - want).abs().max()
+    for mma in (False, True) if dtype == torch.bfloat16 else (False,):
+        y = fn(x, w, s, True, block_k=128, mma=mma)
+        assert torch.equal(y.double(), want), (mma, (y.double() - want).abs().max())
     # and the model's own fake quant agrees with the float64 model on the same edge cases
     from dsv41.model.formats import fake_quant_fp8_1x32
     assert torch.equal(fake_quant_fp8_1x32(x).double(), want)
@@ -248,13 +254,47 @@ def test_k_loop_per_program_matches_reference(k_iters, fp4, poisoned_outputs):
     assert_close_to_ref(y, y64, abs64)
 
 
+@interpreted
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fma_fp32", "mma_bf16"])
+def test_scales_read_as_words_or_bytes_match_reference(dtype, stages, fp4, poisoned_outputs):
+    # K = 384: three 128-wide tiles in one program (k_iters 3), pipelined or not, on the CUDA-core (fp32 x) and
+    # tensor-core (bf16 x) paths. Pipelined, a contiguous scale is read as int32 words; the same scale one byte
+    # into a larger buffer is not 4-byte aligned and is read byte by byte (as every scale is with stages 1).
+    gen = torch.Generator().manual_seed(11 + stages)
+    w, s = make_weights(72, 384, fp4, gen)
+    x = torch.randn(3, 384, generator=gen).to(dtype)
+    assert qg.gemv_plan(3, 72, 384, fp4, mma=dtype == torch.bfloat16)["MMA"] == (dtype == torch.bfloat16)
+    shifted = torch.empty(s.numel() + 1, dtype=torch.uint8)[1:].view(s.shape)
+    shifted.copy_(s)
+    assert qg.scale_words(s, 384, 128) is not None and qg.scale_words(shifted, 384, 128) is None
+    assert qg.scale_words(s, 384, 64) is None and qg.scale_words(s, 352, 128) is None
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    y64, abs64 = ref_linear(x, w, s, True, fp4)
+    for scale in (s, shifted):
+        y = fn(x, w, scale, True, k_iters=3, stages=stages, mma=dtype == torch.bfloat16)
+        assert_close_to_ref(y, y64, abs64)
+
+
 # ------------------------------------------------------------------------------------------- launch heuristic
-def test_gemv_plan_gives_every_sm_work_even_for_small_weights():
-    small = qg.gemv_plan(1, 1280, 5120, False)  # wq_a
-    n_tiles, split, m_tiles = small["grid"]
-    assert n_tiles * split * m_tiles >= 2 * 132  # the H200's SMs, twice over
-    assert split == -(-5120 // small["BLOCK_K"]) == small["SPLIT_K"]
-    assert n_tiles == -(-1280 // small["BLOCK_N"])
+def test_gemv_plan_sizes_the_pipelined_grid_to_the_sms():
+    # bf16 x (mma=True: tensor-core tiles, pipelined, STAGES 3, 64-row tiles): the largest K split that keeps the
+    # grid at or under 4 programs per SM (132 SMs -> 528), K tiles evened out over the splits. Hand-computed for
+    # the h200 shapes:
+    wq_b = qg.gemv_plan(1, 32768, 1280, False, mma=True)  # 512 row tiles -> no split, 10 K tiles per program
+    assert (wq_b["MMA"], wq_b["STAGES"], wq_b["BLOCK_N"], wq_b["K_ITERS"], wq_b["SPLIT_K"], wq_b["grid"]) == (
+        True, 3, 64, 10, 1, (512, 1, 1))
+    wo_b = qg.gemv_plan(1, 5120, 8192, False, mma=True)  # 80 row tiles -> 528 // 80 = 6 splits of 11 of the 64 K tiles
+    assert (wo_b["K_ITERS"], wo_b["SPLIT_K"], wo_b["SPLIT_POW2"], wo_b["grid"]) == (11, 6, 8, (80, 6, 1))
+    wq_a = qg.gemv_plan(1, 1280, 5120, False, mma=True)  # 20 row tiles -> 26 splits -> 2 K tiles each -> 20 splits
+    assert (wq_a["K_ITERS"], wq_a["grid"]) == (2, (20, 20, 1))
+    assert qg.gemv_plan(1, 1280, 5120, False, sm_count=66, mma=True)["K_ITERS"] == 4  # 13 splits -> 4 tiles -> 10 splits
+    head = qg.gemv_plan(1, 129280, 5120, False, mma=True)  # 2020 row tiles: more than 528 already, no split
+    assert (head["K_ITERS"], head["SPLIT_K"]) == (40, 1)
+    # Grouped experts: 6 pairs x 36 row tiles = 216 -> 2 splits of 20 of the 40 K tiles (432 programs).
+    grouped = qg.gemv_plan(1, 2304, 5120, True, groups=6, mma=True)
+    assert (grouped["K_ITERS"], grouped["SPLIT_K"]) == (20, 2)
     assert qg.gemv_plan(8, 5120, 2304, True)["BLOCK_M"] == 8
     assert qg.gemv_plan(3, 5120, 2304, True)["BLOCK_M"] == 4
     assert qg.gemv_plan(20, 64, 64, False)["grid"][2] == 3  # x rows tiled by 8
@@ -262,17 +302,20 @@ def test_gemv_plan_gives_every_sm_work_even_for_small_weights():
         qg.gemv_plan(1, 64, 64, False, block_k=48)
     with pytest.raises(ValueError, match="k_iters"):
         qg.gemv_plan(1, 64, 64, False, k_iters=0)
+    with pytest.raises(ValueError, match="stages"):
+        qg.gemv_plan(1, 64, 64, False, stages=0)
 
 
-def test_gemv_plan_loops_over_k_only_where_programs_stay_plentiful():
-    # The rule measured on the H200 (module constants): 4 K tiles per program if >= 4096 programs remain,
-    # 2 if >= 320, else 1. head: 1010 n-tiles x 40 K tiles -> 4 (10100 programs); shared_w1 (18 x 40) -> 2;
-    # wq_a (10 x 40) -> 1, since 2 would leave 200 programs for 132 SMs.
+def test_gemv_plan_tile_at_once_loops_over_k_only_where_programs_stay_plentiful():
+    # FMA tiles (fp32 / fp16 x, and upcast_gemv), STAGES 1 by default, the rule measured on the H200 (module constants): 4 K tiles per program if
+    # >= 4096 programs remain, 2 if >= 320, else 1. head: 1010 n-tiles x 40 K tiles -> 4 (10100 programs);
+    # shared_w1 (18 x 40) -> 2; wq_a (10 x 40) -> 1, since 2 would leave 200 programs for 132 SMs.
     head = qg.gemv_plan(1, 129280, 5120, False)
-    assert (head["K_ITERS"], head["SPLIT_K"], head["SPLIT_POW2"]) == (4, 10, 16)
-    assert qg.gemv_plan(1, 2304, 5120, True)["K_ITERS"] == 2
-    assert qg.gemv_plan(1, 1280, 5120, False)["K_ITERS"] == 1
-    assert qg.gemv_plan(1, 64, 64, False)["K_ITERS"] == 1  # never more tiles per program than K has
+    assert (head["MMA"], head["STAGES"], head["K_ITERS"], head["SPLIT_K"], head["SPLIT_POW2"], head["BLOCK_N"]) == (
+        False, 1, 4, 10, 16, 128)
+    assert qg.gemv_plan(1, 2304, 5120, True, stages=1)["K_ITERS"] == 2
+    assert qg.gemv_plan(1, 1280, 5120, False, stages=1)["K_ITERS"] == 1
+    assert qg.gemv_plan(1, 64, 64, False, stages=1)["K_ITERS"] == 1  # never more tiles per program than K has
 
 
 # ------------------------------------------------------------------------------------------- op registration

@@ -28,13 +28,15 @@ capture; the kernel never reads outside `weight` / `scale` (an invalid expert's 
 NaN to every element of y[n, j, :] whose index is invalid, so the error shows up in the output, not as a silent
 wrong expert or a memory fault.
 
-Kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies one [BLOCK_N, BLOCK_K]
-tile of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
-inside, FP32 accumulation); the K splits of an output tile combine through the split-K arrival counters of
-`_common.split_k_counters`, exactly as `quant_gemv` does (last program to arrive sums the partials in split
-order: deterministic). Block sizes come from `quant_gemv.gemv_plan` for M = 1 (`grouped_gemv_plan`), so a
-batch-1 decode step of the h200 preset (k = 6; w1/w3: out = 2304, K = 5120) runs 36 x 40 x 6 = 8640 programs of
-one 64 x 128 FP4 tile (4 KiB of codes) each, and every SM has loads in flight.
+Kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
+tiles of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
+inside, FP32 accumulation; or `quant_gemv._mma_tile` on the tensor cores with `mma=True`); the K splits of an
+output tile combine through the split-K arrival counters of `_common.split_k_counters`, exactly as `quant_gemv`
+does (last program to arrive sums the partials in split order: deterministic). Block sizes come from
+`quant_gemv.gemv_plan` for M = 1 (`grouped_gemv_plan`), so a batch-1 decode step of the h200 preset (k = 6;
+w1/w3: out = 2304, K = 5120) runs 18 x 20 x 6 = 2160 programs of two 128 x 128 FP4 tiles (8 KiB of codes each).
+Measured on the H200 (bench/results/2026-11-30_h200_s7_gemv): 37 us for w1 and for w2, 24 % of copy bandwidth;
+the pipelined and tensor-core tile loops of `quant_gemv` take 42 / 59 us there.
 Under PDL the program waits (`gdc_wait`) before reading its index (the router's top-k wrote it), so, unlike the
 plain GEMV, weight loads cannot start before the previous kernel ends.
 
@@ -53,8 +55,9 @@ import triton.language as tl
 
 from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
 
-from ._common import check_same_device, check_tensor, require_launchable, round_bf16, split_k_counters, use_pdl_for
-from .quant_gemv import _gemv_tile, gemv_plan
+from ._common import (check_same_device, check_tensor, is_interpreted, require_launchable, round_bf16,
+                      split_k_counters, use_pdl_for)
+from .quant_gemv import _gemv_tile, _mma_tile, device_sm_count, gemv_plan, scale_words
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "MAX_TRITON_PAIRS"]
@@ -132,7 +135,8 @@ def _grouped_gemv_kernel(
     x_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr,
     P, N_OUT, K, E, X_ROW_DIV, stride_xr, stride_we, stride_wn, stride_se, stride_sn,
     ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, MMA: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (n-tile, k-split, pair): pair = token * k + slot owns y[pair, n-tile]; it reads the x row
     # pair // X_ROW_DIV (X_ROW_DIV = k when the token's row is shared by its experts, else 1).
@@ -160,10 +164,20 @@ def _grouped_gemv_kernel(
     zero = pair * 0  # a tensor 0 (the tile helper calls .to() on its row index)
     offs_m = tl.arange(0, 1)
     acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for it in range(K_ITERS):
-        acc = _gemv_tile(x_row, w_exp, s_exp, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
-                         zero, 1, K, 0, stride_wn, stride_sn,
-                         True, ACT_QUANT, X_FP16, 1, BLOCK_N, NKB, False)
+    # Software-pipelined K loop (STAGES > 1: tile it + STAGES - 1 is copied while tile it is multiplied); bf16 x
+    # multiplies on the tensor cores (`quant_gemv._mma_tile`), other dtypes on the CUDA cores.
+    if MMA:
+        acc_t = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            acc_t = _mma_tile(x_row, w_exp, s_exp, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, zero, 1,
+                              K, 0, stride_wn, stride_sn, True, ACT_QUANT, 1, BLOCK_N, BLOCK_K, 16, SCALE_WORDS,
+                              DOT_F32)
+        acc += tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc_t, 0.0), axis=1)[None, :]
+    else:
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            acc = _gemv_tile(x_row, w_exp, s_exp, acc, offs_n, n_ok, offs_m, kb, j32,
+                             (pid_k * K_ITERS + it) * BLOCK_K, zero, 1, K, 0, stride_wn, stride_sn,
+                             True, ACT_QUANT, X_FP16, 1, BLOCK_N, NKB, False, SCALE_WORDS)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -203,12 +217,12 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
     """Launch parameters for `pairs` (token, expert) pairs of an [n, k] FP4 expert weight.
 
-    The tile shape, K split and warps are `quant_gemv.gemv_plan(1, n, k, fp4=True)` (one x row per pair; the
-    heuristic and its H200 measurements are documented there); the grid is (n tiles, K splits, pairs).
-    `overrides` (block_n, block_k, num_warps, k_iters) are passed on. Returns gemv_plan's dict with `grid`
-    replaced. Raises ValueError as gemv_plan does.
+    `quant_gemv.gemv_plan(1, n, k, fp4=True, groups=pairs)`: one x row per pair, the K split sized over every
+    pair's tiles (the heuristic and its H200 measurements are documented there); the grid is (n tiles, K splits,
+    pairs). `overrides` (block_n, block_k, num_warps, k_iters, stages, sm_count, mma) are passed on. Returns
+    gemv_plan's dict with `grid` replaced. Raises ValueError as gemv_plan does.
     """
-    plan = gemv_plan(1, n, k, True, **overrides)
+    plan = gemv_plan(1, n, k, True, groups=pairs, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     return dict(plan, grid=(n_tiles, split_k, pairs))
 
@@ -239,8 +253,16 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
     idx = indices.reshape(pairs).contiguous()
+    overrides.setdefault("sm_count", device_sm_count(x.device))
+    if overrides.get("mma") and x2.dtype != torch.bfloat16:
+        raise ValueError(f"mma=True needs bf16 x, got {x2.dtype}")
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]
+    # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
+    # its byte loads, as measured (equal times on the H200, fewer registers with Triton 3.9).
+    words = scale_words(scale, kk, plan["BLOCK_K"]) if plan["STAGES"] > 1 else None
+    if words is not None:
+        scale = words
     if split_k > 1:
         part = _empty((split_k, pairs, out), torch.float32, x.device)
         cnt = split_k_counters(x.device, n_tiles * pairs)
@@ -254,7 +276,9 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         pairs, out, kk, e, k if shared else 1, x2.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1),
         ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
-        BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        STAGES=plan["STAGES"], SCALE_WORDS=words is not None, MMA=plan["MMA"],
+        DOT_F32=is_interpreted(_grouped_gemv_kernel), BLOCK_N=plan["BLOCK_N"],
+        BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return y
 
 

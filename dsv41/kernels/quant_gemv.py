@@ -30,15 +30,29 @@ stores its FP32 partial to a workspace, then bumps a per-output-tile counter; th
 sums the partials in K order (deterministic) and writes y, then resets the counter. One launch, no memset:
 the counters live in a per-(device, stream) buffer that each launch leaves at zero.
 
+Two other tile loops exist, opt-in through `gemv_plan` (`stages`, `mma`), both measured slower on the H200:
+- pipelined FMA tiles (STAGES > 1): 64-row tiles in a K loop that Triton's software pipeliner turns into cp.async
+  copies to shared memory (the scales are then read as int32 words, `scale_words`: byte loads are not copied
+  asynchronously and stall every iteration);
+- tensor-core tiles (`mma=True`, bf16 x only, `_mma_tile`): the weight tile dequantised to bf16 and x fake-quantised
+  to bf16 (both exact: E4M3/E2M1 codes times powers of two), multiplied by a wgmma with FP32 accumulation, which
+  is the reference's own bf16 F.linear.
+
 Measured on the H200 (bench/kernels.py --sweep --pdl, CUDA-graph replay over weight copies larger than L2,
-M = 1, bf16 x, act_quant; fraction of the 4.25 TB/s copy bandwidth; bench/results/2026-11-29_h200_kernels_v2):
-head 129280x5120 71 %, wq_b 45 %, wo_b 46 %; the 3-7 MB weights (wq_a, shared experts, FP4 experts) take 5.6-8.2
-us, latency-bound, on par with or faster than a bf16 cuBLAS GEMV that reads 2-4x the bytes. Not reached: the
-80 % target (the FP8 decode + FMA per weight byte and the split-K combine are what remains; the FP4 decode is
-ALU-bound), and M = 4-8 costs M FMAs per weight byte.
+M = 1, bf16 x, act_quant; fraction of the 4.2 TB/s copy bandwidth; bench/results/2026-11-29_h200_kernels_v2,
+2026-11-30_h200_s7_gemv): tile at once, head 129280x5120 71 %, wq_b / wo_b 46-47 % (21.3 us), the 3-7 MB weights
+(wq_a, shared experts, FP4 experts) 5.7-8.3 us, latency-bound, on par with or faster than a bf16 cuBLAS GEMV that
+reads 2-4x the bytes. At their best (128-row tiles, 3 stages) the pipelined FMA tiles take wq_b 22.5 us, wo_b 24.4
+us and the tensor-core tiles 25.4 / 27.1 us; both are slower at every h200 shape and on the grouped experts.
+Nsight Compute on wq_b (tile at once): DRAM 44 % of peak, 120 registers
+(4 programs, 25 % occupancy per SM), 39 % of warp stalls on shared-memory results (the layout conversions of x and
+the scales into the weight tile's layout and the block-sum reductions). Not reached: the 80 % target; M = 4-8
+costs M FMAs per weight byte.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +62,8 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
 
 from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round,
-                      exp2_int, next_power_of_2, require_launchable, round_bf16, split_k_counters, split_k_merge_2d,
-                      ue8m0_exponent, use_pdl_for)
+                      exp2_int, is_interpreted, next_power_of_2, require_launchable, round_bf16, split_k_counters,
+                      split_k_merge_2d, ue8m0_exponent, use_pdl_for)
 
 __all__ = [
     "linear_fp8_block", "linear_fp4",
@@ -73,6 +87,13 @@ _NUM_WARPS = 4
 #: else 1. Measured (sweep with PDL, CUDA-graph replay): head 129280x5120 239 -> 221 us (65 % -> 71 % of the
 #: copy bandwidth) at 4, shared_w1 / expert_w1 9.1 / 9.3 -> 8.2 us at 2, wq_a best at 1 (400 programs).
 _K_ITERS_RULE = ((4, 4096), (2, 320))
+#: Software-pipeline depth of the tensor-core K loop (`gemv_plan`, STAGES): tiles a program has in flight + 1.
+_MMA_STAGES = 3
+#: Rows per tile of the pipelined kernel and the programs per SM its grid is sized for (all resident at once: at
+#: BLOCK_N 64 the FP8 kernel takes 94 registers and 28 KiB of shared memory at 4 stages, Triton 3.9 for sm_90).
+_PIPELINED_BLOCK_N = 64
+_PROGRAMS_PER_SM = 4
+_DEFAULT_SMS = 132
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -138,11 +159,21 @@ def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_m, M, K, stride_xm, stride_wn,
                stride_sn, FP4: tl.constexpr, ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile)."""
+               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile).
+
+    SCALE_WORDS: `s_ptr` / `stride_sn` address the scale rows as int32 words (four UE8M0 bytes, little-endian),
+    which the software pipeliner can copy asynchronously; byte loads (SCALE_WORDS False) it cannot, and they stall
+    every iteration on a DRAM round trip. Needs K % 128 == 0 and k0 % 128 == 0 (the caller checks).
+    """
     k_ok = (k0 + kb * 32) < K
     w_mask = n_ok[:, None, None] & k_ok[None, :, None]
     s_mask = n_ok[:, None] & k_ok[None, :]
+    s_rows = offs_n if FP4 else offs_n // 32
+    if SCALE_WORDS:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
+    else:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
 
     # Weights and scales first: they never come from the previous kernel, so under PDL their reads
     # overlap that kernel's tail.
@@ -150,13 +181,12 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_
         j16 = tl.arange(0, 16)
         w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
                         + (k0 // 2 + kb[None, :, None] * 16 + j16[None, None, :]), mask=w_mask, other=0)
-        s_raw = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :]),
-                        mask=s_mask, other=0)
     else:
         w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
                         + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
-        s_raw = tl.load(s_ptr + (offs_n // 32)[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :]),
-                        mask=s_mask, other=0)
+    s_raw = tl.load(s_ptr + s_off, mask=s_mask, other=0)
+    if SCALE_WORDS:
+        s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -207,17 +237,80 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_
 
 
 @triton.jit
+def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm, stride_wn, stride_sn,
+              FP4: tl.constexpr, ACT_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, MMA_N: tl.constexpr, SCALE_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BLOCK_N, MMA_N] + dequant(W[offs_n, k0:k0+BLOCK_K]) @ fq8(x[m-tile, k0:k0+BLOCK_K])^T on the tensor
+    cores, for bf16 x: the weight tile is dequantised to bf16 (code x UE8M0 scale, exact, as the reference's
+    dequantize to x.dtype rounds it) and x is fake-quantised to E4M3 x UE8M0 values, also exact in bf16, so the
+    bf16 MMA with FP32 accumulation computes the reference's F.linear. Columns >= BLOCK_M of the x^T operand are
+    zero (an MMA needs MMA_N >= 16). Same scale addressing (SCALE_WORDS) as `_gemv_tile`. DOT_F32 (the
+    interpreter, whose bf16 tl.dot multiplies the raw bits in Triton 3.9) multiplies the same bf16 values in FP32."""
+    NKB: tl.constexpr = BLOCK_K // 32
+    kb = tl.arange(0, NKB)
+    k_ok = (k0 + kb * 32) < K
+    s_rows = offs_n if FP4 else offs_n // 32
+    if SCALE_WORDS:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
+    else:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
+    s_raw = tl.load(s_ptr + s_off, mask=n_ok[:, None] & k_ok[None, :], other=0)
+    if SCALE_WORDS:
+        s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
+    w_mask = n_ok[:, None, None] & k_ok[None, :, None]
+    if FP4:
+        j16 = tl.arange(0, 16)
+        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
+                        + (k0 // 2 + kb[None, :, None] * 16 + j16[None, None, :]), mask=w_mask, other=0)
+        c = w_raw.to(tl.int32)
+        w3 = tl.reshape(tl.join(e2m1_value_scaled_down(c & 15), e2m1_value_scaled_down(c >> 4)),
+                        [BLOCK_N, NKB, 32])
+        sw = exp2_int(s_raw.to(tl.int32)) * E2M1_HALF_SCALE  # exact unless the UE8M0 byte exceeds 240
+    else:
+        j32 = tl.arange(0, 32)
+        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
+                        + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
+        w3 = w_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sw = exp2_int(s_raw.to(tl.int32))
+    w_bf16 = tl.reshape((w3 * sw[:, :, None]).to(tl.bfloat16), [BLOCK_N, BLOCK_K])
+
+    # x^T tile [BLOCK_K, MMA_N]; one real row for M = 1 (quantised once, then widened), else MMA_N rows.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    XN: tl.constexpr = 1 if BLOCK_M == 1 else MMA_N
+    offs_x = pid_m * BLOCK_M + tl.arange(0, XN)
+    x_ok = (offs_x < M) & (offs_x < pid_m * BLOCK_M + BLOCK_M)
+    xv = tl.load(x_ptr + offs_x[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
+                 mask=(offs_k < K)[:, None] & x_ok[None, :], other=0.0).to(tl.float32)
+    if ACT_QUANT:
+        # formats.quantize_fp8_1x32 per 32 along K, as in `_gemv_tile`.
+        x3 = tl.reshape(xv, [NKB, 32, XN])
+        amax = tl.maximum(tl.max(tl.abs(x3), axis=1), 1e-4)
+        e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
+        q = tl.minimum(tl.maximum(x3 * exp2_int(254 - e)[:, None, :], -448.0), 448.0)
+        qr = e4m3_round(tl.abs(q))
+        xv = tl.reshape(tl.where(q < 0, -qr, qr) * exp2_int(e)[:, None, :], [BLOCK_K, XN])
+    if BLOCK_M == 1:
+        xt = tl.where((tl.arange(0, MMA_N) == 0)[None, :], xv, 0.0)
+    else:
+        xt = xv
+    if DOT_F32:
+        return tl.dot(w_bf16.to(tl.float32), xt.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w_bf16, xt.to(tl.bfloat16), acc)
+
+
+@triton.jit
 def _quant_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     FP4: tl.constexpr, ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
-    K_ITERS: tl.constexpr,
+    K_ITERS: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, MMA: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (n-tile, k-split, m-tile) multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles, each
     # loaded with every request in flight at once; the K splits of one output tile (SPLIT_K = grid dim 1) are
     # combined by the last program to finish.
     NKB: tl.constexpr = BLOCK_K // 32
+    MMA_N: tl.constexpr = 16
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,10 +321,37 @@ def _quant_gemv_kernel(
     j32 = tl.arange(0, 32)
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in range(K_ITERS):
-        acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
-                         pid_m, M, K, stride_xm, stride_wn, stride_sn,
-                         FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL)
+    if MMA:
+        # bf16 x: tensor-core tiles (`_mma_tile`) in a software-pipelined K loop: the pipeliner copies tile
+        # it + STAGES - 1 into shared memory (cp.async) while tile it is multiplied. A PDL wait inside the loop
+        # stops the pipeliner (Triton 3.6-3.9), so it comes first.
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        acc_t = tl.zeros([BLOCK_N, MMA_N], dtype=tl.float32)
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            acc_t = _mma_tile(x_ptr, w_ptr, s_ptr, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M,
+                              K, stride_xm, stride_wn, stride_sn, FP4, ACT_QUANT, BLOCK_M, BLOCK_N, BLOCK_K, MMA_N,
+                              SCALE_WORDS, DOT_F32)
+        # Column mm of acc_t is x row pid_m * BLOCK_M + mm: move the BLOCK_M real ones into acc [BLOCK_M, BLOCK_N].
+        cols = tl.arange(0, MMA_N)
+        for mm in tl.static_range(BLOCK_M):
+            row = tl.sum(tl.where((cols == mm)[None, :], acc_t, 0.0), axis=1)
+            acc += tl.where((tl.arange(0, BLOCK_M) == mm)[:, None], row[None, :], 0.0)
+    elif STAGES > 1:
+        # Software-pipelined FMA tiles (`_gemv_tile`); the PDL wait comes first, as above.
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
+                             (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
+                             FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, False, SCALE_WORDS)
+    else:
+        # Tile at once: each K_ITERS tile issues every load at once; under PDL the wait follows the weight loads,
+        # which overlap the previous kernel's tail.
+        for it in range(K_ITERS):
+            acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
+                             (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
+                             FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL, SCALE_WORDS)
 
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -255,28 +375,36 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, block_k: int | None = None,
-              num_warps: int | None = None, k_iters: int | None = None) -> dict:
+              num_warps: int | None = None, k_iters: int | None = None, stages: int | None = None,
+              sm_count: int | None = None, groups: int = 1, mma: bool = False) -> dict:
     """Launch parameters of the GEMV kernel for x [m, k] and an [n, k] weight (the documented heuristic).
 
-    One program per weight tile [BLOCK_N, BLOCK_K] and x row tile (grid = n tiles x k tiles x m tiles):
-    a program issues all of its tile's loads at once, and the GPU overlaps programs, so no K loop stalls on
-    latency. Choices (measured on the H200 with bench/kernels.py --sweep):
+    Grid = n tiles x K splits x m tiles; a program multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles.
     - BLOCK_M = next power of two >= min(m, 8) (rows of x per program).
-    - BLOCK_N = 128 rows; at most 64 for BLOCK_M >= 4 (the per-row partial sums add registers).
-    - BLOCK_K = 128: 128 weight bytes per row per program for FP8, with K tiles as separate programs, even
-      wq_a (1280 x 5120) gets 10 x 40 programs, so every SM has loads in flight.
-    - K_ITERS = K tiles per program (`_K_ITERS_RULE`: fewer, longer programs where there are many); SPLIT_K = ceil(K tiles / K_ITERS) programs
-      per output tile; when > 1 the last program of an output tile sums the FP32 partials, all SPLIT_K of them
-      in one vector load (SPLIT_POW2 = SPLIT_K rounded up to a power of two).
+    - Default: CUDA-core FMA tiles, STAGES = 1 (the fastest measured layout, module docstring). `mma=True` (bf16 x
+      only): tensor-core tiles, STAGES = `_MMA_STAGES` by default.
+    - STAGES > 1: the K loop is software-pipelined, so a program streams its whole K range
+      with STAGES - 1 tiles in flight. BLOCK_N = 64, BLOCK_K = 128, and the K split is the largest that keeps
+      the grid at or under `_PROGRAMS_PER_SM` programs per SM (`sm_count` SMs, default 132: the H200), at least
+      one: every program is resident from the start, with no tail wave and few split-K partials.
+      `groups` independent GEMVs of this shape in one launch (`grouped_gemv`) count towards that grid.
+    - STAGES = 1 (the tile-at-once layout, also `upcast_gemv`'s): BLOCK_N = 128 (64 for BLOCK_M >= 4), BLOCK_K =
+      128, K_ITERS by `_K_ITERS_RULE` (many short programs that overlap each other instead of a pipeline).
+    - SPLIT_K = ceil(K tiles / K_ITERS); K_ITERS is then evened out over the splits. When SPLIT_K > 1 the last
+      program of an output tile sums the FP32 partials in one vector load (SPLIT_POW2 = SPLIT_K rounded up to a
+      power of two).
     Explicit arguments override the heuristic (tests and benchmarks use this).
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps and the grid
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, STAGES, MMA, SPLIT_K, SPLIT_POW2, num_warps and the grid
     (n tiles, K splits, m tiles).
-    Raises: ValueError for a block_n / block_k that is not a power of two (block_k also a multiple of 32) or
-    k_iters < 1.
+    Raises: ValueError for a block_n / block_k that is not a power of two (block_k also a multiple of 32),
+    k_iters < 1 or stages < 1.
     """
+    stages = (_MMA_STAGES if mma else 1) if stages is None else stages
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
     block_m = min(next_power_of_2(max(m, 1)), MAX_TRITON_M)
     if block_n is None:
-        block_n = _BLOCK_N[fp4]
+        block_n = _BLOCK_N[fp4] if stages == 1 else _PIPELINED_BLOCK_N
         if block_m >= 4:
             block_n = min(block_n, 64)
     if block_n & (block_n - 1):
@@ -289,15 +417,42 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
         raise ValueError(f"block_k={block_k} must be a power of two and a multiple of 32")
     k_tiles = -(-k // block_k)
     if k_iters is None:
-        k_iters = next((it for it, min_programs in _K_ITERS_RULE
-                        if n_tiles * m_tiles * -(-k_tiles // it) >= min_programs), 1)
+        if stages == 1:
+            k_iters = next((it for it, min_programs in _K_ITERS_RULE
+                            if n_tiles * m_tiles * -(-k_tiles // it) >= min_programs), 1)
+        else:
+            target = (sm_count or _DEFAULT_SMS) * _PROGRAMS_PER_SM
+            k_iters = -(-k_tiles // max(1, target // (n_tiles * m_tiles * max(groups, 1))))
     if k_iters < 1:
         raise ValueError(f"k_iters={k_iters} must be >= 1")
     k_iters = min(k_iters, k_tiles)
     split_k = -(-k_tiles // k_iters)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters, SPLIT_K=split_k,
+    k_iters = -(-k_tiles // split_k)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters, STAGES=stages, MMA=bool(mma),
+                SPLIT_K=split_k,
                 SPLIT_POW2=next_power_of_2(split_k), num_warps=num_warps or _NUM_WARPS,
                 grid=(n_tiles, split_k, m_tiles))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA `device` (None for other devices: plans then assume an H200)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scale_words(scale: torch.Tensor, k: int, block_k: int) -> torch.Tensor | None:
+    """`scale` (uint8 [..., K/32], last dim contiguous) viewed as int32 words of four UE8M0 bytes, or None when
+    the pipelined kernel cannot read it that way (K or BLOCK_K not a multiple of 128, rows or start not 4-byte
+    aligned): the kernel then loads bytes (`SCALE_WORDS` in `_gemv_tile`)."""
+    if k % 128 or block_k % 128 or scale.storage_offset() % 4 or any(st % 4 for st in scale.stride()[:-1]):
+        return None
+    return scale.view(torch.int32)
 
 
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
@@ -315,8 +470,16 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
+    overrides.setdefault("sm_count", device_sm_count(x.device))
+    if overrides.get("mma") and x2.dtype != torch.bfloat16:
+        raise ValueError(f"mma=True needs bf16 x, got {x2.dtype}")
     plan = gemv_plan(m, n, k, fp4, **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
+    # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
+    # its byte loads, as measured (equal times on the H200, fewer registers with Triton 3.9).
+    words = scale_words(scale, k, plan["BLOCK_K"]) if plan["STAGES"] > 1 else None
+    if words is not None:
+        scale = words
     if split_k > 1:
         part = _empty((split_k, m, n), torch.float32, x.device)
         cnt = split_k_counters(x.device, n_tiles * m_tiles)
@@ -329,8 +492,10 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         x2, weight, scale, y, part, cnt,
         m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         FP4=fp4, ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
-        BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl,
-        num_warps=plan["num_warps"], **extra)
+        STAGES=plan["STAGES"], SCALE_WORDS=words is not None, MMA=plan["MMA"],
+        DOT_F32=is_interpreted(_quant_gemv_kernel), BLOCK_M=plan["BLOCK_M"],
+        BLOCK_N=plan["BLOCK_N"],
+        BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return y.reshape(*lead, n)
 
 

@@ -131,7 +131,7 @@ def upcast_plan(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
     """
     from .quant_gemv import gemv_plan
     return gemv_plan(m, n, k, False, block_n=block_n, block_k=block_k or _BLOCK_K, num_warps=num_warps,
-                     k_iters=k_iters)
+                     k_iters=k_iters, stages=1)
 
 
 def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
