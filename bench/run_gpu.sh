@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate tp e2e ctx diag
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate tp e2e ctx diag compile
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -53,10 +53,18 @@ for s in $sections; do
           --prompt-len ${TP_PROMPT_LEN:-64} --new-tokens ${TP_NEW_TOKENS:-8} \
           --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
       done ;;
+    compile)
+      # One cold dsv41 compile of `small` alone, then Dynamo/Inductor's per-phase compile times (2026-11-30: the
+      # cold compile + first run took over 340 s where it had taken 161 s; cause not found).
+      timeout ${COMPILE_TIMEOUT:-560} python3 -c "import atexit, runpy, sys, torch._dynamo.utils as u; \
+atexit.register(lambda: print(u.compile_times())); sys.argv = ['dsv41'] + sys.argv[1:]; \
+runpy.run_module('dsv41', run_name='__main__')" run --preset ${PRESET:-small} --device cuda --prompt-len 16 \
+        --new-tokens 4 --json "$OUTDIR/compile_${PRESET:-small}.json" 2>&1 | tail -60 ;;
     ctx)
-      # Decode tok/s vs context (synthetic caches) for eager, inductor and dsv41 in one run, plus the attention /
-      # indexer kernels at h200 shapes at the same contexts against their byte floors.
-      timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,inductor,dsv41} \
+      # Decode tok/s vs context (synthetic caches), plus the attention / indexer kernels at h200 shapes at the same
+      # contexts against their byte floors. Three cold `small` compiles no longer fit a call (2026-11-30: inductor
+      # 205 s, dsv41 > 340 s), so the default is eager and dsv41; BACKENDS=eager,inductor for the other curve.
+      timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,dsv41} \
         --prompt-len 128 --new-tokens 16 --repeats 2 --no-warm-compile ${BENCH_OPTIONS:---option gpu_unvalidated=true} \
         --contexts ${CONTEXTS:-4096,32768,131072} --context-tokens 16 --json "$OUTDIR/ctx_${PRESET:-small}.json" 2>&1 | tail -40
       python3 bench/kernels.py --families --pdl --only sparse_fp4_attention indexer_scores indexer_topk indexer_candidates \

@@ -110,6 +110,25 @@ def test_sweep_configs_are_correct(name, over, monkeypatch):
     _check(fn(x, w, s, True, **over), x, w, s, True, fp4)
 
 
+@pytest.mark.parametrize("name", list(_SWEEP_SHAPES))
+def test_opt_in_tile_loops_with_several_rows_and_other_dtypes(name, monkeypatch):
+    # The real bf16 wgmma with 4 and 8 live x columns, and the pipelined FMA loop with fp32 / fp16 x (the sweep
+    # times M = 1 bf16 only), against the float64 reference.
+    fp4, n, k = _SWEEP_SHAPES[name]
+    w, s = _weights(n, k, fp4, seed=n + k + 2)
+    monkeypatch.setattr(qg, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                               device=device))
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    for m in (4, 8):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 2
+        for over in (dict(mma=True), dict(mma=True, block_n=128, stages=3)):
+            _check(fn(x, w, s, True, **over), x, w, s, True, fp4)
+    for dtype in (torch.float32, torch.float16):
+        x = (torch.randn(3, k, device=DEV) * 2).to(dtype)
+        for aq in (True, False):
+            _check(fn(x, w, s, aq, stages=3), x, w, s, aq, fp4)
+
+
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_gemv_other_dtypes_and_no_act_quant(fp4, dtype):

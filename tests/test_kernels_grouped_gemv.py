@@ -173,6 +173,13 @@ GROUPED_CASES = [
     (2, 3, 7, 72, 64, torch.float16, False, True, {}),                      # fp16 roundings
     (1, 6, 9, 40, 96, torch.bfloat16, True, False, {"block_n": 16}),        # no act quant, 3 out tiles
     (4, 1, 3, 24, 256, torch.float32, True, True, {"block_k": 64, "k_iters": 3}),  # K loop: splits 3 + 1
+    # pipelined K loops (scales read as int32 words where K % 128 == 0) and tensor-core tiles (bf16 x only)
+    (2, 3, 5, 40, 384, torch.float32, True, True, {"stages": 3, "k_iters": 3}),     # words, one split
+    (2, 3, 5, 40, 640, torch.float16, False, True, {"stages": 2, "k_iters": 2}),    # words, 3 uneven splits
+    (1, 6, 9, 40, 160, torch.float32, True, True, {"stages": 3, "block_k": 32}),    # byte scales, 5 splits
+    (2, 3, 5, 40, 384, torch.bfloat16, True, True, {"mma": True, "stages": 3, "k_iters": 3}),
+    (3, 2, 5, 72, 640, torch.bfloat16, False, True, {"mma": True, "k_iters": 2, "block_n": 32}),
+    (1, 6, 9, 40, 96, torch.bfloat16, True, False, {"mma": True, "block_n": 16}),   # partial K tile, no aq
 ]
 
 
@@ -193,6 +200,36 @@ def test_triton_grouped_gemv_matches_float64_reference(case, poisoned_outputs):
     y = gg.triton_grouped_linear_fp4(x, w, s, idx, act_quant, **overrides)
     assert y.shape == (n, k, out) and y.dtype == dtype
     assert_close_to_ref(y, *ref_grouped(x, w, s, idx, act_quant))
+
+
+@interpreted
+@pytest.mark.parametrize("stages", [1, 3])
+def test_word_and_byte_scales_agree_with_reference(stages, poisoned_outputs):
+    # The same scales contiguous (int32 words when pipelined) and one byte into a larger buffer (bytes), on the
+    # CUDA-core and tensor-core paths.
+    gen = torch.Generator().manual_seed(21 + stages)
+    w, s = make_experts(4, 40, 384, gen)
+    shifted = torch.empty(s.numel() + 1, dtype=torch.uint8)[1:].view(s.shape)
+    shifted.copy_(s)
+    idx = make_indices(2, 3, 4, gen)
+    for dtype, mma in ((torch.float32, False), (torch.bfloat16, True)):
+        x = make_x(2, 3, 384, dtype, True, gen)
+        want = ref_grouped(x, w, s, idx, True)
+        for scale in (s, shifted):
+            y = gg.triton_grouped_linear_fp4(x, w, scale, idx, True, stages=stages, k_iters=3, mma=mma)
+            assert_close_to_ref(y, *want)
+
+
+@interpreted
+def test_tensor_core_tiles_need_bf16_activations():
+    gen = torch.Generator().manual_seed(22)
+    w, s = make_experts(4, 40, 128, gen)
+    idx = make_indices(2, 3, 4, gen)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match="mma=True .* needs bf16 x, got torch.float"):
+            gg.triton_grouped_linear_fp4(make_x(2, 3, 128, dtype, True, gen), w, s, idx, True, mma=True)
+    with pytest.raises(ValueError, match="needs bf16"):  # also with no rows to compute
+        gg.triton_grouped_linear_fp4(torch.zeros(0, 128), w, s, idx[:0], True, mma=True)
 
 
 @interpreted
@@ -256,9 +293,16 @@ def test_triton_marks_an_out_of_range_expert_with_nan_rows(poisoned_outputs):
 
 # ------------------------------------------------------------------------------------------- launch plan
 def test_decode_plan_gives_every_sm_work():
-    # h200 preset decode, batch 1: k = 6 experts; w1/w3 [2304, 5120], w2 [5120, 2304].
+    # h200 preset decode, batch 1: k = 6 experts; w1/w3 [2304, 5120], w2 [5120, 2304]. The default plan (tile at
+    # once): many short programs, at least eight per SM of the H200.
     for out, kdim in ((2304, 5120), (5120, 2304)):
-        plan = gg.grouped_gemv_plan(6, out, kdim, mma=True)  # bf16 x, the model's decode dtype
+        plan = gg.grouped_gemv_plan(6, out, kdim)
+        n_tiles, split, pairs = plan["grid"]
+        assert pairs == 6 and n_tiles == -(-out // plan["BLOCK_N"]) and split == plan["SPLIT_K"]
+        assert plan["STAGES"] == 1 and not plan["MMA"] and n_tiles * split * pairs >= 8 * 132
+    # The pipelined tensor-core plan (mma=True).
+    for out, kdim in ((2304, 5120), (5120, 2304)):
+        plan = gg.grouped_gemv_plan(6, out, kdim, mma=True)
         n_tiles, split, pairs = plan["grid"]
         assert pairs == 6 and n_tiles == -(-out // plan["BLOCK_N"]) and split == plan["SPLIT_K"]
         # Every pair's tiles count towards the grid: between 2 and 4 programs per SM of the H200 (132 SMs), each

@@ -277,6 +277,30 @@ def test_scales_read_as_words_or_bytes_match_reference(dtype, stages, fp4, poiso
         assert_close_to_ref(y, y64, abs64)
 
 
+@interpreted
+def test_tensor_core_tiles_need_bf16_activations():
+    gen = torch.Generator().manual_seed(23)
+    for fp4 in (False, True):
+        w, s = make_weights(40, 128, fp4, gen)
+        fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+        for dtype in (torch.float32, torch.float16):
+            with pytest.raises(ValueError, match="mma=True .* needs bf16 x, got torch.float"):
+                fn(torch.randn(2, 128).to(dtype), w, s, True, mma=True)
+        with pytest.raises(ValueError, match="needs bf16"):  # also with no rows to compute
+            fn(torch.zeros(0, 128), w, s, True, mma=True)
+
+
+def test_scale_words_checks_the_address_too():
+    # A view at storage offset 0 whose memory starts one byte past an int32 boundary cannot be read as words.
+    buf = bytearray(4 + 8 * 12)
+    base = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=(1 - base) % 4, count=8 * 12).view(8, 12)
+    assert raw.storage_offset() == 0 and raw.data_ptr() % 4 == 1
+    assert qg.scale_words(raw, 384, 128) is None
+    aligned = torch.zeros(8, 12, dtype=torch.uint8)
+    assert qg.scale_words(aligned, 384, 128).dtype == torch.int32 and qg.scale_words(aligned, 384, 128).shape == (8, 3)
+
+
 # ------------------------------------------------------------------------------------------- launch heuristic
 def test_gemv_plan_sizes_the_pipelined_grid_to_the_sms():
     # bf16 x (mma=True: tensor-core tiles, pipelined, STAGES 3, 64-row tiles): the largest K split that keeps the
@@ -304,6 +328,8 @@ def test_gemv_plan_sizes_the_pipelined_grid_to_the_sms():
         qg.gemv_plan(1, 64, 64, False, k_iters=0)
     with pytest.raises(ValueError, match="stages"):
         qg.gemv_plan(1, 64, 64, False, stages=0)
+    with pytest.raises(ValueError, match="sm_count"):
+        qg.gemv_plan(1, 64, 64, False, sm_count=0)
 
 
 def test_gemv_plan_tile_at_once_loops_over_k_only_where_programs_stay_plentiful():

@@ -57,7 +57,7 @@ from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
 
 from ._common import (check_same_device, check_tensor, is_interpreted, require_launchable, round_bf16,
                       split_k_counters, use_pdl_for)
-from .quant_gemv import _gemv_tile, _mma_tile, device_sm_count, gemv_plan, scale_words
+from .quant_gemv import _gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "MAX_TRITON_PAIRS"]
@@ -233,11 +233,12 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
 
     Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
-    (block_n, block_k, num_warps, k_iters) replace the `quant_gemv.gemv_plan` heuristic.
+    (block_n, block_k, num_warps, k_iters, stages, mma, sm_count) replace the `quant_gemv.gemv_plan` heuristic.
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
-        (token, expert) pairs.
+        (token, expert) pairs, for mma=True with x not bf16 and for invalid plan values.
     """
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
+    check_mma_dtype(x, overrides)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
@@ -254,8 +255,6 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         scale = scale.contiguous()
     idx = indices.reshape(pairs).contiguous()
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    if overrides.get("mma") and x2.dtype != torch.bfloat16:
-        raise ValueError(f"mma=True needs bf16 x, got {x2.dtype}")
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps

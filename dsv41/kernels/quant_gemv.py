@@ -69,7 +69,7 @@ __all__ = [
     "linear_fp8_block", "linear_fp4",
     "reference_linear_fp8_block", "reference_linear_fp4",
     "triton_linear_fp8_block", "triton_linear_fp4",
-    "gemv_plan", "MAX_TRITON_M",
+    "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "MAX_TRITON_M",
 ]
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
@@ -384,9 +384,10 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
     - Default: CUDA-core FMA tiles, STAGES = 1 (the fastest measured layout, module docstring). `mma=True` (bf16 x
       only): tensor-core tiles, STAGES = `_MMA_STAGES` by default.
     - STAGES > 1: the K loop is software-pipelined, so a program streams its whole K range
-      with STAGES - 1 tiles in flight. BLOCK_N = 64, BLOCK_K = 128, and the K split is the largest that keeps
-      the grid at or under `_PROGRAMS_PER_SM` programs per SM (`sm_count` SMs, default 132: the H200), at least
-      one: every program is resident from the start, with no tail wave and few split-K partials.
+      with STAGES - 1 tiles in flight. BLOCK_N = 64, BLOCK_K = 128, and the K split starts from the largest that
+      keeps the grid at or under `_PROGRAMS_PER_SM` programs per SM (`sm_count` SMs, default 132: the H200), at
+      least one, before the evening-out below (which may lower it): every program is resident from the start,
+      with no tail wave and few split-K partials.
       `groups` independent GEMVs of this shape in one launch (`grouped_gemv`) count towards that grid.
     - STAGES = 1 (the tile-at-once layout, also `upcast_gemv`'s): BLOCK_N = 128 (64 for BLOCK_M >= 4), BLOCK_K =
       128, K_ITERS by `_K_ITERS_RULE` (many short programs that overlap each other instead of a pipeline).
@@ -402,6 +403,8 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
     stages = (_MMA_STAGES if mma else 1) if stages is None else stages
     if stages < 1:
         raise ValueError(f"stages={stages} must be >= 1")
+    if sm_count is not None and sm_count < 1:
+        raise ValueError(f"sm_count={sm_count} must be >= 1")
     block_m = min(next_power_of_2(max(m, 1)), MAX_TRITON_M)
     if block_n is None:
         block_n = _BLOCK_N[fp4] if stages == 1 else _PIPELINED_BLOCK_N
@@ -449,14 +452,24 @@ def device_sm_count(device: torch.device) -> int | None:
 def scale_words(scale: torch.Tensor, k: int, block_k: int) -> torch.Tensor | None:
     """`scale` (uint8 [..., K/32], last dim contiguous) viewed as int32 words of four UE8M0 bytes, or None when
     the pipelined kernel cannot read it that way (K or BLOCK_K not a multiple of 128, rows or start not 4-byte
-    aligned): the kernel then loads bytes (`SCALE_WORDS` in `_gemv_tile`)."""
-    if k % 128 or block_k % 128 or scale.storage_offset() % 4 or any(st % 4 for st in scale.stride()[:-1]):
+    aligned, which also checks the address: memory from DLPack or `frombuffer` need not be): the kernel then loads
+    bytes (`SCALE_WORDS` in `_gemv_tile`)."""
+    if (k % 128 or block_k % 128 or scale.storage_offset() % 4 or scale.data_ptr() % 4
+            or any(st % 4 for st in scale.stride()[:-1])):
         return None
     return scale.view(torch.int32)
 
 
+def check_mma_dtype(x: torch.Tensor, overrides: dict) -> None:
+    """Raise ValueError if `overrides` ask for tensor-core tiles (`mma=True`) with x not bf16: only bf16 holds the
+    dequantised weights and fake-quantised x exactly in the MMA's operand type."""
+    if overrides.get("mma") and x.dtype != torch.bfloat16:
+        raise ValueError(f"mma=True (tensor-core tiles) needs bf16 x, got {x.dtype}")
+
+
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
     n, k = _check_args(x, weight, scale, fp4)
+    check_mma_dtype(x, overrides)
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -471,8 +484,6 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    if overrides.get("mma") and x2.dtype != torch.bfloat16:
-        raise ValueError(f"mma=True needs bf16 x, got {x2.dtype}")
     plan = gemv_plan(m, n, k, fp4, **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
@@ -504,7 +515,8 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     """Run the Triton GEMV for a block-FP8 weight on the tensors' device (interpreted on CPU).
 
     Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
-    to 8). `overrides` (block_n, block_k, num_warps) replace the `gemv_plan` heuristic.
+    to 8). `overrides` (block_n, block_k, num_warps, k_iters, stages, mma, sm_count) replace the `gemv_plan`
+    heuristic; ValueError for mma=True with x not bf16 (`check_mma_dtype`) and for invalid plan values.
     Numerics: codes and scales bit-identical to the reference; FP32 accumulation in a different order, so
     results agree to FP32 rounding of the sum, then one rounding to x.dtype.
     """
