@@ -245,7 +245,8 @@ def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm
     dequantize to x.dtype rounds it) and x is fake-quantised to E4M3 x UE8M0 values, also exact in bf16, so the
     bf16 MMA with FP32 accumulation computes the reference's F.linear. Columns >= BLOCK_M of the x^T operand are
     zero (an MMA needs MMA_N >= 16). Same scale addressing (SCALE_WORDS) as `_gemv_tile`. DOT_F32 (the
-    interpreter, whose bf16 tl.dot multiplies the raw bits in Triton 3.9) multiplies the same bf16 values in FP32."""
+    interpreter, whose bf16 tl.dot is wrong in Triton 3.9: errors of 2e10 on a 16 x 16 product of randn values)
+    multiplies the same bf16 values in FP32."""
     NKB: tl.constexpr = BLOCK_K // 32
     kb = tl.arange(0, NKB)
     k_ok = (k0 + kb * 32) < K
