@@ -60,24 +60,30 @@ ROPE_SHAPES = [
 #: (name, N, K) of the grouped FP4 expert GEMVs of one h200 decode step (k = 6 of 96 experts per token; w1 and w3
 #: have the same shape). Timed by the GEMV section (heuristic plan) and, with --sweep, over `GROUPED_SWEEP`.
 GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
-#: (BLOCK_N, BLOCK_K, num_warps, STAGES, programs per SM, MMA) tried by --sweep on every GEMV shape at M = 1 and
-#: on the grouped GEMV (bf16 x). MMA False: CUDA-core FMA tiles; STAGES 1 is the tile-at-once layout with its own
-#: K_ITERS rule (the default until 2026-12-01: a quarter to a half of copy bandwidth). MMA True: tensor-core tiles
-#: in a software-pipelined K loop. For STAGES > 1 the K split is sized to the given programs per SM
-#: (`gemv_plan(sm_count=132 * density / 4)`, 4 per SM by default).
-SWEEP = [(128, 128, 4, 1, 4, False), (64, 128, 4, 4, 8, False), (64, 128, 4, 3, 4, True), (64, 128, 4, 4, 4, True),
-         (64, 128, 4, 2, 4, True), (64, 128, 4, 3, 2, True), (64, 128, 4, 3, 8, True), (64, 128, 4, 4, 6, True),
-         (128, 128, 4, 3, 4, True), (128, 128, 8, 3, 4, True), (128, 128, 8, 4, 2, True), (64, 256, 4, 3, 4, True),
-         (64, 256, 4, 2, 8, True)]
+#: (BLOCK_N, BLOCK_K, num_warps, STAGES, programs per SM, MMA[, maxnreg]) tried by --sweep on every GEMV shape
+#: at M = 1 and on the grouped GEMV (bf16 x). MMA False: CUDA-core FMA tiles; STAGES 1 is the tile-at-once layout
+#: with its own K_ITERS rule (the default; a quarter to a half of copy bandwidth). MMA True: tensor-core tiles in a
+#: software-pipelined K loop. For STAGES > 1 the K split is sized to the given programs per SM
+#: (`gemv_plan(sm_count=132 * density / 4)`, 4 per SM by default). maxnreg caps the registers per thread. The full
+#: pipelined / tensor-core grids measured on 2026-11-30 are in bench/results/2026-11-30_h200_s7_gemv/.
+SWEEP = [(128, 128, 4, 1, 4, False),
+         # the best pipelined FMA and tensor-core plans of the 2026-11-30 sweeps (both slower than the default)
+         (128, 128, 4, 3, 4, False), (128, 128, 4, 3, 4, True), (64, 128, 4, 3, 8, True),
+         # the default tile with a register cap (ncu, 2026-11-30: 120 registers (FP8) / 168 (FP4) hold it at 4 / 3
+         # programs per SM; 128 allows 4, 96 allows 5, 80 allows 6, with spills)
+         (128, 128, 4, 1, 4, False, 128), (128, 128, 4, 1, 4, False, 96), (128, 128, 4, 1, 4, False, 80)]
 GROUPED_SWEEP = SWEEP
 
 
-def _sweep_overrides(bn, bk, nw, st, density, mma):
-    """gemv_plan overrides and a row label for one SWEEP entry."""
+def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
+    """gemv_plan overrides and a row label for one SWEEP entry (an optional 7th field caps registers)."""
     over = dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, mma=mma)
     if st > 1:
         over["sm_count"] = max(1, int(132 * density / 4))
     label = f"sweep {'mma' if mma else 'fma'} bn={bn} bk={bk} w={nw} st={st}" + (f" {density}/SM" if st > 1 else "")
+    if maxnreg is not None:
+        over["maxnreg"] = maxnreg
+        label += f" maxnreg={maxnreg}"
     return over, label
 
 

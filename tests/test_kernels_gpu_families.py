@@ -321,7 +321,7 @@ _BENCH = _bench_kernels()
 _SWEEP_REF: dict = {}
 
 
-@pytest.mark.parametrize("cfg", _BENCH.GROUPED_SWEEP, ids=lambda c: "bn{}-bk{}-w{}-st{}-d{}-mma{}".format(*c))
+@pytest.mark.parametrize("cfg", _BENCH.GROUPED_SWEEP, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("name", ["w13", "w2"])
 def test_grouped_sweep_configs_are_correct(expert_stacks, name, cfg):
     # bench/kernels.py --sweep times these launch configurations of the grouped GEMV; each must compute the same

@@ -159,6 +159,7 @@ GEMV_CASES = [
     ((3,), 40, 160, torch.bfloat16, False, {"mma": True, "block_k": 32, "k_iters": 2}),  # split K, masked rows
     ((8,), 72, 160, torch.bfloat16, True, {"mma": True, "block_n": 32}),  # half-empty last K tile
     ((12,), 40, 64, torch.bfloat16, True, {"mma": True}),  # two m-tiles, the second of 4 rows
+    ((1,), 40, 64, torch.bfloat16, True, {"maxnreg": 96}),  # a register cap (ignored by the interpreter)
 ]
 
 
@@ -313,7 +314,8 @@ def test_gemv_plan_sizes_the_pipelined_grid_to_the_sms():
     assert (wo_b["K_ITERS"], wo_b["SPLIT_K"], wo_b["SPLIT_POW2"], wo_b["grid"]) == (11, 6, 8, (80, 6, 1))
     wq_a = qg.gemv_plan(1, 1280, 5120, False, mma=True)  # 20 row tiles -> 26 splits -> 2 K tiles each -> 20 splits
     assert (wq_a["K_ITERS"], wq_a["grid"]) == (2, (20, 20, 1))
-    assert qg.gemv_plan(1, 1280, 5120, False, sm_count=66, mma=True)["K_ITERS"] == 4  # 13 splits -> 4 tiles -> 10 splits
+    # half the SMs: 13 splits -> 4 tiles -> 10 splits
+    assert qg.gemv_plan(1, 1280, 5120, False, sm_count=66, mma=True)["K_ITERS"] == 4
     head = qg.gemv_plan(1, 129280, 5120, False, mma=True)  # 2020 row tiles: more than 528 already, no split
     assert (head["K_ITERS"], head["SPLIT_K"]) == (40, 1)
     # Grouped experts: 6 pairs x 36 row tiles = 216 -> 2 splits of 20 of the 40 K tiles (432 programs).
@@ -330,12 +332,16 @@ def test_gemv_plan_sizes_the_pipelined_grid_to_the_sms():
         qg.gemv_plan(1, 64, 64, False, stages=0)
     with pytest.raises(ValueError, match="sm_count"):
         qg.gemv_plan(1, 64, 64, False, sm_count=0)
+    with pytest.raises(ValueError, match="maxnreg"):
+        qg.gemv_plan(1, 64, 64, False, maxnreg=300)
+    assert qg.gemv_plan(1, 64, 64, False)["MAXNREG"] is None
+    assert qg.gemv_plan(1, 64, 64, False, maxnreg=96)["MAXNREG"] == 96
 
 
 def test_gemv_plan_tile_at_once_loops_over_k_only_where_programs_stay_plentiful():
-    # FMA tiles (fp32 / fp16 x, and upcast_gemv), STAGES 1 by default, the rule measured on the H200 (module constants): 4 K tiles per program if
-    # >= 4096 programs remain, 2 if >= 320, else 1. head: 1010 n-tiles x 40 K tiles -> 4 (10100 programs);
-    # shared_w1 (18 x 40) -> 2; wq_a (10 x 40) -> 1, since 2 would leave 200 programs for 132 SMs.
+    # FMA tiles (the default, and upcast_gemv), STAGES 1, the rule measured on the H200 (module constants): 4 K
+    # tiles per program if >= 4096 programs remain, 2 if >= 320, else 1. head: 1010 n-tiles x 40 K tiles -> 4
+    # (10100 programs); shared_w1 (18 x 40) -> 2; wq_a (10 x 40) -> 1, since 2 would leave 200 programs for 132 SMs.
     head = qg.gemv_plan(1, 129280, 5120, False)
     assert (head["MMA"], head["STAGES"], head["K_ITERS"], head["SPLIT_K"], head["SPLIT_POW2"], head["BLOCK_N"]) == (
         False, 1, 4, 10, 16, 128)

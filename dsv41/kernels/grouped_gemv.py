@@ -219,7 +219,7 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
 
     `quant_gemv.gemv_plan(1, n, k, fp4=True, groups=pairs)`: one x row per pair, the K split sized over every
     pair's tiles (the heuristic and its H200 measurements are documented there); the grid is (n tiles, K splits,
-    pairs). `overrides` (block_n, block_k, num_warps, k_iters, stages, sm_count, mma) are passed on. Returns
+    pairs). `overrides` (block_n, block_k, num_warps, k_iters, stages, sm_count, mma, maxnreg) are passed on. Returns
     gemv_plan's dict with `grid` replaced. Raises ValueError as gemv_plan does.
     """
     plan = gemv_plan(1, n, k, True, groups=pairs, **overrides)
@@ -233,7 +233,8 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
 
     Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
-    (block_n, block_k, num_warps, k_iters, stages, mma, sm_count) replace the `quant_gemv.gemv_plan` heuristic.
+    (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `quant_gemv.gemv_plan`
+    heuristic.
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
         (token, expert) pairs, for mma=True with x not bf16 and for invalid plan values.
     """
@@ -270,6 +271,8 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         cnt = torch.empty(1, dtype=torch.int32, device=x.device)
     pdl = use_pdl_for(_grouped_gemv_kernel, x.device)
     extra = {"launch_pdl": True} if pdl else {}
+    if plan["MAXNREG"] is not None:
+        extra["maxnreg"] = plan["MAXNREG"]
     _grouped_gemv_kernel[plan["grid"]](
         x2, weight, scale, idx, y, part, cnt,
         pairs, out, kk, e, k if shared else 1, x2.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
