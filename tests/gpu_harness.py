@@ -2,7 +2,8 @@
 
 `skip_unless_compiled_gpu()` skips the calling test module at import unless a CUDA GPU is present and
 TRITON_INTERPRET is not set (those files check the compiled kernels; the interpreter is covered by the CPU tests).
-`load_reference(name)` imports tests/<name>.py by path, for the float64 references the CPU tests define.
+`load_reference(name)` imports tests/<name>.py by path, for the float64 references the CPU tests define;
+`load_bench(name)` imports bench/<name>.py (bench/ is not a package), for the configurations the benchmarks time.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ def skip_unless_compiled_gpu() -> None:
         pytest.skip("TRITON_INTERPRET=1 is set: these tests check the compiled kernels", allow_module_level=True)
 
 
-def load_reference(name: str):
-    """The module tests/<name>.py, loaded by path under a private name (not added to sys.modules)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_dsv41_gpu_ref_{name}", path)
+def _load(path: str, private_name: str):
+    spec = importlib.util.spec_from_file_location(private_name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_reference(name: str):
+    """The module tests/<name>.py, loaded by path under a private name (not added to sys.modules)."""
+    return _load(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), f"_dsv41_gpu_ref_{name}")
+
+
+def load_bench(name: str):
+    """The module bench/<name>.py, loaded by path under a private name (not added to sys.modules)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return _load(os.path.join(root, "bench", f"{name}.py"), f"_dsv41_bench_{name}")

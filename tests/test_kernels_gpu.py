@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+from gpu_harness import load_bench, load_reference, skip_unless_compiled_gpu  # noqa: E402
+from interp_harness import poison_outputs  # noqa: E402
 
 skip_unless_compiled_gpu()
 
@@ -80,14 +81,9 @@ def test_gemv_matches_float64_reference_at_h200_shapes(shape, m):
 
 
 def _sweep_configs():
-    """bench/kernels.py's SWEEP and its override rule (imported by path: bench/ is not a package)."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
-    spec = importlib.util.spec_from_file_location("_dsv41_bench_kernels_gemv", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return [mod._sweep_overrides(*cfg)[0] for cfg in mod.SWEEP]
+    """gemv_plan overrides of bench/kernels.py's SWEEP."""
+    bench = load_bench("kernels")
+    return [bench._sweep_overrides(*cfg)[0] for cfg in bench.SWEEP]
 
 
 _SWEEP_SHAPES = {"wo_b": (False, 5120, 8192), "expert_w2": (True, 5120, 2304)}
@@ -104,8 +100,7 @@ def test_sweep_configs_are_correct(name, over, monkeypatch):
         w, s = _weights(n, k, fp4, seed=n + k + 1)
         _SWEEP_DATA[name] = (w, s, torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 2)
     w, s, x = _SWEEP_DATA[name]
-    monkeypatch.setattr(qg, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                               device=device))
+    poison_outputs(monkeypatch, qg)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
     _check(fn(x, w, s, True, **over), x, w, s, True, fp4)
 
@@ -116,8 +111,7 @@ def test_opt_in_tile_loops_with_several_rows_and_other_dtypes(name, monkeypatch)
     # times M = 1 bf16 only), against the float64 reference.
     fp4, n, k = _SWEEP_SHAPES[name]
     w, s = _weights(n, k, fp4, seed=n + k + 2)
-    monkeypatch.setattr(qg, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                               device=device))
+    poison_outputs(monkeypatch, qg)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
     for m in (4, 8):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 2

@@ -30,7 +30,7 @@ import math
 import pytest
 import torch
 
-from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+from gpu_harness import load_bench, load_reference, skip_unless_compiled_gpu  # noqa: E402
 
 skip_unless_compiled_gpu()
 
@@ -306,18 +306,7 @@ def test_grouped_linear_fp4_at_h200_shapes(expert_stacks, case):
     _assert_pair(got, want, y64, 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30, "grouped_linear_fp4 vs the CPU op")
 
 
-def _bench_kernels():
-    """bench/kernels.py as a module (imported by path: bench/ is not a package)."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
-    spec = importlib.util.spec_from_file_location("_dsv41_bench_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_BENCH = _bench_kernels()
+_BENCH = load_bench("kernels")
 _SWEEP_REF: dict = {}
 
 

@@ -157,36 +157,72 @@ def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_m, M, K, stride_xm, stride_wn,
-               stride_sn, FP4: tl.constexpr, ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile).
+def _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4: tl.constexpr,
+                      SCALE_WORDS: tl.constexpr):
+    """(codes, scale bytes, k_ok) of the weight tile W[offs_n, k0 : k0 + 32 * NKB] (NKB = len(kb)), zero where
+    masked: codes uint8 [BLOCK_N, NKB, 32] (E4M3) or [BLOCK_N, NKB, 16] (two E2M1 per byte), scale bytes (uint8,
+    or int32 with SCALE_WORDS) [BLOCK_N, NKB] (one per row for FP4 1x32, per 32 rows for block FP8), k_ok [NKB] (32-block inside K).
 
     SCALE_WORDS: `s_ptr` / `stride_sn` address the scale rows as int32 words (four UE8M0 bytes, little-endian),
     which the software pipeliner can copy asynchronously; byte loads (SCALE_WORDS False) it cannot, and they stall
     every iteration on a DRAM round trip. Needs K % 128 == 0 and k0 % 128 == 0 (the caller checks).
     """
     k_ok = (k0 + kb * 32) < K
-    w_mask = n_ok[:, None, None] & k_ok[None, :, None]
-    s_mask = n_ok[:, None] & k_ok[None, :]
     s_rows = offs_n if FP4 else offs_n // 32
     if SCALE_WORDS:
         s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
     else:
         s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
-
-    # Weights and scales first: they never come from the previous kernel, so under PDL their reads
-    # overlap that kernel's tail.
+    w_mask = n_ok[:, None, None] & k_ok[None, :, None]
     if FP4:
         j16 = tl.arange(0, 16)
         w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
                         + (k0 // 2 + kb[None, :, None] * 16 + j16[None, None, :]), mask=w_mask, other=0)
     else:
+        j32 = tl.arange(0, 32)
         w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
                         + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
-    s_raw = tl.load(s_ptr + s_off, mask=s_mask, other=0)
+    s_raw = tl.load(s_ptr + s_off, mask=n_ok[:, None] & k_ok[None, :], other=0)
     if SCALE_WORDS:
         s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
+    return w_raw, s_raw, k_ok
+
+
+@triton.jit
+def _decode_codes(w_raw, FP4: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr):
+    """FP32 values [BLOCK_N, NKB, 32] of the codes `_load_weight_tile` returns: E4M3 exactly; E2M1 divided by 2^14
+    (a four-instruction decode, see _common: callers multiply the scale by `E2M1_HALF_SCALE`)."""
+    if FP4:
+        c = w_raw.to(tl.int32)
+        w3 = tl.reshape(tl.join(e2m1_value_scaled_down(c & 15), e2m1_value_scaled_down(c >> 4)), [BLOCK_N, NKB, 32])
+    else:
+        w3 = w_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return w3
+
+
+@triton.jit
+def _fake_quant_fp8_1x32(x):
+    """formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2), as values: amax floored
+    at 1e-4, UE8M0 ceil scale from the IEEE bits of amax / 448 (correctly rounded division), q = clamp(x / scale,
+    +-448) -> E4M3 RNE, times the scale."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), 1e-4)
+    e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
+    # The floor keeps e in [105, 247], so 2^(127-e) is a normal number and x * 2^(127-e) is exact.
+    q = tl.minimum(tl.maximum(x * exp2_int(254 - e), -448.0), 448.0)
+    qr = e4m3_round(tl.abs(q))
+    return tl.where(q < 0, -qr, qr) * exp2_int(e)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_m, M, K, stride_xm, stride_wn,
+               stride_sn, FP4: tl.constexpr, ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile; scale
+    addressing SCALE_WORDS as in `_load_weight_tile`)."""
+    # Weights and scales first: they never come from the previous kernel, so under PDL their reads
+    # overlap that kernel's tail.
+    w_raw, s_raw, k_ok = _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4,
+                                           SCALE_WORDS)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -196,15 +232,11 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_
     if X_FP16:
         # Reference: codes.to(fp16) * scale.to(fp16), rounded in fp16.
         s16 = sw.to(tl.float16).to(tl.float32)
+    w3 = _decode_codes(w_raw, FP4, BLOCK_N, NKB)
     if FP4:
-        c = w_raw.to(tl.int32)
-        w3 = tl.reshape(tl.join(e2m1_value_scaled_down(c & 15), e2m1_value_scaled_down(c >> 4)),
-                        [BLOCK_N, NKB, 32])
         sw = sw * E2M1_HALF_SCALE  # exact unless the scale exceeds 2^113 (UE8M0 byte > 240)
         if X_FP16:
             s16 = s16 * E2M1_HALF_SCALE
-    else:
-        w3 = w_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if X_FP16:
         w3 = (w3 * s16[:, :, None]).to(tl.float16).to(tl.float32)
 
@@ -215,14 +247,7 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_
         xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + (k0 + kb[:, None] * 32 + j32[None, :]),
                      mask=k_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
         if ACT_QUANT:
-            # formats.quantize_fp8_1x32: amax floored at 1e-4, UE8M0 ceil scale from the IEEE bits of
-            # amax / 448 (correctly rounded division), q = clamp(x / scale, +-448) -> E4M3 RNE.
-            amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-4)
-            e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
-            # The floor keeps e in [105, 247], so 2^(127-e) is a normal number and x * 2^(127-e) is exact.
-            q = tl.minimum(tl.maximum(xv * exp2_int(254 - e)[:, None], -448.0), 448.0)
-            qr = e4m3_round(tl.abs(q))
-            xq = tl.where(q < 0, -qr, qr) * exp2_int(e)[:, None]
+            xq = _fake_quant_fp8_1x32(xv)
             if X_FP16:
                 xq = xq.to(tl.float16).to(tl.float32)
         else:
@@ -244,35 +269,17 @@ def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm
     cores, for bf16 x: the weight tile is dequantised to bf16 (code x UE8M0 scale, exact, as the reference's
     dequantize to x.dtype rounds it) and x is fake-quantised to E4M3 x UE8M0 values, also exact in bf16, so the
     bf16 MMA with FP32 accumulation computes the reference's F.linear. Columns >= BLOCK_M of the x^T operand are
-    zero (an MMA needs MMA_N >= 16). Same scale addressing (SCALE_WORDS) as `_gemv_tile`. DOT_F32 (the
+    zero (an MMA needs MMA_N >= 16). Scale addressing (SCALE_WORDS) as in `_load_weight_tile`. DOT_F32 (the
     interpreter, whose bf16 tl.dot is wrong in Triton 3.9: errors of 2e10 on a 16 x 16 product of randn values)
     multiplies the same bf16 values in FP32."""
     NKB: tl.constexpr = BLOCK_K // 32
     kb = tl.arange(0, NKB)
-    k_ok = (k0 + kb * 32) < K
-    s_rows = offs_n if FP4 else offs_n // 32
-    if SCALE_WORDS:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
-    else:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
-    s_raw = tl.load(s_ptr + s_off, mask=n_ok[:, None] & k_ok[None, :], other=0)
-    if SCALE_WORDS:
-        s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
-    w_mask = n_ok[:, None, None] & k_ok[None, :, None]
+    w_raw, s_raw, k_ok = _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4,
+                                           SCALE_WORDS)
+    w3 = _decode_codes(w_raw, FP4, BLOCK_N, NKB)
+    sw = exp2_int(s_raw.to(tl.int32))
     if FP4:
-        j16 = tl.arange(0, 16)
-        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
-                        + (k0 // 2 + kb[None, :, None] * 16 + j16[None, None, :]), mask=w_mask, other=0)
-        c = w_raw.to(tl.int32)
-        w3 = tl.reshape(tl.join(e2m1_value_scaled_down(c & 15), e2m1_value_scaled_down(c >> 4)),
-                        [BLOCK_N, NKB, 32])
-        sw = exp2_int(s_raw.to(tl.int32)) * E2M1_HALF_SCALE  # exact unless the UE8M0 byte exceeds 240
-    else:
-        j32 = tl.arange(0, 32)
-        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
-                        + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
-        w3 = w_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sw = exp2_int(s_raw.to(tl.int32))
+        sw = sw * E2M1_HALF_SCALE  # exact unless the UE8M0 byte exceeds 240
     w_bf16 = tl.reshape((w3 * sw[:, :, None]).to(tl.bfloat16), [BLOCK_N, BLOCK_K])
 
     # x^T tile [BLOCK_K, MMA_N]; one real row for M = 1 (quantised once, then widened), else MMA_N rows.
@@ -283,13 +290,7 @@ def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm
     xv = tl.load(x_ptr + offs_x[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
                  mask=(offs_k < K)[:, None] & x_ok[None, :], other=0.0).to(tl.float32)
     if ACT_QUANT:
-        # formats.quantize_fp8_1x32 per 32 along K, as in `_gemv_tile`.
-        x3 = tl.reshape(xv, [NKB, 32, XN])
-        amax = tl.maximum(tl.max(tl.abs(x3), axis=1), 1e-4)
-        e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
-        q = tl.minimum(tl.maximum(x3 * exp2_int(254 - e)[:, None, :], -448.0), 448.0)
-        qr = e4m3_round(tl.abs(q))
-        xv = tl.reshape(tl.where(q < 0, -qr, qr) * exp2_int(e)[:, None, :], [BLOCK_K, XN])
+        xv = tl.reshape(_fake_quant_fp8_1x32(tl.reshape(xv, [NKB, 32, XN])), [BLOCK_K, XN])
     if BLOCK_M == 1:
         xt = tl.where((tl.arange(0, MMA_N) == 0)[None, :], xv, 0.0)
     else:

@@ -75,9 +75,8 @@ _DOMINATOR_STEPS = 256
 #: Probe verdicts of weight regions across graphs and compiles: (region signature, format, transposed, device
 #: type) -> (ok, check, reason). A signature fixes the region's function (`_signature`) when the region is made of
 #: ATen calls alone (a constant tensor, `get_attr`, is keyed by name only: such regions are not cached), so a
-#: regional compile (one
-#: graph per layer variant) probes each weight layout once, not once per graph (at h200 a probe of one
-#: 32768 x 1280 weight takes seconds on the host). Bounded, oldest verdict dropped first.
+#: regional compile (one graph per layer variant) probes each weight layout once, not once per graph (at h200 a
+#: probe of one 32768 x 1280 weight takes seconds on the host). Bounded, oldest verdict dropped first.
 _VERDICT_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _VERDICT_CACHE_SIZE = 512
 
