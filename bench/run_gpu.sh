@@ -11,6 +11,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 python3 -c "import torch._dynamo as d; assert 'dsv41' in d.list_backends(), 'dsv41 backend not installed'" || exit 3
 sections=${*:-"tests kernels eager backends"}
 WARM=${WARM_COMPILE:-1}; warmflag=""; [ "$WARM" = 0 ] && warmflag="--no-warm-compile"
+# REGIONAL=1: ctx / toggles / ablate compile region by region (one graph per layer variant, whole-step CUDA graph
+# by the wrapper), as the h200 section does. 2026-11-30: a whole-model cold compile of `small` no longer finished
+# in 410-520 s on the H200 (bench/results/2026-11-30_h200_s8/README.md).
+regional=""; [ "${REGIONAL:-0}" = 1 ] && regional="--regional"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUTDIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUTDIR/gpu.txt"
 for s in $sections; do
@@ -54,17 +58,24 @@ for s in $sections; do
           --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
       done ;;
     compile)
-      # One cold dsv41 compile of `small` alone, then Dynamo/Inductor's per-phase compile times (2026-11-30: the
-      # cold compile + first run took over 340 s where it had taken 161 s; cause not found).
-      timeout ${COMPILE_TIMEOUT:-560} python3 -c "import atexit, runpy, sys, torch._dynamo.utils as u; \
-atexit.register(lambda: print(u.compile_times())); sys.argv = ['dsv41'] + sys.argv[1:]; \
-runpy.run_module('dsv41', run_name='__main__')" run --preset ${PRESET:-small} --device cuda --prompt-len 16 \
-        --new-tokens 4 --json "$OUTDIR/compile_${PRESET:-small}.json" 2>&1 | tail -60 ;;
+      # Where a cold `small` compile goes (2026-11-30: over 410 s where it had taken 161 s, inside Inductor's
+      # compile_fx_inner formatting IR nodes as text; not the kernel provenance). bench/compile_watch.py samples
+      # the main thread and names who asked for the text; the default options and WATCH_OPTIONS (default: CUDA
+      # graphs off) run side by side, each in its own process, and both logs are kept whole.
+      wopts=${WATCH_OPTIONS:---option cuda_graphs=false}
+      for v in default alt; do
+        [ $v = default ] && o="" || o="$wopts"
+        timeout -s TERM ${COMPILE_TIMEOUT:-330} python3 bench/compile_watch.py --report 60 run --preset ${PRESET:-small} \
+          --device cuda --prompt-len 16 --new-tokens 4 $o --json "$OUTDIR/compile_${PRESET:-small}_$v.json" \
+          > "$OUTDIR/compile_watch_$v.log" 2>&1 &
+      done
+      wait
+      for v in default alt; do echo "== $v"; grep -v -i warn "$OUTDIR/compile_watch_$v.log" | tail -45; done ;;
     ctx)
       # Decode tok/s vs context (synthetic caches), plus the attention / indexer kernels at h200 shapes at the same
       # contexts against their byte floors. Three cold `small` compiles no longer fit a call (2026-11-30: inductor
       # 205 s, dsv41 > 340 s), so the default is eager and dsv41; BACKENDS=eager,inductor for the other curve.
-      timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,dsv41} \
+      timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,dsv41} $regional \
         --prompt-len 128 --new-tokens 16 --repeats 2 --no-warm-compile ${BENCH_OPTIONS:---option gpu_unvalidated=true} \
         --contexts ${CONTEXTS:-4096,32768,131072} --context-tokens 16 --json "$OUTDIR/ctx_${PRESET:-small}.json" 2>&1 | tail -40
       python3 bench/kernels.py --families --pdl --only sparse_fp4_attention indexer_scores indexer_topk indexer_candidates \
@@ -90,14 +101,14 @@ runpy.run_module('dsv41', run_name='__main__')" run --preset ${PRESET:-small} --
       # A cold `small` compile is ~180 s and the measured runs start only after every row compiled, so four rows
       # (the `toggles` group) did not fit a 580 s call (2026-11-30): two rows per call, e.g. TOGGLE_BACKENDS=
       # "dsv41,dsv41[pdl=false]", "dsv41,dsv41[streams=true]", "eager,inductor-cudagraphs".
-      timeout ${TOGGLES_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
+      timeout ${TOGGLES_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional \
         --backends "${TOGGLE_BACKENDS:-dsv41,dsv41[cuda_graphs=false]}" --prompt-len ${PROMPT_LEN:-128} \
         --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile --shared-cache ${TOGGLE_FLAGS:-} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/toggles_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
     ablate)
       # Issue 4: the ladder, dsv41 with each family off in turn, shared cache. Like `toggles`, two or three rows
       # fit a call (~180 s per cold `small` compile): split it with ABL_BACKENDS, e.g. "dsv41,dsv41-no-mhc".
-      timeout ${ABL_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} \
+      timeout ${ABL_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional \
         --backends "${ABL_BACKENDS:-dsv41,dsv41-no-dispatch}" --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} \
         --repeats ${REPEATS:-1} --no-warm-compile --shared-cache ${ABL_FLAGS:-} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/ablate_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;

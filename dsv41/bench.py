@@ -98,6 +98,10 @@ DEFINITIONS = {
                  "minus the median wall time of the measured runs (with shared_cache: one dir for all backends, "
                  "so rows after the first are not cold)",
     "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
+    "compile_phases_s": "seconds per Dynamo / Inductor compile phase during the cold run (torch._dynamo.utils."
+                        "compile_times, nested phases overlap); the cold run's wall time minus "
+                        "OutputGraph.call_user_compiler and bytecode_tracing is mostly first-launch work (Triton "
+                        "JIT of custom-op kernels, CUDA-graph capture)",
     "roofline": "decode_bytes_per_step (budget().decode_weight_bytes + decode_kv_read_bytes at decode_context) / "
                 "device-to-device copy bandwidth (bytes read + written per second) measured in this run",
     "roofline_fraction": "median decode tok/s / roofline_tok_s",
@@ -527,6 +531,22 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
+#: Dynamo / Inductor compile phases kept in `compile_phases_s` (torch._dynamo.utils.compile_times names).
+_COMPILE_PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "create_aot_dispatcher_function",
+                   "_recursive_post_grad_passes", "GraphLowering.run", "GraphLowering.codegen", "async_compile.wait",
+                   "PyCodeCache.load_by_key_path", "compile_file", "build_guards")
+
+
+def _compile_phase_totals() -> dict:
+    """Cumulative seconds per compile phase of this process ({} when torch does not report them)."""
+    try:
+        from torch._dynamo.utils import compile_times
+        heads, vals = compile_times(repr="csv", aggregate=True)
+        return {h: float(v) for h, v in zip(heads, vals) if h in _COMPILE_PHASES}
+    except Exception:  # noqa: BLE001 - a diagnostic only; its absence is visible as {}
+        return {}
+
+
 def _empty_row() -> dict:
     return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "peak_mem_gb": None,
@@ -734,13 +754,18 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         torch.compiler.reset()
                     _use_cache_dir(os.path.join(cache_root, "shared" if shared_cache else n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
-                    skips = _cudagraph_skips()
+                    skips, phases = _cudagraph_skips(), _compile_phase_totals()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
+                    rows[n]["compile_phases_s"] = {h: round(v - phases.get(h, 0.0), 2)
+                                                   for h, v in _compile_phase_totals().items()}
                     if n.startswith("dsv41"):
                         _attach_report(rows[n], n == "dsv41", cfg.roles)
                     runnable.append(n)
-                    say(f"{n}: cold compile + first run {cold_wall[n]:.1f} s")
+                    ph = rows[n]["compile_phases_s"]
+                    say(f"{n}: cold compile + first run {cold_wall[n]:.1f} s"
+                        + (f" (Dynamo trace {ph.get('bytecode_tracing', 0):.1f} s, backend compile "
+                           f"{ph.get('OutputGraph.call_user_compiler', 0):.1f} s)" if ph else ""))
                 except Exception as e:  # reported in the row, never silently dropped
                     notes[n].append(_fail(e))
                     say(f"{n}: {_fail(e)}")

@@ -385,3 +385,16 @@ def test_shared_cache_points_every_backend_at_one_cache_dir(monkeypatch):
         assert r["backends"]["dsv41[pdl=false]"]["options"] == {"pdl": False}
     assert seen[True] == ["shared", "shared"]
     assert seen[False] == ["eager", "dsv41[pdl=false]"]
+
+
+def test_compile_phase_totals_grow_with_a_compile():
+    """`compile_phases_s` is a delta of these totals: a fresh compile must add to the backend-compile phase."""
+    before = bench._compile_phase_totals()
+    torch.compiler.reset()
+    fn = torch.compile(lambda x: (x.sin() + 1.5).cos(), backend="aot_eager")
+    fn(torch.randn(7))
+    after = bench._compile_phase_totals()
+    assert set(after) <= set(bench._COMPILE_PHASES)
+    key = "OutputGraph.call_user_compiler"
+    assert after[key] > before.get(key, 0.0)
+    assert after["bytecode_tracing"] > before.get("bytecode_tracing", 0.0)
