@@ -61,11 +61,11 @@ for s in $sections; do
       # Where a cold `small` compile goes (2026-11-30: over 410 s where it had taken 161 s, inside Inductor's
       # compile_fx_inner formatting IR nodes as text; not the kernel provenance). bench/compile_watch.py samples
       # the main thread and names who asked for the text; the default options and WATCH_OPTIONS (default: CUDA
-      # graphs off) run side by side, each in its own process, and both logs are kept whole.
+      # graphs off) run side by side, each in its own process with its own empty Inductor cache.
       wopts=${WATCH_OPTIONS:---option cuda_graphs=false}
       for v in default alt; do
         [ $v = default ] && o="" || o="$wopts"
-        timeout -s TERM ${COMPILE_TIMEOUT:-330} python3 bench/compile_watch.py --report 60 run --preset ${PRESET:-small} \
+        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -s TERM ${COMPILE_TIMEOUT:-330} python3 bench/compile_watch.py --report 60 run --preset ${PRESET:-small} \
           --device cuda --prompt-len 16 --new-tokens 4 $o --json "$OUTDIR/compile_${PRESET:-small}_$v.json" \
           > "$OUTDIR/compile_watch_$v.log" 2>&1 &
       done
