@@ -58,19 +58,25 @@ for s in $sections; do
           --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
       done ;;
     compile)
-      # Where a cold `small` compile goes (2026-11-30: over 410 s where it had taken 161 s, inside Inductor's
-      # compile_fx_inner formatting IR nodes as text; not the kernel provenance). bench/compile_watch.py samples
-      # the main thread and names who asked for the text; the default options and WATCH_OPTIONS (default: CUDA
-      # graphs off) run side by side, each in its own process with its own empty Inductor cache.
+      # Where a cold `small` compile goes (2026-11-30: the whole process ran past 410-520 s where the compile had
+      # taken 161 s, inside Inductor's compile_fx_inner formatting IR nodes as text). bench/compile_watch.py samples
+      # the main thread and names who asked for the text. The default options and WATCH_OPTIONS (default: CUDA
+      # graphs off) run side by side (two 330 s runs one after the other do not fit a call), each with its own empty
+      # Inductor and Triton caches; they share the CPUs and the GPU, so their times are not solo compile times.
       wopts=${WATCH_OPTIONS:---option cuda_graphs=false}
+      pids=""
       for v in default alt; do
         [ $v = default ] && o="" || o="$wopts"
-        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -s TERM ${COMPILE_TIMEOUT:-330} python3 bench/compile_watch.py --report 60 run --preset ${PRESET:-small} \
-          --device cuda --prompt-len 16 --new-tokens 4 $o --json "$OUTDIR/compile_${PRESET:-small}_$v.json" \
-          > "$OUTDIR/compile_watch_$v.log" 2>&1 &
+        d=$(mktemp -d)
+        TORCHINDUCTOR_CACHE_DIR=$d TRITON_CACHE_DIR=$d/triton timeout -k 30 -s TERM ${COMPILE_TIMEOUT:-330} \
+          python3 bench/compile_watch.py --report 60 run --preset ${PRESET:-small} --device cuda --prompt-len 16 \
+          --new-tokens 4 $o --json "$OUTDIR/compile_${PRESET:-small}_$v.json" > "$OUTDIR/compile_watch_$v.log" 2>&1 &
+        pids="$pids $!:$v:$d"
       done
-      wait
-      for v in default alt; do echo "== $v"; grep -v -i warn "$OUTDIR/compile_watch_$v.log" | tail -45; done ;;
+      for p in $pids; do
+        IFS=: read -r pid v d <<< "$p"; wait "$pid"; echo "== $v (rc $?)"; rm -rf "$d"
+        grep -v "UserWarning\|warnings.warn(" "$OUTDIR/compile_watch_$v.log" | tail -${WATCH_TAIL:-90}
+      done ;;
     ctx)
       # Decode tok/s vs context (synthetic caches), plus the attention / indexer kernels at h200 shapes at the same
       # contexts against their byte floors. Three cold `small` compiles no longer fit a call (2026-11-30: inductor

@@ -532,9 +532,10 @@ def _cudagraph_skips() -> int:
 
 
 #: Dynamo / Inductor compile phases kept in `compile_phases_s` (torch._dynamo.utils.compile_times names).
-_COMPILE_PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "create_aot_dispatcher_function",
-                   "_recursive_post_grad_passes", "GraphLowering.run", "GraphLowering.codegen", "async_compile.wait",
-                   "PyCodeCache.load_by_key_path", "compile_file", "build_guards")
+_COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+                   "create_aot_dispatcher_function", "compile_fx_inner", "_recursive_post_grad_passes",
+                   "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "GraphLowering.codegen",
+                   "async_compile.wait", "PyCodeCache.load_by_key_path", "compile_file", "build_guards")
 
 
 def _compile_phase_totals() -> dict:
@@ -547,10 +548,16 @@ def _compile_phase_totals() -> dict:
         return {}
 
 
+def _phase_deltas(before: dict, after: dict) -> dict:
+    """{phase: seconds added between two `_compile_phase_totals`} for the phases that grew (2 decimals)."""
+    out = {h: round(v - before.get(h, 0.0), 2) for h, v in after.items()}
+    return {h: d for h, d in out.items() if d > 0}
+
+
 def _empty_row() -> dict:
     return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
-            "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "peak_mem_gb": None,
-            "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
+            "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
+            "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
             "options": None, "note": None}
 
 
@@ -757,15 +764,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     skips, phases = _cudagraph_skips(), _compile_phase_totals()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
-                    rows[n]["compile_phases_s"] = {h: round(v - phases.get(h, 0.0), 2)
-                                                   for h, v in _compile_phase_totals().items()}
+                    rows[n]["compile_phases_s"] = _phase_deltas(phases, _compile_phase_totals())
                     if n.startswith("dsv41"):
                         _attach_report(rows[n], n == "dsv41", cfg.roles)
                     runnable.append(n)
                     ph = rows[n]["compile_phases_s"]
                     say(f"{n}: cold compile + first run {cold_wall[n]:.1f} s"
                         + (f" (Dynamo trace {ph.get('bytecode_tracing', 0):.1f} s, backend compile "
-                           f"{ph.get('OutputGraph.call_user_compiler', 0):.1f} s)" if ph else ""))
+                           f"{ph.get('OutputGraph.call_user_compiler', 0):.1f} s, of it compile_fx_inner "
+                           f"{ph.get('compile_fx_inner', 0):.1f} s)" if ph else ""))
                 except Exception as e:  # reported in the row, never silently dropped
                     notes[n].append(_fail(e))
                     say(f"{n}: {_fail(e)}")

@@ -389,8 +389,8 @@ def test_shared_cache_points_every_backend_at_one_cache_dir(monkeypatch):
 
 def test_compile_phase_totals_grow_with_a_compile():
     """`compile_phases_s` is a delta of these totals: a fresh compile must add to the backend-compile phase."""
+    torch.compiler.reset()  # clears the totals: take `before` after it
     before = bench._compile_phase_totals()
-    torch.compiler.reset()
     fn = torch.compile(lambda x: (x.sin() + 1.5).cos(), backend="aot_eager")
     fn(torch.randn(7))
     after = bench._compile_phase_totals()
@@ -398,3 +398,13 @@ def test_compile_phase_totals_grow_with_a_compile():
     key = "OutputGraph.call_user_compiler"
     assert after[key] > before.get(key, 0.0)
     assert after["bytecode_tracing"] > before.get("bytecode_tracing", 0.0)
+
+
+def test_compile_phases_row_is_the_delta_over_the_cold_run(monkeypatch):
+    """Each row's compile_phases_s is what its cold run added to the totals; phases that did not grow are left out."""
+    totals = iter([{"bytecode_tracing": 1.0, "compile_fx_inner": 5.0},
+                   {"bytecode_tracing": 3.5, "compile_fx_inner": 5.0}])
+    monkeypatch.setattr(bench, "_compile_phase_totals", lambda: next(totals))
+    r = bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=2, repeats=1, device="cpu", warm_compile=False)
+    assert r["backends"]["eager"]["compile_phases_s"] == {"bytecode_tracing": 2.5}
+    assert bench._phase_deltas({"a": 1.0}, {"a": 1.0, "b": 0.25}) == {"b": 0.25}
