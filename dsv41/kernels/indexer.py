@@ -35,7 +35,11 @@ scores are not supported (the index keys and queries are finite FP4 values).
 Kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1, see `_common`):
 - scores: programs (query row, BLOCK_N key rows); each loads the query's H x D values once, dequantises its
   BLOCK_N x D key tile from the bytes (even and odd channels as two K = D/2 matmuls, so the nibbles never need
-  interleaving), and reduces ReLU(logits) * w over the heads. At batch-1 decode N / BLOCK_N programs fill the
+  interleaving), and reduces ReLU(logits) * w over the heads. The matmuls run on the tensor cores in TF32 for
+  bf16 / fp16 queries, where every product is exact (E2M1 x 2^e keys have 2 significant bits, the queries at
+  most 11), and in IEEE FP32 on the CUDA cores for FP32 queries (2026-11-30 analysis: at 131K rows the IEEE dots
+  made the kernel issue-bound, bench/results/2026-11-30_h200_small_context/LATENCY_ANALYSIS.md; the TF32 path is
+  not yet measured on the H200). At batch-1 decode N / BLOCK_N programs fill the
   GPU (128K rows: 2048 programs).
 - candidates: a block-max kernel over (query row, BLOCK_B blocks), then the top-k select over the block scores.
 - top-k: a radix threshold select on the order-preserving 32-bit key of each score, 8 bits per pass (four
@@ -251,9 +255,16 @@ def _indexer_scores_kernel(
     w = tl.load(w_ptr + b * sw_b + t * sw_t + h * sw_h, mask=h_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # IEEE FP32 products (no TF32): the selection downstream compares these scores with each other.
-    logits = tl.dot(q_even, tl.trans(k_even), input_precision="ieee")
-    logits = tl.dot(q_odd, tl.trans(k_odd), logits, input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+    # The selection downstream compares these scores with each other, so every product must be exact. The keys
+    # are E2M1 x 2^e (2 significant bits); bf16 / fp16 queries have at most 11, so both are TF32 values and their
+    # products (at most 13 bits) are exact: the tensor cores then give the IEEE FP32 dot up to the order of the
+    # FP32 sum. FP32 queries may have 24 bits and keep the IEEE FMA path.
+    if q_ptr.dtype.element_ty == tl.float32:
+        logits = tl.dot(q_even, tl.trans(k_even), input_precision="ieee")
+        logits = tl.dot(q_odd, tl.trans(k_odd), logits, input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+    else:
+        logits = tl.dot(q_even, tl.trans(k_even), input_precision="tf32")
+        logits = tl.dot(q_odd, tl.trans(k_odd), logits, input_precision="tf32")
     s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
     s = tl.where(valid, s, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * S + slots, s, mask=in_range)
