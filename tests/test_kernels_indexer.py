@@ -15,13 +15,11 @@ with it (tests/interp_harness.py); every output the launchers allocate starts po
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-import triton
 
-from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs
+from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs, sm90_ttir
 
 from dsv41.kernels import indexer as ik
 
@@ -345,25 +343,17 @@ def test_cpu_launch_without_interpreter_says_how_to_enable_it():
 
 
 # ------------------------------------------------------------------------------------------- scores (sm_90 build)
-def _scores_ttir(q_type: str) -> str:
-    """TTIR of the scores kernel for q of Triton type `q_type`, built offline for sm_90 (no GPU needed)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    k = ik._indexer_scores_kernel
-    ptr = {"q_ptr": q_type, "w_ptr": "fp32", "codes_ptr": "u8", "scales_ptr": "u8", "nvis_ptr": "i64",
-           "blocks_ptr": "i64", "out_ptr": "fp32"}
-    consts = {"HALF": 64, "BLOCK_H": 64, "BLOCK_N": 64, "HAS_BLOCKS": False, "BLOCK_SIZE": 1, "USE_PDL": False}
-    sig = {n: "constexpr" if n in consts else ("*" + ptr[n] if n in ptr else "i32") for n in k.arg_names}
-    src = ASTSource(k, sig, {(k.arg_names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttir"]
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="builds the kernel for sm_90")
 def test_scores_use_tf32_tensor_cores_only_where_every_product_is_exact():
     """bf16 / fp16 queries (<= 11 significant bits) times E2M1 x 2^e keys are exact TF32 products; FP32 queries are
     not TF32 values in general and must stay on IEEE FP32. The interpreter does not round to TF32, so only the
     compiled kernel shows which precision each dtype gets."""
-    dots = {t: [line for line in _scores_ttir(t).splitlines() if "tt.dot" in line] for t in ("fp32", "bf16", "fp16")}
+    consts = {"HALF": 64, "BLOCK_H": 64, "BLOCK_N": 64, "HAS_BLOCKS": False, "BLOCK_SIZE": 1, "USE_PDL": False}
+    dots = {}
+    for q_type in ("fp32", "bf16", "fp16"):
+        ptrs = {"q_ptr": q_type, "w_ptr": "fp32", "codes_ptr": "u8", "scales_ptr": "u8", "nvis_ptr": "i64",
+                "blocks_ptr": "i64", "out_ptr": "fp32"}
+        ttir = sm90_ttir(ik._indexer_scores_kernel, ptrs, consts)
+        dots[q_type] = [line for line in ttir.splitlines() if "tt.dot" in line]
     assert all(len(d) == 2 for d in dots.values())
     assert not any("tf32" in line for line in dots["fp32"])
     assert all("inputPrecision = tf32" in line for t in ("bf16", "fp16") for line in dots[t])

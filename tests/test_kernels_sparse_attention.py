@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_harness import InterpreterHarness, poison_outputs
+from interp_harness import InterpreterHarness, poison_outputs, sm90_ttir
 
 from dsv41.kernels import sparse_attention as sa
 from dsv41.model.formats import quantize_fp4_e4m3_1x16, quantize_fp8_1x32
@@ -148,6 +148,21 @@ def test_fake_gives_q_shape_and_dtype():
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out = torch.ops.dsv41.sparse_fp4_attention(*fargs)
     assert out.shape == args[0].shape and out.dtype == torch.bfloat16
+
+
+def test_scores_use_tf32_only_for_bf16_fp16_queries_and_never_for_the_weighted_sum():
+    """q . kv in TF32 is exact for bf16 / fp16 q (every dequantised key is a TF32 value); FP32 q and p @ kv (p has
+    24 bits) must stay IEEE. Checked on the kernel built for sm_90: the interpreter does not round to TF32."""
+    consts = {"D2": 256, "HALF_R": 32, "BLOCK_H": 16, "BLOCK_N": 16, "BLOCK_D2": 256, "SPLIT": 8, "USE_PDL": False}
+    tf32 = {}
+    for q_type in ("fp32", "bf16", "fp16"):
+        ptrs = {"q_ptr": q_type, "wc_ptr": "u8", "ws_ptr": "u8", "wok_ptr": "u8", "bc_ptr": "u8", "bs_ptr": "u8",
+                "idx_ptr": "i64", "sink_ptr": "fp32", "cos_ptr": "fp32", "sin_ptr": "fp32", "o_ptr": q_type,
+                "part_ptr": "fp32"}
+        ttir = sm90_ttir(sa._sparse_fp4_attention_kernel, ptrs, consts, {"softmax_scale": "fp32"}, num_warps=8)
+        tf32[q_type] = ["inputPrecision = tf32" in line for line in ttir.splitlines() if "tt.dot" in line]
+    # program order: the two score dots (even / odd channels), then the two weighted sums
+    assert tf32 == {"fp32": [False] * 4, "bf16": [True, True, False, False], "fp16": [True, True, False, False]}
 
 
 def test_plan_splits_decode_over_many_programs_and_covers_every_tile():

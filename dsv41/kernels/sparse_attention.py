@@ -48,8 +48,10 @@ decoded into both halves, and the inverse RoPE pairs (2i, 2i+1) are elementwise 
 HBM reads: each selected bank row (D/2 + D/16 bytes) and window row (D + D/32 bytes) once; head blocks after
 the first re-read them from L2.
 
-Numerics: both products are `tl.dot` with IEEE FP32 inputs (no TF32), so the scores and the weighted sums equal
-the reference's FP32 einsums up to summation order; exp is Triton's FP32 exp; the inverse RoPE is bit-exact to
+Numerics: the scores are `tl.dot`s in TF32 on the tensor cores for bf16 / fp16 q and in IEEE FP32 for FP32 q;
+both are exact products (bf16 / fp16 q and every dequantised key are TF32 values), so the scores equal the
+reference's FP32 einsum up to summation order; the weighted sums are IEEE FP32 `tl.dot`s (the probabilities are
+not TF32 values); exp is Triton's FP32 exp; the inverse RoPE is bit-exact to
 the reference's (FMA contraction off). Tests bound the result by 1e-5 relative (FP32) or one rounding of q.dtype.
 """
 
@@ -229,7 +231,15 @@ def _sparse_fp4_attention_kernel(
             scale = _e4m3_value(sc)
             kv_e = e2m1_value(packed & 15) * scale
             kv_o = e2m1_value(packed >> 4) * scale
-        s = tl.dot(q_e, tl.trans(kv_e), input_precision="ieee") + tl.dot(q_o, tl.trans(kv_o), input_precision="ieee")
+        if Q_DT == tl.float32:
+            s = (tl.dot(q_e, tl.trans(kv_e), input_precision="ieee")
+                 + tl.dot(q_o, tl.trans(kv_o), input_precision="ieee"))
+        else:
+            # bf16 / fp16 q (<= 11 significant bits) times window values (E4M3 x UE8M0 rounded to q.dtype) or
+            # bank values (E2M1 x E4M3, <= 6 bits): TF32 operands whose products are exact, so the tensor cores
+            # give the IEEE scores up to the order of the FP32 sum. p @ kv stays IEEE: p has 24 bits.
+            s = (tl.dot(q_e, tl.trans(kv_e), input_precision="tf32")
+                 + tl.dot(q_o, tl.trans(kv_o), input_precision="tf32"))
         s = s * softmax_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
