@@ -30,6 +30,9 @@ _SAMPLES: collections.Counter = collections.Counter()
 _INNER: collections.Counter = collections.Counter()
 _CHAINS: collections.Counter = collections.Counter()
 _STR_CALLERS: collections.Counter = collections.Counter()
+#: The whole stack (up to dsv41's code, at most 40 frames) of the first sample charged to each text caller: the
+#: 8 frames of the caller key may all sit inside Inductor, and the decision to format is often further out.
+_STR_STACKS: dict[str, str] = {}
 #: Frames that produce text. A sample is charged to whoever asked for the text only if one of these is on top.
 _FORMATTERS = {"__str__", "__repr__", "__format__", "str_helper", "common_repr", "pformat"}
 #: Frames that may sit between a formatter and its caller (helpers of the formatting itself).
@@ -109,11 +112,16 @@ def _where(frame) -> tuple[str, str]:
     return "(no dsv41 frame)", _frame_str(frame)
 
 
-def _chain(frame, depth: int = 10) -> str:
-    """The innermost `depth` frames below dsv41's own code, innermost first, joined by ' <- '."""
+def _chain(frame, depth: int = 10, stop_at_dsv41: bool = True) -> str:
+    """The innermost `depth` frames below dsv41's own code (the first dsv41 frame included when `stop_at_dsv41` is
+    False), innermost first, joined by ' <- '."""
     out = []
     f = frame
-    while f is not None and len(out) < depth and not _is_dsv41(f.f_code.co_filename):
+    while f is not None and len(out) < depth:
+        if _is_dsv41(f.f_code.co_filename):
+            if not stop_at_dsv41:
+                out.append(_frame_str(f))
+            break
         out.append(_frame_str(f))
         f = f.f_back
     return " <- ".join(out)
@@ -151,6 +159,8 @@ def _summary_text(top: int = 12) -> str:
     if str_callers:
         lines.append(f"{stamp} samples spent formatting text, by who asked for it (innermost first):")
         lines += [f"    {c:5d}  {w}" for w, c in str_callers]
+        lines.append(f"{stamp} whole stack of the first sample of the top caller (innermost first):")
+        lines += [f"      {fr}" for fr in _STR_STACKS.get(str_callers[0][0], "").split(" <- ")]
     lines.append(f"{stamp} in-process Triton compiles: {n}, {s:.1f} s")
     return "\n".join(lines) + "\n"
 
@@ -170,7 +180,12 @@ def _phases_text() -> str:
 
 def _sample_once() -> tuple[str, str] | None:
     """Count one sample of the main thread's stack; return its (innermost dsv41 frame, innermost frame)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    return _sample_once_of(threading.main_thread().ident)
+
+
+def _sample_once_of(ident: int) -> tuple[str, str] | None:
+    """Count one sample of thread `ident`'s stack; return its (innermost dsv41 frame, innermost frame)."""
+    frame = sys._current_frames().get(ident)
     if frame is None:
         return None
     d, i = _where(frame)
@@ -181,6 +196,8 @@ def _sample_once() -> tuple[str, str] | None:
         _CHAINS[_chain(frame)] += 1
         if caller is not None:
             _STR_CALLERS[caller] += 1
+            if caller not in _STR_STACKS:
+                _STR_STACKS[caller] = _chain(frame, depth=40, stop_at_dsv41=False)
     return d, i
 
 

@@ -107,6 +107,30 @@ def test_summary_prints_counts(capsys, monkeypatch):
     assert "    3  dsv41/x.py:1 f" in out and "    2  a.py:2 g <- b.py:3 h" in out
 
 
+def test_summary_prints_the_whole_stack_of_the_top_text_caller(monkeypatch):
+    """The caller key is 8 frames deep; the summary also shows the first whole stack seen for the top caller,
+    outer frames included, so the decision to format is visible even when it sits further out."""
+    monkeypatch.setattr(watch, "_STR_CALLERS", watch.collections.Counter())
+    monkeypatch.setattr(watch, "_STR_STACKS", {})
+    stop = threading.Event()
+    worker = threading.Thread(target=_asker, args=(stop,))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not watch._STR_CALLERS and time.monotonic() < deadline:
+            time.sleep(0.01)
+            watch._sample_once_of(worker.ident)
+    finally:
+        stop.set()
+        worker.join()
+    text = watch._summary_text()
+    stack = text.split("whole stack of the first sample of the top caller (innermost first):\n")[1]
+    frames = [ln.strip() for ln in stack.splitlines() if ln.startswith("      ")]
+    assert any(f.endswith(" _asker") for f in frames), text
+    # threading's bootstrap frames: further out than the 8-frame key reaches (the _Nested(25) text is 27 deep)
+    assert frames[-1].endswith(" _bootstrap"), frames
+
+
 def test_sigterm_prints_the_counts_and_exits_124(tmp_path):
     """A run cut by `timeout` still reports: the SIGTERM handler writes the summary and the phases, then exits."""
     import signal
