@@ -35,6 +35,7 @@ import torch
 
 from ..passes.base import PassRecord
 from ..passes.manager import GraphPassResult, PassManager
+from .fallback_text import bounded_operator_text
 from .kernel_counts import WrapperCapture, graph_counts, provenance_config
 from .options import Options
 from .report import FusionReport, GraphReport, _set_last
@@ -254,7 +255,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         autograd_cache["enable_autograd_cache"] = False
     capture = WrapperCapture()
     capture.remember_dynamo_graph(gm)  # before compile_fx, which rewrites gm
-    with inductor_config.patch(patches), functorch_config.patch(autograd_cache):
+    # bounded_operator_text: torch <= 2.11 formats every implicit fallback's input IR as nested text, which stalled
+    # whole-model compiles (see fallback_text.py).
+    with inductor_config.patch(patches), functorch_config.patch(autograd_cache), bounded_operator_text():
         compiled = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
                               config_patches=config_patches or None)
     layer_kernels = graph_counts(capture, bool(manager.results), _records_dir() if key else None, key)

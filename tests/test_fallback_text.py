@@ -1,0 +1,122 @@
+"""Inductor's implicit-fallback log line stays short inside a dsv41 compile (dsv41/compiler/fallback_text.py)."""
+
+import logging
+
+import pytest
+import torch
+from torch._inductor import ir
+from torch._inductor.exc import OperatorIssue
+
+from dsv41.compiler.fallback_text import bounded_operator_str, bounded_operator_text, brief
+
+
+@torch.library.custom_op("dsv41_fallback_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dsv41_fallback_test::thrice", mutates_args=())
+def _thrice(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_thrice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_brief_renders_values_and_names_without_formatting_ir(monkeypatch):
+    """Primitives, dtypes and short containers by value; long containers counted; IR nodes and tensors by type,
+    name, size, dtype without their __str__."""
+    def boom(*a, **k):
+        raise AssertionError("IR text was formatted")
+    monkeypatch.setattr(ir.IRNode, "str_helper", boom)
+    assert brief(3) == "3" and brief(None) == "None" and brief(torch.bfloat16) == "torch.bfloat16"
+    assert brief([1, 2.5, "a"]) == "[1, 2.5, 'a']"
+    assert brief(tuple(range(20))) == "(0, 1, 2, 3, 4, 5, 6, 7, ... (+12))"
+    assert brief([[[[1]]]]) == "[[list(len=1)]]"
+    assert brief({"dim": -1}) == "{'dim': -1}"
+    assert brief(torch.zeros(2, 3)) == "Tensor(size=[2, 3], dtype=torch.float32, device=cpu)"
+    assert brief("x" * 500).endswith("...") and len(brief("x" * 500)) == 120
+    assert brief(object()) == "object"
+
+
+def test_operator_str_is_swapped_only_inside_the_block():
+    original = OperatorIssue.__dict__["operator_str"]
+    with bounded_operator_text():
+        assert OperatorIssue.operator_str is bounded_operator_str
+        with pytest.raises(RuntimeError):
+            with bounded_operator_text():
+                raise RuntimeError("compile failed")
+        assert OperatorIssue.operator_str is bounded_operator_str
+    assert OperatorIssue.__dict__["operator_str"] is original
+    text = bounded_operator_str("aten.foo", [1, [2, 3]], {"k": torch.float16})
+    assert text == "  target: aten.foo\n  args[0]: 1\n  args[1]: [2, 3]\n  kwargs: {'k': torch.float16}"
+
+
+class _Keep(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch):
+    """With Inductor's INFO log on (where torch 2.13 formats the lazy text too), a dsv41 compile that meets an
+    op without a lowering logs the fallback naming the op and its input buffer, and no IR node's text is built.
+    Outside dsv41's block, the same log line formats the IR (the cost the block removes)."""
+    calls = []
+    real = ir.IRNode.str_helper
+
+    def counted(self, *a, **k):
+        calls.append(type(self).__name__)
+        return real(self, *a, **k)
+    monkeypatch.setattr(ir.IRNode, "str_helper", counted)
+
+    def f(x):
+        y = torch.ops.dsv41_fallback_test.twice(torch.sin(x) + 1.0)
+        return torch.cos(y)
+
+    x = torch.randn(5, 7, dtype=torch.float64)
+    want = torch.cos(2 * (torch.sin(x) + 1.0))
+    torch._dynamo.reset()
+    log, keep = logging.getLogger("torch._inductor.graph"), _Keep()
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        got = torch.compile(f, backend="dsv41", fullgraph=True)(x)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    text = "\n".join(m for m in keep.messages if "implicit fallback" in m)
+    assert "target: dsv41_fallback_test.twice" in text, keep.messages
+    assert "args[0]: TensorBox(of=Pointwise, size=[5, 7], dtype=torch.float64)" in text, text
+    assert calls == [], calls
+
+    # Control: the same compile without dsv41's block (another op: a fallback is created once per op) formats
+    # the input's IR when the log line is built.
+    import contextlib
+
+    import dsv41.compiler.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "bounded_operator_text", contextlib.nullcontext)
+
+    def g(x):
+        return torch.cos(torch.ops.dsv41_fallback_test.thrice(torch.sin(x) + 1.0))
+    torch._dynamo.reset()
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        torch.compile(g, backend="dsv41", fullgraph=True)(x)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    assert calls, "control: Inductor's own text should have formatted the IR"
