@@ -1,0 +1,118 @@
+"""Launch-plan sweep of `sparse_fp4_attention` at the h200 decode shape: time per call for each (split, BLOCK_N),
+and how that time divides between the attention kernel and the split combine.
+
+    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32] [--json F]
+
+`split` 0 is `attention_plan`'s own choice. Each plan is checked against `reference_sparse_fp4_attention` on
+one input (max |diff| printed), then timed as `bench/kernels.py` times the family rows: calls on distinct
+inputs back to back in one CUDA graph, bank rows rotated over 4 GiB so gathered rows come from HBM (PDL on
+where the device supports it, as in a compiled model). The per-kernel split comes from one profiled replay
+(torch.profiler's CUDA kernel durations, summed per kernel name, divided by the calls); it excludes the gaps
+between kernels, so the two parts need not add up to the time per call.
+Written for the 2026-11-30 question why the h200 call takes ~40 µs for 350 KB (LATENCY_ANALYSIS.md estimated
+~10 µs per program and a few µs for the combine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import sys
+
+
+def _kernels_module():
+    """bench/kernels.py as a module (bench/ is not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+    spec = importlib.util.spec_from_file_location("dsv41_bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _kernel_split(graph_replay, calls: int) -> dict[str, float]:
+    """µs per call of each CUDA kernel name in one profiled replay."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph_replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph_replay()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith("_"):
+            out[ev.name] = out.get(ev.name, 0.0) + ev.device_time / calls
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--splits", type=_ints, default=[0, 1, 2, 4, 8, 16, 32])
+    ap.add_argument("--block-n", type=_ints, default=[16, 32])
+    ap.add_argument("--copies", type=int, default=256, help="calls per CUDA graph")
+    ap.add_argument("--reps-ms", type=float, default=200.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    import torch
+
+    from dsv41.kernels import sparse_attention as sa
+    from dsv41.model import ModelConfig
+
+    if not torch.cuda.is_available():
+        print("attention_sweep: needs a CUDA device", file=sys.stderr)
+        return 2
+    km = _kernels_module()
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    cfg = ModelConfig.preset("h200")
+    case = km._case_sparse_attention(a.ctx, cfg, 1, dev, torch.bfloat16, gen, {})
+    args = [case["make"]() for _ in range(a.copies)]
+    want = sa.reference_sparse_fp4_attention(*args[0])
+    rows = []
+    for bn in a.block_n:
+        for sp in a.splits:
+            plan = sa.attention_plan(1, cfg.num_attention_heads, min(cfg.sliding_window, a.ctx), cfg.index_topk,
+                                     cfg.head_dim, split=sp or None, block_n=bn)
+            call = functools.partial(sa.triton_sparse_fp4_attention, split=sp or None, block_n=bn)
+            got = call(*args[0])
+            diff = float((got.float() - want.float()).abs().max())
+            calls = [functools.partial(call, *x) for x in args]
+            t = km._bench_graph(calls, a.reps_ms) * 1e6
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for c in calls:
+                    c()
+            parts = _kernel_split(graph.replay, len(calls))
+            del graph
+            row = dict(ctx=a.ctx, block_n=bn, split_asked=sp, SPLIT=plan["SPLIT"], tiles=plan["n_tiles"],
+                       tiles_per_split=plan["tiles_per_split"], programs=plan["HB"] * plan["SPLIT"],
+                       time_us=t, kernels_us=parts, max_abs_diff=diff)
+            rows.append(row)
+            part_txt = ", ".join(f"{k.strip('_')[:28]} {v:.1f}" for k, v in sorted(parts.items()))
+            print(f"BLOCK_N {bn:3d} split {sp:3d} -> SPLIT {plan['SPLIT']:3d} ({plan['tiles_per_split']} tiles each,"
+                  f" {row['programs']} programs): {t:7.2f} us/call  [{part_txt}]  max|diff| {diff:.3g}", flush=True)
+    if a.json:
+        meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), ctx=a.ctx, copies=a.copies)
+        import triton
+        meta["triton"] = triton.__version__
+        with open(a.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    best = min(rows, key=lambda r: r["time_us"])
+    print(f"best: BLOCK_N {best['block_n']} SPLIT {best['SPLIT']}: {best['time_us']:.2f} us/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
