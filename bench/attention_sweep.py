@@ -1,9 +1,11 @@
 """Launch-plan sweep of `sparse_fp4_attention` at the h200 decode shape: time per call for each (split, BLOCK_N),
 and how that time divides between the attention kernel and the split combine.
 
-    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32] [--json F]
+    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32] [--pv ieee,tf32x3]
+                                     [--warps 0,4,8] [--json F]
 
-`split` 0 is `attention_plan`'s own choice. Each plan is checked against `reference_sparse_fp4_attention` on
+`split` 0 is `attention_plan`'s own choice, `--warps` 0 its num_warps; `--pv` the `tl.dot` precision of the
+weighted sums (`triton_sparse_fp4_attention(pv_precision=)`). Each plan is checked against `reference_sparse_fp4_attention` on
 one input (max |diff| printed), then timed as `bench/kernels.py` times the family rows: calls on distinct
 inputs back to back in one CUDA graph, bank rows rotated over 4 GiB so gathered rows come from HBM (PDL on
 where the device supports it, as in a compiled model). The per-kernel split comes from one profiled replay
@@ -61,6 +63,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--splits", type=_ints, default=[0, 1, 2, 4, 8, 16, 32])
     ap.add_argument("--block-n", type=_ints, default=[16, 32])
+    ap.add_argument("--pv", default="ieee", help="comma-separated pv_precision values")
+    ap.add_argument("--warps", type=_ints, default=[0])
     ap.add_argument("--copies", type=int, default=256, help="calls per CUDA graph")
     ap.add_argument("--reps-ms", type=float, default=200.0)
     ap.add_argument("--json", default=None)
@@ -81,11 +85,15 @@ def main() -> int:
     args = [case["make"]() for _ in range(a.copies)]
     want = sa.reference_sparse_fp4_attention(*args[0])
     rows = []
-    for bn in a.block_n:
-        for sp in a.splits:
-            plan = sa.attention_plan(1, cfg.num_attention_heads, min(cfg.sliding_window, a.ctx), cfg.index_topk,
-                                     cfg.head_dim, split=sp or None, block_n=bn)
-            call = functools.partial(sa.triton_sparse_fp4_attention, split=sp or None, block_n=bn)
+    combos = [(bn, sp, pv, nw) for pv in a.pv.split(",") for nw in a.warps for bn in a.block_n for sp in a.splits]
+    for bn, sp, pv, nw in combos:
+        plan = sa.attention_plan(1, cfg.num_attention_heads, min(cfg.sliding_window, a.ctx), cfg.index_topk,
+                                 cfg.head_dim, split=sp or None, block_n=bn)
+        tag = (f"BLOCK_N {bn:3d} split {sp:3d} -> SPLIT {plan['SPLIT']:3d} ({plan['tiles_per_split']} tiles each, "
+               f"{plan['HB'] * plan['SPLIT']} programs) pv {pv:6s} warps {nw or plan['num_warps']}")
+        call = functools.partial(sa.triton_sparse_fp4_attention, split=sp or None, block_n=bn, pv_precision=pv,
+                                 num_warps=nw or None)
+        try:
             got = call(*args[0])
             diff = float((got.float() - want.float()).abs().max())
             calls = [functools.partial(call, *x) for x in args]
@@ -96,13 +104,18 @@ def main() -> int:
                     c()
             parts = _kernel_split(graph.replay, len(calls))
             del graph
-            row = dict(ctx=a.ctx, block_n=bn, split_asked=sp, SPLIT=plan["SPLIT"], tiles=plan["n_tiles"],
-                       tiles_per_split=plan["tiles_per_split"], programs=plan["HB"] * plan["SPLIT"],
-                       time_us=t, kernels_us=parts, max_abs_diff=diff)
-            rows.append(row)
-            part_txt = ", ".join(f"{k.strip('_')[:28]} {v:.1f}" for k, v in sorted(parts.items()))
-            print(f"BLOCK_N {bn:3d} split {sp:3d} -> SPLIT {plan['SPLIT']:3d} ({plan['tiles_per_split']} tiles each,"
-                  f" {row['programs']} programs): {t:7.2f} us/call  [{part_txt}]  max|diff| {diff:.3g}", flush=True)
+        except Exception as exc:  # one plan failing (compile, launch) must not hide the others
+            torch.cuda.synchronize()
+            print(f"{tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        row = dict(ctx=a.ctx, block_n=bn, split_asked=sp, SPLIT=plan["SPLIT"], tiles=plan["n_tiles"],
+                   tiles_per_split=plan["tiles_per_split"], programs=plan["HB"] * plan["SPLIT"], pv_precision=pv,
+                   num_warps=nw or plan["num_warps"], time_us=t, kernels_us=parts, max_abs_diff=diff)
+        rows.append(row)
+        part_txt = ", ".join(f"{k.strip('_')[:28]} {v:.1f}" for k, v in sorted(parts.items()))
+        print(f"{tag}: {t:7.2f} us/call  [{part_txt}]  max|diff| {diff:.3g}", flush=True)
+    if not rows:
+        return 1
     if a.json:
         meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), ctx=a.ctx, copies=a.copies)
         import triton
@@ -110,7 +123,8 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     best = min(rows, key=lambda r: r["time_us"])
-    print(f"best: BLOCK_N {best['block_n']} SPLIT {best['SPLIT']}: {best['time_us']:.2f} us/call")
+    print(f"best: BLOCK_N {best['block_n']} SPLIT {best['SPLIT']} pv {best['pv_precision']} warps "
+          f"{best['num_warps']}: {best['time_us']:.2f} us/call")
     return 0
 
 

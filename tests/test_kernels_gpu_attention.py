@@ -38,7 +38,7 @@ def test_sparse_attention_matches_float64_reference_on_gpu(name):
         SA.check(got.cpu(), args, f"{name} split={split}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_sparse_attention_at_h200_decode_shape(dtype):
     c = H200
     args = SA.make_inputs(b=1, t=1, h=c.num_attention_heads, d=c.head_dim, s=c.sliding_window, n=4096,

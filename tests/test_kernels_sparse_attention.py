@@ -150,25 +150,37 @@ def test_fake_gives_q_shape_and_dtype():
     assert out.shape == args[0].shape and out.dtype == torch.bfloat16
 
 
-def test_scores_use_tf32_only_for_bf16_fp16_queries_and_never_for_the_weighted_sum():
-    """q . kv in TF32 is exact for bf16 / fp16 q (every dequantised key is a TF32 value); FP32 q and p @ kv (p has
-    24 bits) must stay IEEE. Checked on the kernel built for sm_90: the interpreter does not round to TF32."""
-    consts = {"D2": 256, "HALF_R": 32, "BLOCK_H": 16, "BLOCK_N": 16, "BLOCK_D2": 256, "SPLIT": 8, "USE_PDL": False}
-    tf32 = {}
-    for q_type in ("fp32", "bf16", "fp16"):
+def test_tensor_core_precision_per_query_dtype():
+    """q . kv in TF32 is exact for bf16 / fp16 q (every dequantised key is a TF32 value); p @ kv (p has 24 bits)
+    is tf32x3 there (p as two TF32 parts); FP32 q stays IEEE in both. Checked on the kernel built for sm_90 with
+    the precision the wrapper picks for each dtype: the interpreter does not round to TF32."""
+    consts = {"D2": 256, "HALF_R": 32, "BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D2": 256, "SPLIT": 8, "USE_PDL": False}
+    got = {}
+    for q_type, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         ptrs = {"q_ptr": q_type, "wc_ptr": "u8", "ws_ptr": "u8", "wok_ptr": "u8", "bc_ptr": "u8", "bs_ptr": "u8",
                 "idx_ptr": "i64", "sink_ptr": "fp32", "cos_ptr": "fp32", "sin_ptr": "fp32", "o_ptr": q_type,
                 "part_ptr": "fp32"}
-        ttir = sm90_ttir(sa._sparse_fp4_attention_kernel, ptrs, consts, {"softmax_scale": "fp32"}, num_warps=8)
-        tf32[q_type] = ["inputPrecision = tf32" in line for line in ttir.splitlines() if "tt.dot" in line]
+        pv = sa.pv_precision_for(dtype)
+        ttir = sm90_ttir(sa._sparse_fp4_attention_kernel, ptrs, {**consts, "PV_PRECISION": pv},
+                         {"softmax_scale": "fp32"}, num_warps=8)
+        got[q_type] = [line.split("inputPrecision = ")[1].split()[0] if "inputPrecision" in line else "ieee"
+                       for line in ttir.splitlines() if "tt.dot" in line]
     # program order: the two score dots (even / odd channels), then the two weighted sums
-    assert tf32 == {"fp32": [False] * 4, "bf16": [True, True, False, False], "fp16": [True, True, False, False]}
+    assert got == {"fp32": ["ieee"] * 4, "bf16": ["tf32", "tf32", "tf32x3", "tf32x3"],
+                   "fp16": ["tf32", "tf32", "tf32x3", "tf32x3"]}
+
+
+def test_pv_precision_is_checked():
+    args = make_inputs(s=5, k=4)
+    with pytest.raises(ValueError, match="pv_precision"):
+        sa.triton_sparse_fp4_attention(*args, pv_precision="tf32")
 
 
 def test_plan_splits_decode_over_many_programs_and_covers_every_tile():
     p = sa.attention_plan(1, 64, 129, 512, 512)
     rows, hb, split = p["grid"]
-    assert hb == 4 and rows * hb * split >= 128  # batch-1 decode keeps >= 128 programs busy
+    # batch-1 decode: one 32-row tile per program (measured faster than twice the programs with 16-row tiles)
+    assert hb == 4 and p["BLOCK_N"] == 32 and p["tiles_per_split"] == 1 and split == p["n_tiles"] == 5 + 16
     assert split * p["tiles_per_split"] >= p["n_tiles"] > (split - 1) * p["tiles_per_split"]
     assert p["n_win_tiles"] == -(-129 // p["BLOCK_N"])
     prefill = sa.attention_plan(256, 64, 384, 512, 512)

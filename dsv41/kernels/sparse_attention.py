@@ -50,9 +50,13 @@ the first re-read them from L2.
 
 Numerics: the scores are `tl.dot`s in TF32 on the tensor cores for bf16 / fp16 q and in IEEE FP32 for FP32 q;
 both are exact products (bf16 / fp16 q and every dequantised key are TF32 values), so the scores equal the
-reference's FP32 einsum up to summation order; the weighted sums are IEEE FP32 `tl.dot`s (the probabilities are
-not TF32 values); exp is Triton's FP32 exp; the inverse RoPE is bit-exact to
-the reference's (FMA contraction off). Tests bound the result by 1e-5 relative (FP32) or one rounding of q.dtype.
+reference's FP32 einsum up to summation order. The weighted sums p @ kv are "tf32x3" dots for bf16 / fp16 q:
+kv is a TF32 value, p is carried as a TF32 high part plus a TF32 low part (about 22 of its 24 bits, relative
+error <= 2^-21 per product), far below the one rounding of q.dtype the output gets; FP32 q keeps IEEE FP32
+there. exp is Triton's FP32 exp; the inverse RoPE is bit-exact to the reference's (FMA contraction off). Tests
+bound the result by 1e-5 relative (FP32) or one rounding of q.dtype.
+Measured on the H200 at the h200 decode shape (2026-11-30, bench/attention_sweep.py): 39.6 us per call with
+16-row tiles and IEEE weighted sums, 33.0 us with 32-row tiles, 26.6 us with 32-row tiles and tf32x3.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, nex
                       round_to, use_pdl_for)
 
 __all__ = ["sparse_fp4_attention", "reference_sparse_fp4_attention", "triton_sparse_fp4_attention",
-           "attention_plan", "combine_plan", "MAX_HEAD_DIM"]
+           "attention_plan", "combine_plan", "pv_precision_for", "MAX_HEAD_DIM"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Largest head dim one program holds (two [BLOCK_H, D/2] FP32 accumulators in registers).
@@ -77,6 +81,8 @@ MAX_HEAD_DIM = 1024
 _BLOCK_H = 16
 #: Programs a launch aims for (about two per SM of a 132-SM H200), reached by splitting the rows.
 _TARGET_PROGRAMS = 256
+#: `tl.dot` precision of the weighted sums p @ kv for bf16 / fp16 q (FP32 q always uses "ieee"); see Numerics.
+PV_PRECISION = "tf32x3"
 #: FP32 accumulator values one combine program loads at once (`combine_plan`).
 _COMBINE_ELEMENTS = 4096
 
@@ -173,7 +179,7 @@ def _sparse_fp4_attention_kernel(
     sq_b, sq_t, sq_h, swc_b, swc_s, sws_b, sws_s, sok_b, sok_t, sok_s,
     sbc_b, sbc_n, sbs_b, sbs_n, si_b, si_t, si_k, scs_b, scs_t, ssn_b, ssn_t,
     D2: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PV_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     hb = tl.program_id(1)
@@ -248,8 +254,8 @@ def _sparse_fp4_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p, kv_e, input_precision="ieee")
-        acc_o = acc_o * alpha[:, None] + tl.dot(p, kv_o, input_precision="ieee")
+        acc_e = acc_e * alpha[:, None] + tl.dot(p, kv_e, input_precision=PV_PRECISION)
+        acc_o = acc_o * alpha[:, None] + tl.dot(p, kv_o, input_precision=PV_PRECISION)
         m_i = m_new
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -353,13 +359,15 @@ def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | N
     number of splits (tests, benchmarks; the number used may be smaller so that no split is empty);
     `block_n` the rows per tile (a power of two >= 16).
     Heuristic: split the tiles so that rows * head blocks * splits reaches about `_TARGET_PROGRAMS` (at batch-1
-    decode with 64 heads: 4 head blocks x ~41 tiles of 16 rows of 640 -> ~41 splits of one tile); BLOCK_N 16 for
-    D >= 512 (two [16, 256] FP32 row tiles), else 32; 8 warps from D = 512.
+    decode with 64 heads: 4 head blocks x 21 tiles of 32 rows of 129 + 512 -> 21 splits of one tile); BLOCK_N
+    32; 8 warps from D = 512. On the H200 at that shape 32-row tiles beat 16-row tiles (twice the programs, and
+    the combine merges twice the splits): 33.0 vs 39.6 us; 64-row tiles need more than its 227 KB of shared
+    memory with IEEE weighted sums (bench/attention_sweep.py, 2026-11-30).
     Raises: ValueError for split < 1 or a bad block_n.
     """
     bd2 = max(16, next_power_of_2(d // 2))
     if block_n is None:
-        block_n = 16 if d >= 512 else 32
+        block_n = 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= 16")
     hb = -(-heads // _BLOCK_H)
@@ -377,6 +385,12 @@ def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | N
             "num_warps": 8 if d >= 512 else 4, "grid": (rows, hb, split)}
 
 
+def pv_precision_for(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision of the weighted sums p @ kv for queries of `dtype`: `PV_PRECISION` ("tf32x3")
+    for bf16 / fp16, "ieee" for FP32 (module docstring, Numerics)."""
+    return "ieee" if dtype == torch.float32 else PV_PRECISION
+
+
 def combine_plan(split: int, block_h: int, block_d2: int) -> dict:
     """Launch plan of the split combine: {"SPLIT_POW2", "BLOCK_C", "num_warps"}. A program holds every split's
     [BLOCK_H, BLOCK_C] accumulator slice of both channel halves at once, at most `_COMBINE_ELEMENTS` FP32 values
@@ -392,17 +406,22 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
                                 window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                                 indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                 softmax_scale: float, split: int | None = None,
-                                block_n: int | None = None) -> torch.Tensor:
+                                block_n: int | None = None, pv_precision: str | None = None,
+                                num_warps: int | None = None) -> torch.Tensor:
     """Triton `dsv41::sparse_fp4_attention` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, result (to FP32 rounding, module docstring) and errors as `reference_sparse_fp4_attention`,
     except that an index >= N is treated as an empty slot instead of raising. One launch over (query row,
-    head block, split) programs (`attention_plan`; `split` / `block_n` override it). Inputs may be strided;
+    head block, split) programs (`attention_plan`; `split` / `block_n` / `num_warps` override it);
+    `pv_precision` ("ieee" or "tf32x3") overrides `PV_PRECISION` for the weighted sums. Inputs may be strided;
     only the last dim of q and of the code / scale tensors must be contiguous (made so otherwise).
     Raises RuntimeError for CPU tensors without the interpreter.
     """
     b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
                                          indices, sink, cos, sin, softmax_scale)
+    pv = pv_precision or pv_precision_for(q.dtype)
+    if pv not in ("ieee", "tf32x3"):
+        raise ValueError(f"pv_precision must be 'ieee' or 'tf32x3', got {pv_precision!r}")
     require_launchable(_sparse_fp4_attention_kernel, q.device, "triton_sparse_fp4_attention")
     out = _empty((b, t, h, d), q.dtype, q.device)
     if b * t * h == 0:
@@ -417,6 +436,8 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
     cos, sin, sink = last_contig(cos), last_contig(sin), sink.contiguous()
     ok = window_ok.view(torch.uint8)
     plan = attention_plan(b * t, h, s, k, d, split=split, block_n=block_n)
+    if num_warps is not None:
+        plan["num_warps"] = num_warps
     n_split = plan["SPLIT"]
     if n_split > 1:
         width = 2 * plan["BLOCK_H"] + 2 * plan["BLOCK_H"] * plan["BLOCK_D2"]
@@ -433,7 +454,7 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         indices.stride(0), indices.stride(1), indices.stride(2), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1),
         D2=d // 2, HALF_R=r // 2, BLOCK_H=plan["BLOCK_H"], BLOCK_N=plan["BLOCK_N"], BLOCK_D2=plan["BLOCK_D2"],
-        SPLIT=n_split, USE_PDL=pdl, num_warps=plan["num_warps"], enable_fp_fusion=False,
+        SPLIT=n_split, USE_PDL=pdl, PV_PRECISION=pv, num_warps=plan["num_warps"], enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}))
     if n_split > 1:
         c = combine_plan(n_split, plan["BLOCK_H"], plan["BLOCK_D2"])
