@@ -30,8 +30,9 @@ _SAMPLES: collections.Counter = collections.Counter()
 _INNER: collections.Counter = collections.Counter()
 _CHAINS: collections.Counter = collections.Counter()
 _STR_CALLERS: collections.Counter = collections.Counter()
-#: The whole stack (up to dsv41's code, at most 40 frames) of the first sample charged to each text caller: the
-#: 8 frames of the caller key may all sit inside Inductor, and the decision to format is often further out.
+#: The stack below the formatting frames (up to dsv41's code, at most 40 frames) of the first sample charged to
+#: each text caller, with the number of formatting frames above it (how deep the text nests): the 8 frames of
+#: the caller key may all sit inside Inductor, and the decision to format is often further out.
 _STR_STACKS: dict[str, str] = {}
 #: Frames that produce text. A sample is charged to whoever asked for the text only if one of these is on top.
 _FORMATTERS = {"__str__", "__repr__", "__format__", "str_helper", "common_repr", "pformat"}
@@ -127,13 +128,20 @@ def _chain(frame, depth: int = 10, stop_at_dsv41: bool = True) -> str:
     return " <- ".join(out)
 
 
+def _formatting_frames(frame):
+    """(first frame below the text-formatting frames on top of `frame`, how many there were, whether a real
+    formatter was among them)."""
+    f, n, formatter = frame, 0, False
+    while f is not None and (f.f_code.co_name in _FORMATTING or f.f_code.co_filename.endswith("textwrap.py")):
+        formatter = formatter or f.f_code.co_name in _FORMATTERS or f.f_code.co_filename.endswith("textwrap.py")
+        f, n = f.f_back, n + 1
+    return f, n, formatter
+
+
 def _str_caller(frame, depth: int = 8) -> str | None:
     """When the innermost frames only format text (IR nodes' __str__, textwrap) and include a real formatter, the
     `depth` frames that asked for it, innermost first; None otherwise."""
-    f, formatter = frame, False
-    while f is not None and (f.f_code.co_name in _FORMATTING or f.f_code.co_filename.endswith("textwrap.py")):
-        formatter = formatter or f.f_code.co_name in _FORMATTERS or f.f_code.co_filename.endswith("textwrap.py")
-        f = f.f_back
+    f, _, formatter = _formatting_frames(frame)
     if not formatter or f is None:
         return None
     out = []
@@ -159,7 +167,8 @@ def _summary_text(top: int = 12) -> str:
     if str_callers:
         lines.append(f"{stamp} samples spent formatting text, by who asked for it (innermost first):")
         lines += [f"    {c:5d}  {w}" for w, c in str_callers]
-        lines.append(f"{stamp} whole stack of the first sample of the top caller (innermost first):")
+        lines.append(f"{stamp} stack of the first sample of the top caller, below its text formatting (innermost "
+                     f"first):")
         lines += [f"      {fr}" for fr in _STR_STACKS.get(str_callers[0][0], "").split(" <- ")]
     lines.append(f"{stamp} in-process Triton compiles: {n}, {s:.1f} s")
     return "\n".join(lines) + "\n"
@@ -197,7 +206,9 @@ def _sample_once_of(ident: int) -> tuple[str, str] | None:
         if caller is not None:
             _STR_CALLERS[caller] += 1
             if caller not in _STR_STACKS:
-                _STR_STACKS[caller] = _chain(frame, depth=40, stop_at_dsv41=False)
+                below, nested, _ = _formatting_frames(frame)
+                _STR_STACKS[caller] = (f"({nested} formatting frames on top)"
+                                       f" <- {_chain(below, depth=40, stop_at_dsv41=False)}")
     return d, i
 
 

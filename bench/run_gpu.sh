@@ -12,8 +12,8 @@ python3 -c "import torch._dynamo as d; assert 'dsv41' in d.list_backends(), 'dsv
 sections=${*:-"tests kernels eager backends"}
 WARM=${WARM_COMPILE:-1}; warmflag=""; [ "$WARM" = 0 ] && warmflag="--no-warm-compile"
 # REGIONAL=1: ctx / toggles / ablate compile region by region (one graph per layer variant, whole-step CUDA graph
-# by the wrapper), as the h200 section does. 2026-11-30: a whole-model cold compile of `small` no longer finished
-# in 410-520 s on the H200 (bench/results/2026-11-30_h200_s8/README.md).
+# by the wrapper), as the h200 section does. (A whole-model cold `small` compile stalled on torch 2.11 until
+# dsv41/compiler/fallback_text.py; it took 180.8 s after, bench/results/2026-11-30_h200_s9/.)
 regional=""; [ "${REGIONAL:-0}" = 1 ] && regional="--regional"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUTDIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUTDIR/gpu.txt"
@@ -58,9 +58,8 @@ for s in $sections; do
           --json "$OUTDIR/tp${TP:-2}_${moe}_pad${pad}.json" 2>&1 | tail -12
       done ;;
     compile)
-      # Where a cold `small` compile goes (2026-11-30: the whole process ran past 410-520 s where the compile had
-      # taken 161 s, inside Inductor's compile_fx_inner formatting IR nodes as text). bench/compile_watch.py samples
-      # the main thread and names who asked for the text. The default options and WATCH_OPTIONS (default: CUDA
+      # Where a cold `small` compile goes. bench/compile_watch.py samples the main thread and names who asked for
+      # any text it formats (2026-11-30: Inductor's implicit-fallback log line, fixed by fallback_text.py). The default options and WATCH_OPTIONS (default: CUDA
       # graphs off) run side by side (two 330 s runs one after the other do not fit a call), each with its own empty
       # Inductor and Triton caches; they share the CPUs and the GPU, so their times are not solo compile times.
       wopts=${WATCH_OPTIONS:---option cuda_graphs=false}
@@ -79,8 +78,8 @@ for s in $sections; do
       done ;;
     ctx)
       # Decode tok/s vs context (synthetic caches), plus the attention / indexer kernels at h200 shapes at the same
-      # contexts against their byte floors. Three cold `small` compiles no longer fit a call (2026-11-30: inductor
-      # 205 s, dsv41 > 340 s), so the default is eager and dsv41; BACKENDS=eager,inductor for the other curve.
+      # contexts against their byte floors. Three cold `small` compiles do not fit a call (2026-11-30: inductor
+      # 205 s, dsv41 181 s, plus the runs), so the default is eager and dsv41; BACKENDS=eager,inductor for the other.
       timeout ${CTX_TIMEOUT:-560} python3 -m dsv41.bench --preset ${PRESET:-small} --backends ${BACKENDS:-eager,dsv41} $regional \
         --prompt-len 128 --new-tokens 16 --repeats 2 --no-warm-compile ${BENCH_OPTIONS:---option gpu_unvalidated=true} \
         --contexts ${CONTEXTS:-4096,32768,131072} --context-tokens 16 --json "$OUTDIR/ctx_${PRESET:-small}.json" 2>&1 | tail -40
