@@ -213,9 +213,18 @@ def test_triton_scores_read_strided_cache_slices_and_compact_pool_rows(poisoned_
 
 
 # ------------------------------------------------------------------------------------------- top-k (interpreted)
+@pytest.fixture(params=["registers", "streaming"])
+def select_path(request, monkeypatch):
+    """Both select paths: the chunk held in registers (the default up to `_TOPK_REG_ELEMS`) and the streaming
+    passes (longer chunks; forced here by a zero register budget)."""
+    if request.param == "streaming":
+        monkeypatch.setattr(ik, "_TOPK_REG_ELEMS", 0)
+    return request.param
+
+
 @interpreted
 @pytest.mark.parametrize("n,k", [(5, 8), (8, 8), (37, 8), (3000, 8)], ids=["shorter", "equal", "longer", "much-longer"])
-def test_triton_topk_matches_the_tie_rule_at_every_context(n, k, poisoned_outputs):
+def test_triton_topk_matches_the_tie_rule_at_every_context(n, k, poisoned_outputs, select_path):
     gen = torch.Generator().manual_seed(n)
     for s in (torch.randn(2, 2, n, generator=gen), tie_scores(2, 2, n, gen)):
         s[0, 1] = NEG_INF  # an all-invalid row: only -1
@@ -227,7 +236,7 @@ def test_triton_topk_matches_the_tie_rule_at_every_context(n, k, poisoned_output
 
 @interpreted
 @pytest.mark.parametrize("split", [1, 2, 5])
-def test_triton_topk_split_rows_select_the_same_set_under_ties(split, poisoned_outputs):
+def test_triton_topk_split_rows_select_the_same_set_under_ties(split, poisoned_outputs, select_path):
     # 9000 tied scores, k = 64, chunks of whole select blocks (the last one shorter): every chunk's local top k
     # keeps its lowest tied indices, so the merge does too.
     gen = torch.Generator().manual_seed(11)
@@ -237,7 +246,7 @@ def test_triton_topk_split_rows_select_the_same_set_under_ties(split, poisoned_o
 
 
 @interpreted
-def test_triton_topk_epilogue_maps_pool_slots_and_adds_the_offset(poisoned_outputs):
+def test_triton_topk_epilogue_maps_pool_slots_and_adds_the_offset(poisoned_outputs, select_path):
     gen = torch.Generator().manual_seed(12)
     blocks = torch.tensor([[[1, 4, 9, -1]], [[0, 2, -1, -1]]])
     s = tie_scores(2, 1, 16, gen)
@@ -248,7 +257,7 @@ def test_triton_topk_epilogue_maps_pool_slots_and_adds_the_offset(poisoned_outpu
 
 
 @interpreted
-def test_triton_topk_orders_negative_zero_equal_to_zero(poisoned_outputs):
+def test_triton_topk_orders_negative_zero_equal_to_zero(poisoned_outputs, select_path):
     # -0.0 and +0.0 are the same score: the lower index wins, whichever sign it carries.
     s = torch.tensor([[[-0.0, 0.0, -0.0, 0.0, -1.0, 0.0]]])
     assert ik.triton_indexer_topk(s, 2).tolist() == [[[0, 1]]]
@@ -266,10 +275,18 @@ def test_topk_plan_spreads_long_decode_rows():
         ik.topk_plan(1, 100, 8, split=0)
 
 
+def test_select_holds_decode_chunks_in_registers():
+    # h200 decode: 8192-element chunks and the 16 x 512 stage-2 candidates fit the register path; a prefill row
+    # of 131K elements in one program streams.
+    assert ik._select_mode(8192) == {"IN_REGS": True, "REG_P2": 8192, "num_warps": 16}
+    assert ik._select_mode(16 * 512)["IN_REGS"] and ik._select_mode(1000)["REG_P2"] == 1024
+    assert not ik._select_mode(131072)["IN_REGS"]
+
+
 # ------------------------------------------------------------------------------------------- candidates (interpreted)
 @interpreted
 @pytest.mark.parametrize("n,block,n_blocks", [(37, 4, 3), (16, 4, 4), (300, 8, 5)])
-def test_triton_candidates_pin_the_newest_block_and_break_ties_low(n, block, n_blocks, poisoned_outputs):
+def test_triton_candidates_pin_the_newest_block_and_break_ties_low(n, block, n_blocks, poisoned_outputs, select_path):
     gen = torch.Generator().manual_seed(n)
     s = tie_scores(2, 3, n, gen)
     nv = torch.tensor([[n, 1, 0], [n // 2, 5, n - 1]])
@@ -282,7 +299,7 @@ def test_triton_candidates_pin_the_newest_block_and_break_ties_low(n, block, n_b
 
 
 @interpreted
-def test_triton_candidates_split_over_many_blocks(poisoned_outputs):
+def test_triton_candidates_split_over_many_blocks(poisoned_outputs, select_path):
     gen = torch.Generator().manual_seed(13)
     s = torch.randn(1, 1, 40000, generator=gen)
     nv = torch.tensor([[40000]])

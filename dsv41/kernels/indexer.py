@@ -38,14 +38,17 @@ Kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1, see `_common`):
   interleaving), and reduces ReLU(logits) * w over the heads. The matmuls run on the tensor cores in TF32 for
   bf16 / fp16 queries, where every product is exact (E2M1 x 2^e keys have 2 significant bits, the queries at
   most 11), and in IEEE FP32 on the CUDA cores for FP32 queries (2026-11-30 analysis: at 131K rows the IEEE dots
-  made the kernel issue-bound, bench/results/2026-11-30_h200_small_context/LATENCY_ANALYSIS.md; the TF32 path is
-  not yet measured on the H200). At batch-1 decode N / BLOCK_N programs fill the
+  made the kernel issue-bound, bench/results/2026-11-30_h200_small_context/LATENCY_ANALYSIS.md; measured on the
+  H200 with TF32: 73.4 -> 57.7 us at 131K, bench/results/2026-11-30_h200_s9/). At batch-1 decode N / BLOCK_N programs fill the
   GPU (128K rows: 2048 programs).
 - candidates: a block-max kernel over (query row, BLOCK_B blocks), then the top-k select over the block scores.
 - top-k: a radix threshold select on the order-preserving 32-bit key of each score, 8 bits per pass (four
   histogram passes of tl.histogram over the elements still matching the prefix, then one compaction pass
   writing the indices > threshold and the first `rem` indices == threshold in index order, so the output is
-  already ascending and ties go to the lower index; no sort). Long rows are split over programs
+  already ascending and ties go to the lower index; no sort). A chunk of at most `_TOPK_REG_ELEMS` elements is
+  loaded into registers once and the passes run there (`_select_mode`); longer chunks stream through memory,
+  each pass a loop of dependent 1,024-element loads (the fitted cost on the H200 was ~1.1 us per load step,
+  LATENCY_ANALYSIS.md). Long rows are split over programs
   (`topk_plan`): each program selects the top k of its chunk into a workspace (values + indices, in index
   order), and a second launch selects the top k of those k * SPLIT candidates. Deterministic: no atomics, no
   order that depends on scheduling.
@@ -80,6 +83,8 @@ _BMAX_BLOCK_B = 64
 _TOPK_TARGET_PROGRAMS = 128
 #: A chunk of a split top-k holds at least this many elements (and at least 4 k): shorter rows are one program.
 _TOPK_MIN_CHUNK = 8192
+#: Largest chunk (a power of two) the select holds in registers; longer chunks stream through memory in passes.
+_TOPK_REG_ELEMS = 8192
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -287,6 +292,7 @@ def _topk_select_kernel(
     T, S, CHUNK, sv_row, si_row, sb_b, sb_t, so_row, offset,
     K: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
     MAP_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINAL: tl.constexpr, USE_PDL: tl.constexpr,
+    IN_REGS: tl.constexpr, REG_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -301,50 +307,36 @@ def _topk_select_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
-    # Radix threshold select: after the four passes `prefix` is the key of the K-th best element (in the order
-    # score descending) and `rem` how many elements equal to it are still to take, lowest index first.
-    prefix = tl.zeros([], dtype=tl.int64)
-    pmask = tl.zeros([], dtype=tl.int64)
-    rem = tl.full([], K, dtype=tl.int32)
-    take_all = tl.zeros([], dtype=tl.int32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        start = lo
-        while start < hi:
-            pos = start + offs
-            ok = pos < hi
-            x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
-            key = _order_key(x)
-            m = ok & (x > float("-inf")) & ((key & pmask) == prefix)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=m)
-            start += BLOCK
-        total = tl.sum(hist, axis=0)
-        if p == 0:
-            take_all = (total <= rem).to(tl.int32)  # no more finite elements than K: every one is selected
-        at_or_above = total - tl.cumsum(hist, axis=0) + hist
-        bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
-        rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
-        prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
-        pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
-
-    # Compaction in index order: the output is ascending, and equal keys are taken lowest index first.
-    written = tl.zeros([], dtype=tl.int32)
-    eq_seen = tl.zeros([], dtype=tl.int32)
-    start = lo
-    while start < hi:
-        pos = start + offs
+    if IN_REGS:
+        # The whole chunk in registers (REG_P2 >= hi - lo): one load, four histograms and one compaction on
+        # registers, instead of five dependent streaming passes over memory (the loop below).
+        pos = lo + tl.arange(0, REG_P2)
         ok = pos < hi
         x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
         key = _order_key(x)
         valid = ok & (x > float("-inf"))
+        prefix = tl.zeros([], dtype=tl.int64)
+        pmask = tl.zeros([], dtype=tl.int64)
+        rem = tl.full([], K, dtype=tl.int32)
+        take_all = tl.zeros([], dtype=tl.int32)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            m = valid & ((key & pmask) == prefix)
+            hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=m)
+            total = tl.sum(hist, axis=0)
+            if p == 0:
+                take_all = (total <= rem).to(tl.int32)
+            at_or_above = total - tl.cumsum(hist, axis=0) + hist
+            bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
+            rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
+            prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
+            pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
         eq = (valid & (key == prefix)).to(tl.int32)
-        eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
-        # Integer arithmetic, not scalar-bool | block-bool: the interpreter mis-types that mix (int32 mask).
+        eq_rank = tl.cumsum(eq, axis=0) - eq
         want = tl.maximum((key > prefix).to(tl.int32), eq * (eq_rank < rem).to(tl.int32)) + take_all
         sel = valid.to(tl.int32) * tl.minimum(want, 1)
         sel_b = sel != 0
-        dst = written + tl.cumsum(sel, axis=0) - sel
+        dst = tl.cumsum(sel, axis=0) - sel
         if HAS_IDX:
             ids = tl.load(i_row + pos, mask=sel_b, other=-1)
         else:
@@ -358,9 +350,68 @@ def _topk_select_kernel(
         else:
             tl.store(out_vals_ptr + o_row + dst, x, mask=sel_b)
         tl.store(out_ptr + o_row + dst, ids, mask=sel_b)
-        written += tl.sum(sel, axis=0)
-        eq_seen += tl.sum(eq, axis=0)
-        start += BLOCK
+        written = tl.sum(sel, axis=0)
+    else:
+        # Radix threshold select: after the four passes `prefix` is the key of the K-th best element (in the order
+        # score descending) and `rem` how many elements equal to it are still to take, lowest index first.
+        prefix = tl.zeros([], dtype=tl.int64)
+        pmask = tl.zeros([], dtype=tl.int64)
+        rem = tl.full([], K, dtype=tl.int32)
+        take_all = tl.zeros([], dtype=tl.int32)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], dtype=tl.int32)
+            start = lo
+            while start < hi:
+                pos = start + offs
+                ok = pos < hi
+                x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
+                key = _order_key(x)
+                m = ok & (x > float("-inf")) & ((key & pmask) == prefix)
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=m)
+                start += BLOCK
+            total = tl.sum(hist, axis=0)
+            if p == 0:
+                take_all = (total <= rem).to(tl.int32)  # no more finite elements than K: every one is selected
+            at_or_above = total - tl.cumsum(hist, axis=0) + hist
+            bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
+            rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
+            prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
+            pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
+
+        # Compaction in index order: the output is ascending, and equal keys are taken lowest index first.
+        written = tl.zeros([], dtype=tl.int32)
+        eq_seen = tl.zeros([], dtype=tl.int32)
+        start = lo
+        while start < hi:
+            pos = start + offs
+            ok = pos < hi
+            x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
+            key = _order_key(x)
+            valid = ok & (x > float("-inf"))
+            eq = (valid & (key == prefix)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+            # Integer arithmetic, not scalar-bool | block-bool: the interpreter mis-types that mix (int32 mask).
+            want = tl.maximum((key > prefix).to(tl.int32), eq * (eq_rank < rem).to(tl.int32)) + take_all
+            sel = valid.to(tl.int32) * tl.minimum(want, 1)
+            sel_b = sel != 0
+            dst = written + tl.cumsum(sel, axis=0) - sel
+            if HAS_IDX:
+                ids = tl.load(i_row + pos, mask=sel_b, other=-1)
+            else:
+                ids = pos.to(tl.int64)
+            if MAP_BLOCKS:
+                blk = tl.load(blocks_ptr + (row // T).to(tl.int64) * sb_b + (row % T).to(tl.int64) * sb_t
+                              + ids // BLOCK_SIZE, mask=sel_b, other=0)
+                ids = blk * BLOCK_SIZE + ids % BLOCK_SIZE
+            if FINAL:
+                ids = ids + offset
+            else:
+                tl.store(out_vals_ptr + o_row + dst, x, mask=sel_b)
+            tl.store(out_ptr + o_row + dst, ids, mask=sel_b)
+            written += tl.sum(sel, axis=0)
+            eq_seen += tl.sum(eq, axis=0)
+            start += BLOCK
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # -1 (and -inf for a workspace) in the slots no finite score filled.
@@ -423,6 +474,17 @@ def topk_plan(rows: int, n: int, k: int, split: int | None = None) -> dict:
     return {"SPLIT": max(1, -(-n // chunk)), "CHUNK": chunk}
 
 
+def _select_mode(chunk: int) -> dict:
+    """IN_REGS / REG_P2 / num_warps of a select program over at most `chunk` elements: in registers when the chunk
+    fits `_TOPK_REG_ELEMS`, with enough warps (4-16) that a thread holds at most 16 scores and their keys (built
+    offline for sm_90 with Triton 3.9: 117-147 registers, no spills; 8 warps at 8,192 used 255 and spilled),
+    else the streaming passes (4 warps)."""
+    p2 = next_power_of_2(max(chunk, 1))
+    if p2 <= _TOPK_REG_ELEMS:
+        return {"IN_REGS": True, "REG_P2": p2, "num_warps": min(16, max(4, p2 // 512))}
+    return {"IN_REGS": False, "REG_P2": 1, "num_warps": 4}
+
+
 def _select(vals2d, k, *, idx2d=None, blocks=None, block_size=1, t=1, offset=0, split=None):
     """Top-k select of every row of fp32 `vals2d` [R, S] -> int64 [R, k] (see `_topk_select_kernel`)."""
     r, s = vals2d.shape
@@ -434,14 +496,14 @@ def _select(vals2d, k, *, idx2d=None, blocks=None, block_size=1, t=1, offset=0, 
     n_split, chunk = plan["SPLIT"], plan["CHUNK"]
     k_block = min(1024, next_power_of_2(k))
     bl = blocks if blocks is not None else torch.empty((1, 1, 1), dtype=torch.int64, device=dev)
-    common = dict(K=k, BLOCK=_SELECT_BLOCK, K_BLOCK=k_block, BLOCK_SIZE=block_size, num_warps=4)
+    common = dict(K=k, BLOCK=_SELECT_BLOCK, K_BLOCK=k_block, BLOCK_SIZE=block_size)
     pdl, extra = _launch_opts(_topk_select_kernel, dev)
     if n_split == 1:
         ids = idx2d if idx2d is not None else vals2d
         _topk_select_kernel[(r, 1)](
             vals2d, ids, bl, out, vals2d, t, s, chunk, vals2d.stride(0), ids.stride(0), bl.stride(0), bl.stride(1),
             k, offset, HAS_IDX=idx2d is not None, MAP_BLOCKS=blocks is not None, FINAL=True, USE_PDL=pdl,
-            **common, **extra)
+            **common, **_select_mode(min(chunk, s)), **extra)
         return out
     ws_vals = _empty((r, n_split * k), torch.float32, dev)
     ws_idx = _empty((r, n_split * k), torch.int64, dev)
@@ -449,12 +511,13 @@ def _select(vals2d, k, *, idx2d=None, blocks=None, block_size=1, t=1, offset=0, 
     # Stage 1: each chunk's top k (row ids already mapped through the blocks), in index order.
     _topk_select_kernel[(r, n_split)](
         vals2d, ids, bl, ws_idx, ws_vals, t, s, chunk, vals2d.stride(0), ids.stride(0), bl.stride(0), bl.stride(1),
-        k, 0, HAS_IDX=idx2d is not None, MAP_BLOCKS=blocks is not None, FINAL=False, USE_PDL=pdl, **common, **extra)
+        k, 0, HAS_IDX=idx2d is not None, MAP_BLOCKS=blocks is not None, FINAL=False, USE_PDL=pdl, **common,
+        **_select_mode(chunk), **extra)
     # Stage 2: the top k of the SPLIT * k candidates; their positions are in index order, so ties still go low.
     m = n_split * k
     _topk_select_kernel[(r, 1)](
         ws_vals, ws_idx, bl, out, ws_vals, t, m, m, m, m, bl.stride(0), bl.stride(1), k, offset,
-        HAS_IDX=True, MAP_BLOCKS=False, FINAL=True, USE_PDL=pdl, **common, **extra)
+        HAS_IDX=True, MAP_BLOCKS=False, FINAL=True, USE_PDL=pdl, **common, **_select_mode(m), **extra)
     return out
 
 
