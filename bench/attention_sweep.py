@@ -1,11 +1,13 @@
 """Launch-plan sweep of `sparse_fp4_attention` at the h200 decode shape: time per call for each (split, BLOCK_N),
 and how that time divides between the attention kernel and the split combine.
 
-    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32] [--pv ieee,tf32x3]
-                                     [--warps 0,4,8] [--json F]
+    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32]
+                                     [--pv default,ieee,tf32x3] [--warps 0,4,8] [--json F]
 
 `split` 0 is `attention_plan`'s own choice, `--warps` 0 its num_warps; `--pv` the `tl.dot` precision of the
-weighted sums (`triton_sparse_fp4_attention(pv_precision=)`). Each plan is checked against `reference_sparse_fp4_attention` on
+weighted sums (`triton_sparse_fp4_attention(pv_precision=)`; "default": the op's choice for bf16 q).
+A plan whose output differs from the reference by more than one bf16 rounding of the largest |o| is marked BAD
+(and the script exits 1). Each plan is checked against `reference_sparse_fp4_attention` on
 one input (max |diff| printed), then timed as `bench/kernels.py` times the family rows: calls on distinct
 inputs back to back in one CUDA graph, bank rows rotated over 4 GiB so gathered rows come from HBM (PDL on
 where the device supports it, as in a compiled model). The per-kernel split comes from one profiled replay
@@ -63,7 +65,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--splits", type=_ints, default=[0, 1, 2, 4, 8, 16, 32])
     ap.add_argument("--block-n", type=_ints, default=[16, 32])
-    ap.add_argument("--pv", default="ieee", help="comma-separated pv_precision values")
+    ap.add_argument("--pv", default="default", help="comma-separated pv_precision values ('default': the op's)")
     ap.add_argument("--warps", type=_ints, default=[0])
     ap.add_argument("--copies", type=int, default=256, help="calls per CUDA graph")
     ap.add_argument("--reps-ms", type=float, default=200.0)
@@ -84,11 +86,17 @@ def main() -> int:
     case = km._case_sparse_attention(a.ctx, cfg, 1, dev, torch.bfloat16, gen, {})
     args = [case["make"]() for _ in range(a.copies)]
     want = sa.reference_sparse_fp4_attention(*args[0])
-    rows = []
+    bound = float(want.float().abs().max()) * 2.0 ** -8  # one bf16 rounding of the largest output
+    rows, bad = [], 0
     combos = [(bn, sp, pv, nw) for pv in a.pv.split(",") for nw in a.warps for bn in a.block_n for sp in a.splits]
     for bn, sp, pv, nw in combos:
-        plan = sa.attention_plan(1, cfg.num_attention_heads, min(cfg.sliding_window, a.ctx), cfg.index_topk,
-                                 cfg.head_dim, split=sp or None, block_n=bn)
+        pv = sa.pv_precision_for(torch.bfloat16) if pv == "default" else pv
+        try:
+            plan = sa.attention_plan(1, cfg.num_attention_heads, min(cfg.sliding_window, a.ctx), cfg.index_topk,
+                                     cfg.head_dim, split=sp or None, block_n=bn)
+        except ValueError as exc:
+            print(f"BLOCK_N {bn} split {sp}: FAILED {exc}", flush=True)
+            continue
         tag = (f"BLOCK_N {bn:3d} split {sp:3d} -> SPLIT {plan['SPLIT']:3d} ({plan['tiles_per_split']} tiles each, "
                f"{plan['HB'] * plan['SPLIT']} programs) pv {pv:6s} warps {nw or plan['num_warps']}")
         call = functools.partial(sa.triton_sparse_fp4_attention, split=sp or None, block_n=bn, pv_precision=pv,
@@ -108,12 +116,15 @@ def main() -> int:
             torch.cuda.synchronize()
             print(f"{tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
+        ok = diff <= bound
+        bad += not ok
         row = dict(ctx=a.ctx, block_n=bn, split_asked=sp, SPLIT=plan["SPLIT"], tiles=plan["n_tiles"],
                    tiles_per_split=plan["tiles_per_split"], programs=plan["HB"] * plan["SPLIT"], pv_precision=pv,
-                   num_warps=nw or plan["num_warps"], time_us=t, kernels_us=parts, max_abs_diff=diff)
+                   num_warps=nw or plan["num_warps"], time_us=t, kernels_us=parts, max_abs_diff=diff,
+                   diff_bound=bound, within_bound=ok)
         rows.append(row)
         part_txt = ", ".join(f"{k.strip('_')[:28]} {v:.1f}" for k, v in sorted(parts.items()))
-        print(f"{tag}: {t:7.2f} us/call  [{part_txt}]  max|diff| {diff:.3g}", flush=True)
+        print(f"{tag}: {t:7.2f} us/call  [{part_txt}]  max|diff| {diff:.3g} {'ok' if ok else 'BAD'}", flush=True)
     if not rows:
         return 1
     if a.json:
@@ -125,7 +136,7 @@ def main() -> int:
     best = min(rows, key=lambda r: r["time_us"])
     print(f"best: BLOCK_N {best['block_n']} SPLIT {best['SPLIT']} pv {best['pv_precision']} warps "
           f"{best['num_warps']}: {best['time_us']:.2f} us/call")
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,30 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("dsv41_fallback_test::fwd", mutates_args=())
+def _fwd(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_fwd.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dsv41_fallback_test::bwd", mutates_args=())
+def _bwd(g: torch.Tensor) -> torch.Tensor:
+    return g * 2
+
+
+@_bwd.register_fake
+def _(g):
+    return torch.empty_like(g)
+
+
+# The backward calls another custom op after a pointwise op, so lowering the backward graph creates a fallback.
+_fwd.register_autograd(lambda ctx, g: torch.ops.dsv41_fallback_test.bwd(torch.sin(g) + 1.0))
+
+
 def test_brief_renders_values_and_names_without_formatting_ir(monkeypatch):
     """Primitives, dtypes and short containers by value; long containers counted; IR nodes and tensors by type,
     name, size, dtype without their __str__."""
@@ -54,6 +78,14 @@ def test_operator_str_is_swapped_only_inside_the_block():
             with bounded_operator_text():
                 raise RuntimeError("compile failed")
         assert OperatorIssue.operator_str is bounded_operator_str
+    assert OperatorIssue.__dict__["operator_str"] is original
+    # Blocks of overlapping compiles (two threads) may close in either order: the last one out restores.
+    first, second = bounded_operator_text(), bounded_operator_text()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert OperatorIssue.operator_str is bounded_operator_str
+    second.__exit__(None, None, None)
     assert OperatorIssue.__dict__["operator_str"] is original
     text = bounded_operator_str("aten.foo", [1, [2, 3]], {"k": torch.float16})
     assert text == "  target: aten.foo\n  args[0]: 1\n  args[1]: [2, 3]\n  kwargs: {'k': torch.float16}"
@@ -114,8 +146,10 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
     # the input's IR when the log line is built.
     import contextlib
 
+    import dsv41.compiler.fallback_text as fallback_text
     import dsv41.compiler.pipeline as pipeline
     monkeypatch.setattr(pipeline, "bounded_operator_text", contextlib.nullcontext)
+    monkeypatch.setattr(fallback_text, "bounded_operator_text", contextlib.nullcontext)
 
     def g(x):
         return torch.cos(torch.ops.dsv41_fallback_test.thrice(torch.sin(x) + 1.0))
@@ -128,3 +162,32 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
         log.removeHandler(keep)
         log.setLevel(level)
     assert calls, "control: Inductor's own text should have formatted the IR"
+
+
+def test_backward_compiled_after_the_forward_builds_no_ir_text(monkeypatch, no_compile_caches):
+    """AOT autograd compiles the backward at the first .backward(), after dsv41's compile returned: its fallback
+    log line is bounded too (dsv41's inner_compile opens the block), and the gradient is right."""
+    calls = []
+    real = ir.IRNode.str_helper
+
+    def counted(self, *a, **k):
+        calls.append(type(self).__name__)
+        return real(self, *a, **k)
+    monkeypatch.setattr(ir.IRNode, "str_helper", counted)
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    log, keep = logging.getLogger("torch._inductor.graph"), _Keep()
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        f = torch.compile(lambda x: torch.ops.dsv41_fallback_test.fwd(torch.sin(x) + 1.0).sum(), backend="dsv41")
+        f(x).backward()
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    torch.testing.assert_close(x.grad, 2 * (torch.sin(torch.ones_like(x)) + 1.0) * torch.cos(x), rtol=0,
+                               atol=1e-12)
+    text = "\n".join(m for m in keep.messages if "implicit fallback" in m)
+    assert "target: dsv41_fallback_test.bwd" in text and "args[0]: TensorBox(of=" in text, text
+    assert calls == [], calls

@@ -172,8 +172,11 @@ def test_tensor_core_precision_per_query_dtype():
 
 def test_pv_precision_is_checked():
     args = make_inputs(s=5, k=4)
-    with pytest.raises(ValueError, match="pv_precision"):
-        sa.triton_sparse_fp4_attention(*args, pv_precision="tf32")
+    for bad in ("tf32", ""):
+        with pytest.raises(ValueError, match="pv_precision"):
+            sa.triton_sparse_fp4_attention(*args, pv_precision=bad)
+    with pytest.raises(ValueError, match="num_warps"):
+        sa.triton_sparse_fp4_attention(*args, num_warps=3)
 
 
 def test_plan_splits_decode_over_many_programs_and_covers_every_tile():

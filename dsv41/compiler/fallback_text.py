@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import textwrap
+import threading
 from typing import Any
 
 #: Longest sequence / text rendered in full; the rest is counted.
@@ -100,21 +101,34 @@ def bounded_operator_str(target: Any, args: Any, kwargs: Any) -> str:
     return textwrap.indent("\n".join(lines), "  ")
 
 
+_LOCK = threading.Lock()
+#: Open `bounded_operator_text` blocks (any thread) and the `operator_str` they replaced: the first block in
+#: installs the bounded text, the last one out restores the original, whatever order the blocks close in.
+_STATE: dict = {"depth": 0, "saved": None}
+
+
 @contextlib.contextmanager
 def bounded_operator_text():
-    """Within the block, Inductor's `OperatorIssue.operator_str` is `bounded_operator_str` (restored after, also
-    on error). A torch without that hook is left alone."""
+    """Within the block, Inductor's `OperatorIssue.operator_str` is `bounded_operator_str`; the original comes back
+    when the last open block (of any thread: compiles may overlap) closes, also on error. A torch without that
+    hook is left alone. dsv41 opens it around each compile and inside its `inner_compile`, which also covers a
+    backward graph that AOT autograd compiles later, at the first `.backward()`."""
     try:
         from torch._inductor.exc import OperatorIssue
     except ImportError:
         yield
         return
-    before = OperatorIssue.__dict__.get("operator_str")
-    if before is None:
-        yield
-        return
-    OperatorIssue.operator_str = staticmethod(bounded_operator_str)
+    with _LOCK:
+        if _STATE["depth"] == 0:
+            _STATE["saved"] = OperatorIssue.__dict__.get("operator_str")
+            if _STATE["saved"] is not None:
+                OperatorIssue.operator_str = staticmethod(bounded_operator_str)
+        _STATE["depth"] += 1
     try:
         yield
     finally:
-        OperatorIssue.operator_str = before
+        with _LOCK:
+            _STATE["depth"] -= 1
+            if _STATE["depth"] == 0 and _STATE["saved"] is not None:
+                OperatorIssue.operator_str = _STATE["saved"]
+                _STATE["saved"] = None

@@ -174,7 +174,10 @@ class WrapperCapture:
         """Inductor's `compile_fx_inner`, recording its post-grad graph and generated code."""
         from torch._inductor.compile_fx import compile_fx_inner
 
-        out = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        from .fallback_text import bounded_operator_text
+
+        with bounded_operator_text():  # also for a backward graph, compiled after compile_fx returned
+            out = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         self.graphs.append(gm)
         self.sources.append(getattr(out, "source_code", None))
         self.provenance.append(getattr(out, "inductor_provenance_mapping_str", None))

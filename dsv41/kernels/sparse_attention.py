@@ -243,7 +243,7 @@ def _sparse_fp4_attention_kernel(
         else:
             # bf16 / fp16 q (<= 11 significant bits) times window values (E4M3 x UE8M0 rounded to q.dtype) or
             # bank values (E2M1 x E4M3, <= 6 bits): TF32 operands whose products are exact, so the tensor cores
-            # give the IEEE scores up to the order of the FP32 sum. p @ kv stays IEEE: p has 24 bits.
+            # give the IEEE scores up to the order of the FP32 sum. p @ kv is PV_PRECISION (module docstring).
             s = (tl.dot(q_e, tl.trans(kv_e), input_precision="tf32")
                  + tl.dot(q_o, tl.trans(kv_o), input_precision="tf32"))
         s = s * softmax_scale
@@ -419,9 +419,11 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
     """
     b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
                                          indices, sink, cos, sin, softmax_scale)
-    pv = pv_precision or pv_precision_for(q.dtype)
+    pv = pv_precision_for(q.dtype) if pv_precision is None else pv_precision
     if pv not in ("ieee", "tf32x3"):
         raise ValueError(f"pv_precision must be 'ieee' or 'tf32x3', got {pv_precision!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
     require_launchable(_sparse_fp4_attention_kernel, q.device, "triton_sparse_fp4_attention")
     out = _empty((b, t, h, d), q.dtype, q.device)
     if b * t * h == 0:
