@@ -10,46 +10,20 @@ from torch._inductor.exc import OperatorIssue
 from dsv41.compiler.fallback_text import bounded_operator_str, bounded_operator_text, brief
 
 
-@torch.library.custom_op("dsv41_fallback_test::twice", mutates_args=())
-def _twice(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
+def _scale_op(name: str, factor: float):
+    """A fresh custom op x -> x * factor (Inductor creates an implicit fallback for it once per process)."""
+    @torch.library.custom_op(f"dsv41_fallback_test::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    @op.register_fake
+    def _(x):
+        return torch.empty_like(x)
+    return op
 
 
-@_twice.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("dsv41_fallback_test::thrice", mutates_args=())
-def _thrice(x: torch.Tensor) -> torch.Tensor:
-    return x * 3
-
-
-@_thrice.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("dsv41_fallback_test::fwd", mutates_args=())
-def _fwd(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@_fwd.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("dsv41_fallback_test::bwd", mutates_args=())
-def _bwd(g: torch.Tensor) -> torch.Tensor:
-    return g * 2
-
-
-@_bwd.register_fake
-def _(g):
-    return torch.empty_like(g)
-
-
+_twice, _thrice, _fwd, _bwd = (_scale_op("twice", 2), _scale_op("thrice", 3), _scale_op("fwd", 2),
+                               _scale_op("bwd", 2))
 # The backward calls another custom op after a pointwise op, so lowering the backward graph creates a fallback.
 _fwd.register_autograd(lambda ctx, g: torch.ops.dsv41_fallback_test.bwd(torch.sin(g) + 1.0))
 

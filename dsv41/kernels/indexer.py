@@ -287,6 +287,49 @@ def _order_key(x):
 
 
 @triton.jit
+def _radix_narrow(hist, total, rem, prefix, pmask, bins, shift):
+    """One radix pass's update from its 256-bin histogram (`total` = its sum) of the elements still matching
+    `prefix`: the bin that holds the rem-th best element joins the prefix; `rem` drops by the elements in
+    higher bins (all taken)."""
+    at_or_above = total - tl.cumsum(hist, axis=0) + hist
+    bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
+    rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
+    prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
+    pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
+    return rem, prefix, pmask
+
+
+@triton.jit
+def _compact(x, key, valid, pos, written, eq_seen, prefix, rem, take_all, i_row, blocks_ptr, row, T, sb_b, sb_t,
+             out_ptr, out_vals_ptr, o_row, offset, HAS_IDX: tl.constexpr, MAP_BLOCKS: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, FINAL: tl.constexpr):
+    """Write the selected elements of one block (keys above the threshold `prefix`, and the first `rem` equal to
+    it counting the `eq_seen` of earlier blocks; every valid one when `take_all`) at `written` onwards, in index
+    order; returns (elements written, elements equal to the threshold) of this block."""
+    eq = (valid & (key == prefix)).to(tl.int32)
+    eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
+    # Integer arithmetic, not scalar-bool | block-bool: the interpreter mis-types that mix (int32 mask).
+    want = tl.maximum((key > prefix).to(tl.int32), eq * (eq_rank < rem).to(tl.int32)) + take_all
+    sel = valid.to(tl.int32) * tl.minimum(want, 1)
+    sel_b = sel != 0
+    dst = written + tl.cumsum(sel, axis=0) - sel
+    if HAS_IDX:
+        ids = tl.load(i_row + pos, mask=sel_b, other=-1)
+    else:
+        ids = pos.to(tl.int64)
+    if MAP_BLOCKS:
+        blk = tl.load(blocks_ptr + (row // T).to(tl.int64) * sb_b + (row % T).to(tl.int64) * sb_t
+                      + ids // BLOCK_SIZE, mask=sel_b, other=0)
+        ids = blk * BLOCK_SIZE + ids % BLOCK_SIZE
+    if FINAL:
+        ids = ids + offset
+    else:
+        tl.store(out_vals_ptr + o_row + dst, x, mask=sel_b)
+    tl.store(out_ptr + o_row + dst, ids, mask=sel_b)
+    return tl.sum(sel, axis=0), tl.sum(eq, axis=0)
+
+
+@triton.jit
 def _topk_select_kernel(
     vals_ptr, idx_ptr, blocks_ptr, out_ptr, out_vals_ptr,
     T, S, CHUNK, sv_row, si_row, sb_b, sb_t, so_row, offset,
@@ -307,6 +350,9 @@ def _topk_select_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
+    # Radix threshold select: after the four passes `prefix` is the key of the K-th best element (in the order
+    # score descending) and `rem` how many elements equal to it are still to take, lowest index first; then the
+    # compaction in index order (the output is ascending, and equal keys are taken lowest index first).
     if IN_REGS:
         # The whole chunk in registers (REG_P2 >= hi - lo): one load, four histograms and one compaction on
         # registers, instead of five dependent streaming passes over memory (the loop below).
@@ -326,34 +372,11 @@ def _topk_select_kernel(
             total = tl.sum(hist, axis=0)
             if p == 0:
                 take_all = (total <= rem).to(tl.int32)
-            at_or_above = total - tl.cumsum(hist, axis=0) + hist
-            bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
-            rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
-            prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
-            pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
-        eq = (valid & (key == prefix)).to(tl.int32)
-        eq_rank = tl.cumsum(eq, axis=0) - eq
-        want = tl.maximum((key > prefix).to(tl.int32), eq * (eq_rank < rem).to(tl.int32)) + take_all
-        sel = valid.to(tl.int32) * tl.minimum(want, 1)
-        sel_b = sel != 0
-        dst = tl.cumsum(sel, axis=0) - sel
-        if HAS_IDX:
-            ids = tl.load(i_row + pos, mask=sel_b, other=-1)
-        else:
-            ids = pos.to(tl.int64)
-        if MAP_BLOCKS:
-            blk = tl.load(blocks_ptr + (row // T).to(tl.int64) * sb_b + (row % T).to(tl.int64) * sb_t
-                          + ids // BLOCK_SIZE, mask=sel_b, other=0)
-            ids = blk * BLOCK_SIZE + ids % BLOCK_SIZE
-        if FINAL:
-            ids = ids + offset
-        else:
-            tl.store(out_vals_ptr + o_row + dst, x, mask=sel_b)
-        tl.store(out_ptr + o_row + dst, ids, mask=sel_b)
-        written = tl.sum(sel, axis=0)
+            rem, prefix, pmask = _radix_narrow(hist, total, rem, prefix, pmask, bins, shift)
+        written, _ = _compact(x, key, valid, pos, tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32),
+                              prefix, rem, take_all, i_row, blocks_ptr, row, T, sb_b, sb_t, out_ptr, out_vals_ptr,
+                              o_row, offset, HAS_IDX, MAP_BLOCKS, BLOCK_SIZE, FINAL)
     else:
-        # Radix threshold select: after the four passes `prefix` is the key of the K-th best element (in the order
-        # score descending) and `rem` how many elements equal to it are still to take, lowest index first.
         prefix = tl.zeros([], dtype=tl.int64)
         pmask = tl.zeros([], dtype=tl.int64)
         rem = tl.full([], K, dtype=tl.int32)
@@ -373,13 +396,8 @@ def _topk_select_kernel(
             total = tl.sum(hist, axis=0)
             if p == 0:
                 take_all = (total <= rem).to(tl.int32)  # no more finite elements than K: every one is selected
-            at_or_above = total - tl.cumsum(hist, axis=0) + hist
-            bsel = tl.max(tl.where(at_or_above >= rem, bins, -1), axis=0)
-            rem = rem - tl.sum(tl.where(bins > bsel, hist, 0), axis=0)
-            prefix = prefix | (tl.maximum(bsel, 0).to(tl.int64) << shift)
-            pmask = pmask | (tl.full([], 255, dtype=tl.int64) << shift)
+            rem, prefix, pmask = _radix_narrow(hist, total, rem, prefix, pmask, bins, shift)
 
-        # Compaction in index order: the output is ascending, and equal keys are taken lowest index first.
         written = tl.zeros([], dtype=tl.int32)
         eq_seen = tl.zeros([], dtype=tl.int32)
         start = lo
@@ -388,29 +406,11 @@ def _topk_select_kernel(
             ok = pos < hi
             x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
             key = _order_key(x)
-            valid = ok & (x > float("-inf"))
-            eq = (valid & (key == prefix)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(eq, axis=0) - eq
-            # Integer arithmetic, not scalar-bool | block-bool: the interpreter mis-types that mix (int32 mask).
-            want = tl.maximum((key > prefix).to(tl.int32), eq * (eq_rank < rem).to(tl.int32)) + take_all
-            sel = valid.to(tl.int32) * tl.minimum(want, 1)
-            sel_b = sel != 0
-            dst = written + tl.cumsum(sel, axis=0) - sel
-            if HAS_IDX:
-                ids = tl.load(i_row + pos, mask=sel_b, other=-1)
-            else:
-                ids = pos.to(tl.int64)
-            if MAP_BLOCKS:
-                blk = tl.load(blocks_ptr + (row // T).to(tl.int64) * sb_b + (row % T).to(tl.int64) * sb_t
-                              + ids // BLOCK_SIZE, mask=sel_b, other=0)
-                ids = blk * BLOCK_SIZE + ids % BLOCK_SIZE
-            if FINAL:
-                ids = ids + offset
-            else:
-                tl.store(out_vals_ptr + o_row + dst, x, mask=sel_b)
-            tl.store(out_ptr + o_row + dst, ids, mask=sel_b)
-            written += tl.sum(sel, axis=0)
-            eq_seen += tl.sum(eq, axis=0)
+            n_sel, n_eq = _compact(x, key, ok & (x > float("-inf")), pos, written, eq_seen, prefix, rem, take_all,
+                                   i_row, blocks_ptr, row, T, sb_b, sb_t, out_ptr, out_vals_ptr, o_row, offset,
+                                   HAS_IDX, MAP_BLOCKS, BLOCK_SIZE, FINAL)
+            written += n_sel
+            eq_seen += n_eq
             start += BLOCK
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
