@@ -1,5 +1,6 @@
 """Inductor's implicit-fallback log line stays short inside a dsv41 compile (dsv41/compiler/fallback_text.py)."""
 
+import contextlib
 import logging
 
 import pytest
@@ -82,10 +83,9 @@ def no_compile_caches():
         yield
 
 
-def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_compile_caches):
-    """With Inductor's INFO log on (where torch 2.13 formats the lazy text too), a dsv41 compile that meets an
-    op without a lowering logs the fallback naming the op and its input buffer, and no IR node's text is built.
-    Outside dsv41's block, the same log line formats the IR (the cost the block removes)."""
+@pytest.fixture
+def ir_text_calls(monkeypatch):
+    """The list of IR nodes whose text (`IRNode.str_helper`) is built while the test runs."""
     calls = []
     real = ir.IRNode.str_helper
 
@@ -93,6 +93,28 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
         calls.append(type(self).__name__)
         return real(self, *a, **k)
     monkeypatch.setattr(ir.IRNode, "str_helper", counted)
+    return calls
+
+
+@contextlib.contextmanager
+def _inductor_info_log():
+    """Inductor's graph logger at INFO inside the block; yields the handler that keeps its messages."""
+    log, keep = logging.getLogger("torch._inductor.graph"), _Keep()
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        yield keep
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+
+
+def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_compile_caches, ir_text_calls):
+    """With Inductor's INFO log on (where torch 2.13 formats the lazy text too), a dsv41 compile that meets an
+    op without a lowering logs the fallback naming the op and its input buffer, and no IR node's text is built.
+    Outside dsv41's block, the same log line formats the IR (the cost the block removes)."""
+    calls = ir_text_calls
 
     def f(x):
         y = torch.ops.dsv41_fallback_test.twice(torch.sin(x) + 1.0)
@@ -101,15 +123,8 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
     x = torch.randn(5, 7, dtype=torch.float64)
     want = torch.cos(2 * (torch.sin(x) + 1.0))
     torch._dynamo.reset()
-    log, keep = logging.getLogger("torch._inductor.graph"), _Keep()
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    try:
+    with _inductor_info_log() as keep:
         got = torch.compile(f, backend="dsv41", fullgraph=True)(x)
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     text = "\n".join(m for m in keep.messages if "implicit fallback" in m)
     assert "target: dsv41_fallback_test.twice" in text, keep.messages
@@ -118,8 +133,6 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
 
     # Control: the same compile without dsv41's block (another op: a fallback is created once per op) formats
     # the input's IR when the log line is built.
-    import contextlib
-
     import dsv41.compiler.fallback_text as fallback_text
     import dsv41.compiler.pipeline as pipeline
     monkeypatch.setattr(pipeline, "bounded_operator_text", contextlib.nullcontext)
@@ -128,38 +141,20 @@ def test_dsv41_compile_logs_the_fallback_without_formatting_ir(monkeypatch, no_c
     def g(x):
         return torch.cos(torch.ops.dsv41_fallback_test.thrice(torch.sin(x) + 1.0))
     torch._dynamo.reset()
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    try:
+    with _inductor_info_log():
         torch.compile(g, backend="dsv41", fullgraph=True)(x)
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
     assert calls, "control: Inductor's own text should have formatted the IR"
 
 
-def test_backward_compiled_after_the_forward_builds_no_ir_text(monkeypatch, no_compile_caches):
+def test_backward_compiled_after_the_forward_builds_no_ir_text(no_compile_caches, ir_text_calls):
     """AOT autograd compiles the backward at the first .backward(), after dsv41's compile returned: its fallback
     log line is bounded too (dsv41's inner_compile opens the block), and the gradient is right."""
-    calls = []
-    real = ir.IRNode.str_helper
-
-    def counted(self, *a, **k):
-        calls.append(type(self).__name__)
-        return real(self, *a, **k)
-    monkeypatch.setattr(ir.IRNode, "str_helper", counted)
+    calls = ir_text_calls
     x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     torch._dynamo.reset()
-    log, keep = logging.getLogger("torch._inductor.graph"), _Keep()
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    try:
+    with _inductor_info_log() as keep:
         f = torch.compile(lambda x: torch.ops.dsv41_fallback_test.fwd(torch.sin(x) + 1.0).sum(), backend="dsv41")
         f(x).backward()
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
     torch.testing.assert_close(x.grad, 2 * (torch.sin(torch.ones_like(x)) + 1.0) * torch.cos(x), rtol=0,
                                atol=1e-12)
     text = "\n".join(m for m in keep.messages if "implicit fallback" in m)

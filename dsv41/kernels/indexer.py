@@ -287,6 +287,21 @@ def _order_key(x):
 
 
 @triton.jit
+def _load_keys(v_row, pos, hi):
+    """(pos, in range, scores (-inf outside), order keys) of the scores at positions `pos` < hi of a row."""
+    ok = pos < hi
+    x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
+    return pos, ok, x, _order_key(x)
+
+
+@triton.jit
+def _radix_start(K: tl.constexpr):
+    """Radix select state before the first pass: (prefix, prefix mask, elements still to take, take-all flag)."""
+    return (tl.zeros([], dtype=tl.int64), tl.zeros([], dtype=tl.int64), tl.full([], K, dtype=tl.int32),
+            tl.zeros([], dtype=tl.int32))
+
+
+@triton.jit
 def _radix_narrow(hist, total, rem, prefix, pmask, bins, shift):
     """One radix pass's update from its 256-bin histogram (`total` = its sum) of the elements still matching
     `prefix`: the bin that holds the rem-th best element joins the prefix; `rem` drops by the elements in
@@ -356,15 +371,9 @@ def _topk_select_kernel(
     if IN_REGS:
         # The whole chunk in registers (REG_P2 >= hi - lo): one load, four histograms and one compaction on
         # registers, instead of five dependent streaming passes over memory (the loop below).
-        pos = lo + tl.arange(0, REG_P2)
-        ok = pos < hi
-        x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
-        key = _order_key(x)
+        pos, ok, x, key = _load_keys(v_row, lo + tl.arange(0, REG_P2), hi)
         valid = ok & (x > float("-inf"))
-        prefix = tl.zeros([], dtype=tl.int64)
-        pmask = tl.zeros([], dtype=tl.int64)
-        rem = tl.full([], K, dtype=tl.int32)
-        take_all = tl.zeros([], dtype=tl.int32)
+        prefix, pmask, rem, take_all = _radix_start(K)
         for p in tl.static_range(4):
             shift = 24 - 8 * p
             m = valid & ((key & pmask) == prefix)
@@ -377,19 +386,13 @@ def _topk_select_kernel(
                               prefix, rem, take_all, i_row, blocks_ptr, row, T, sb_b, sb_t, out_ptr, out_vals_ptr,
                               o_row, offset, HAS_IDX, MAP_BLOCKS, BLOCK_SIZE, FINAL)
     else:
-        prefix = tl.zeros([], dtype=tl.int64)
-        pmask = tl.zeros([], dtype=tl.int64)
-        rem = tl.full([], K, dtype=tl.int32)
-        take_all = tl.zeros([], dtype=tl.int32)
+        prefix, pmask, rem, take_all = _radix_start(K)
         for p in tl.static_range(4):
             shift = 24 - 8 * p
             hist = tl.zeros([256], dtype=tl.int32)
             start = lo
             while start < hi:
-                pos = start + offs
-                ok = pos < hi
-                x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
-                key = _order_key(x)
+                pos, ok, x, key = _load_keys(v_row, start + offs, hi)
                 m = ok & (x > float("-inf")) & ((key & pmask) == prefix)
                 hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=m)
                 start += BLOCK
@@ -402,10 +405,7 @@ def _topk_select_kernel(
         eq_seen = tl.zeros([], dtype=tl.int32)
         start = lo
         while start < hi:
-            pos = start + offs
-            ok = pos < hi
-            x = tl.load(v_row + pos, mask=ok, other=float("-inf"))
-            key = _order_key(x)
+            pos, ok, x, key = _load_keys(v_row, start + offs, hi)
             n_sel, n_eq = _compact(x, key, ok & (x > float("-inf")), pos, written, eq_seen, prefix, rem, take_all,
                                    i_row, blocks_ptr, row, T, sb_b, sb_t, out_ptr, out_vals_ptr, o_row, offset,
                                    HAS_IDX, MAP_BLOCKS, BLOCK_SIZE, FINAL)
