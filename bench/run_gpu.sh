@@ -59,9 +59,10 @@ for s in $sections; do
       done ;;
     compile)
       # Where a cold `small` compile goes. bench/compile_watch.py samples the main thread and names who asked for
-      # any text it formats (2026-11-30: Inductor's implicit-fallback log line, fixed by fallback_text.py). The default options and WATCH_OPTIONS (default: CUDA
-      # graphs off) run side by side (two 330 s runs one after the other do not fit a call), each with its own empty
-      # Inductor and Triton caches; they share the CPUs and the GPU, so their times are not solo compile times.
+      # any text it formats (2026-11-30: Inductor's implicit-fallback log line, fixed by fallback_text.py). The
+      # default options and WATCH_OPTIONS (default: CUDA graphs off) run side by side (two 330 s runs one after
+      # the other do not fit a call), each with its own empty Inductor and Triton caches; they share the CPUs and
+      # the GPU, so their times are not solo compile times.
       wopts=${WATCH_OPTIONS:---option cuda_graphs=false}
       pids=""
       for v in default alt; do
