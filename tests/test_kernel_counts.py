@@ -5,6 +5,7 @@ line regex (the module parses the wrapper's AST), and which layer a launch belon
 whose layer index is a literal argument of its call in the generated code.
 """
 
+import os
 import re
 
 import pytest
@@ -257,7 +258,7 @@ def compiled_two_kinds(tmp_path_factory):
         return dsv41.last_report()
 
     report = compile_once()
-    return {"report": report, "capture": captures[-1], "again": compile_once}
+    return {"report": report, "capture": captures[-1], "again": compile_once, "cache": cache}
 
 
 def _launch_lines(source: str) -> list[str]:
@@ -345,6 +346,27 @@ def test_a_recompile_served_from_inductors_caches_keeps_the_launch_counts(compil
     assert hit.graphs[0].from_cache
     want, got = filled.to_dict()["kernels_by_layer"], hit.to_dict()["kernels_by_layer"]
     assert got["by_layer"] == want["by_layer"] and got["total"] == want["total"] > 0
+
+
+def test_records_without_a_current_launch_count_are_compiled_again(compiled_two_kinds):
+    """A warm cache whose pass records outlive the kept launch count (kernel_counts.py changed since, so the
+    count's file name differs) must not be served from Inductor's caches: that hit skips the compile the count is
+    read from and the report lost every per-layer count (CI with a warm cache, 2026-11-30)."""
+    import glob
+
+    first = compiled_two_kinds["again"]()  # records and count kept (a hit, or a compile if run alone)
+    want = first.to_dict()["kernels_by_layer"]
+    assert want["total"] > 0
+    kept = glob.glob(os.path.join(compiled_two_kinds["cache"], "dsv41_records", "*.kernels.*.json"))
+    assert kept
+    for path in kept:
+        os.remove(path)
+    again = compiled_two_kinds["again"]()
+    assert not again.graphs[0].from_cache
+    got = again.to_dict()["kernels_by_layer"]
+    assert got["total"] == want["total"] and got["by_layer"] == want["by_layer"]
+    hit = compiled_two_kinds["again"]()
+    assert hit.graphs[0].from_cache and hit.to_dict()["kernels_by_layer"]["total"] == want["total"]
 
 
 def test_roles_from_the_caller_give_per_role_counts_in_dict_table_and_html(compiled_two_kinds):

@@ -36,7 +36,7 @@ import torch
 from ..passes.base import PassRecord
 from ..passes.manager import GraphPassResult, PassManager
 from .fallback_text import bounded_operator_text
-from .kernel_counts import WrapperCapture, graph_counts, provenance_config
+from .kernel_counts import WrapperCapture, graph_counts, load_counts, provenance_config
 from .options import Options
 from .report import FusionReport, GraphReport, _set_last
 from .streams import StreamPass, merge_schedules
@@ -246,6 +246,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         other_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_post_pass"}
         key = _record_key(gm, example_inputs, uuid, {**config_patches, **other_patches})
     loaded = _load(key) if key is not None else None
+    if loaded is not None and load_counts(_records_dir(), key) is None:
+        # Records without the launch count kept by the current counting rules (kernel_counts.py changed since, or
+        # the count file is gone): a cache hit would skip the compile the count is read from, so compile afresh.
+        loaded = None
     stored, stored_schedule = loaded if loaded is not None else (None, None)
     if stored is None:
         # Without a stored record the passes must run: keep Inductor from serving this graph from its caches.
