@@ -337,14 +337,13 @@ def test_a_cache_hit_attributes_launches_the_same_way_through_the_dynamo_graph(c
 
 
 def test_a_recompile_served_from_inductors_caches_keeps_the_launch_counts(compiled_two_kinds):
-    # The first compile ran with Inductor's caches off (no dsv41 records yet); the second fills the FX-graph
-    # cache (its code may differ from the first in how Inductor names a kernel's origins); the third is served
-    # from that cache, without post-grad passes or a post-grad graph to read layers from.
-    filled = compiled_two_kinds["again"]()
-    assert not filled.graphs[0].from_cache
+    # The first compile (an empty cache dir) ran the passes with Inductor's caches on, so it filled them: the next
+    # compile is served from them, without post-grad passes or a post-grad graph to read layers from.
+    first = compiled_two_kinds["report"]
+    assert not first.graphs[0].from_cache
     hit = compiled_two_kinds["again"]()
     assert hit.graphs[0].from_cache
-    want, got = filled.to_dict()["kernels_by_layer"], hit.to_dict()["kernels_by_layer"]
+    want, got = first.to_dict()["kernels_by_layer"], hit.to_dict()["kernels_by_layer"]
     assert got["by_layer"] == want["by_layer"] and got["total"] == want["total"] > 0
 
 
@@ -364,9 +363,28 @@ def test_records_without_a_current_launch_count_are_compiled_again(compiled_two_
     again = compiled_two_kinds["again"]()
     assert not again.graphs[0].from_cache
     got = again.to_dict()["kernels_by_layer"]
-    assert got["total"] == want["total"] and got["by_layer"] == want["by_layer"]
+    # Same launches and layers; a kernel fusing the embedding gather into layer 0 may go to either side of that
+    # boundary in a later compile of the same model (Inductor names its origins differently).
+    assert got["total"] == want["total"] and set(got["by_layer"]) == set(want["by_layer"])
+    assert sum(got["by_layer"].values()) == got["total"]
     hit = compiled_two_kinds["again"]()
     assert hit.graphs[0].from_cache and hit.to_dict()["kernels_by_layer"]["total"] == want["total"]
+
+
+def test_a_cache_hit_without_pass_records_compiles_again_for_a_whole_report(compiled_two_kinds):
+    """Inductor's caches hold the graph but dsv41's records of it are gone: the hit would leave the report without
+    matches or counts, so the graph is compiled again with the caches off (the passes run)."""
+    import shutil
+
+    want = compiled_two_kinds["report"].to_dict()
+    shutil.rmtree(os.path.join(compiled_two_kinds["cache"], "dsv41_records"))
+    again = compiled_two_kinds["again"]()
+    assert not again.graphs[0].from_cache
+    got = again.to_dict()
+    assert got["kernels_by_layer"]["total"] == want["kernels_by_layer"]["total"] > 0
+    fams = [{f: (v["enabled"], v["matches"], v["note"]) for f, v in d["families"].items()} for d in (got, want)]
+    assert fams[0] == fams[1] and not any("no post-grad graph" in note for _, _, note in fams[0].values())
+    assert os.listdir(os.path.join(compiled_two_kinds["cache"], "dsv41_records"))
 
 
 def test_roles_from_the_caller_give_per_role_counts_in_dict_table_and_html(compiled_two_kinds):

@@ -181,5 +181,5 @@ def test_recompiling_from_inductors_cache_keeps_the_records():
               for s in r.to_dict()["families"]["dispatch"]["sites"]] for r in reports]
     assert sites[0] == sites[1] == sites[2] and len(sites[0]) == 1
     if config.fx_graph_cache:
-        # by the third compile Inductor has the graph cached: the passes did not run, their records came back
-        assert reports[2].graphs[0].from_cache
+        # the first compile filled Inductor's caches: the passes did not run again, their records came back
+        assert reports[1].graphs[0].from_cache and reports[2].graphs[0].from_cache

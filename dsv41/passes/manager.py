@@ -95,11 +95,12 @@ class GraphPassResult:
 
 
 def _source_files() -> list[str]:
-    # Every pass module and every model module: passes verify their matches against the model's reference
-    # math (formats, RoPE, norm, mHC, ...), so a change there can change what a pass accepts.
+    # Every pass, model and kernel module: passes verify their matches against the model's reference math
+    # (formats, RoPE, norm, mHC, ...), so a change there can change what a pass accepts; the kernel modules hold
+    # the fused ops' fake functions and the compile-time weight layouts a rewritten graph bakes in.
     here = os.path.dirname(os.path.abspath(__file__))
-    model = os.path.join(os.path.dirname(here), "model")
-    return [os.path.join(d, f) for d in (here, model) for f in sorted(os.listdir(d)) if f.endswith(".py")]
+    dirs = [here] + [os.path.join(os.path.dirname(here), d) for d in ("model", "kernels")]
+    return [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".py")]
 
 
 def _drop_restored(rec: PassRecord, restored: set) -> PassRecord:
@@ -160,8 +161,8 @@ class PassManager(CustomGraphPass):
         self.results.append(GraphPassResult(tuple(records), before, after))
 
     def uuid(self) -> str | None:
-        """SHA-256 (hex) of the pass sources, the options and the registered dsv41 ops; None if a chained
-        pass has no uuid (Inductor then bypasses its cache, the only safe choice)."""
+        """SHA-256 (hex) of the pass, model and kernel sources, the options and the registered dsv41 ops; None if a
+        chained pass has no uuid (Inductor then bypasses its cache, the only safe choice)."""
         h = hashlib.sha256()
         for path in _source_files():
             with open(path, "rb") as f:
