@@ -102,22 +102,19 @@ for s in $sections; do
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
-    toggles)
-      # Issue 6: CUDA graphs, PDL and side streams each toggled alone, compiled into one cache dir (--shared-cache).
-      # A cold `small` compile is ~180 s and the measured runs start only after every row compiled, so four rows
-      # (the `toggles` group) did not fit a 580 s call (2026-11-30): two rows per call, e.g. TOGGLE_BACKENDS=
-      # "dsv41,dsv41[pdl=false]", "dsv41,dsv41[streams=true]", "eager,inductor-cudagraphs".
-      timeout ${TOGGLES_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional \
-        --backends "${TOGGLE_BACKENDS:-dsv41,dsv41[cuda_graphs=false]}" --prompt-len ${PROMPT_LEN:-128} \
-        --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile --shared-cache ${TOGGLE_FLAGS:-} \
-        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/toggles_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
-    ablate)
-      # Issue 4: the ladder, dsv41 with each family off in turn, shared cache. Like `toggles`, two or three rows
-      # fit a call (~180 s per cold `small` compile): split it with ABL_BACKENDS, e.g. "dsv41,dsv41-no-mhc".
-      timeout ${ABL_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional \
-        --backends "${ABL_BACKENDS:-dsv41,dsv41-no-dispatch}" --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} \
-        --repeats ${REPEATS:-1} --no-warm-compile --shared-cache ${ABL_FLAGS:-} \
-        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/ablate_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
+    toggles|ablate)
+      # Issue 6 (toggles: CUDA graphs, PDL, side streams each flipped alone, and inductor reduce-overhead) and issue 4
+      # (ablate: dsv41 with each family off in turn). A cold `small` compile is ~180 s of one Python thread, so rows
+      # compiled one after another do not fit a call: PRECOMPILE workers (default 6) compile the rows in parallel
+      # into .bench_cache/ (kept between calls while the machine is warm), and the bench compiles each row from
+      # there, then times them one after another. PRECOMPILE_ONLY=1 stops after the workers (call 1); the same
+      # command with PRECOMPILE=0 instead (call 2) is then served from the cache.
+      if [ $s = toggles ]; then rows=${TOGGLE_BACKENDS:-dsv41,toggles,inductor-cudagraphs}; else rows=${ABL_BACKENDS:-dsv41,ablations}; fi
+      only=""; [ "${PRECOMPILE_ONLY:-0}" = 1 ] && only="--precompile-only"
+      timeout ${BENCH_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional --backends "$rows" \
+        --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile \
+        --precompile ${PRECOMPILE:-6} --cache-dir .bench_cache/$s $only ${BENCH_FLAGS:-} \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/${s}_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -40 ;;
     backends)
       python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \

@@ -448,6 +448,31 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
             "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top]}
 
 
+def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, prompt_len: int, new_tokens: int,
+                contexts: Sequence[int] | None = None, context_tokens: int = 32, seed: int = 0, model=None):
+    """The benchmark's model and prompt: `cli.build_model` (seeded weights), caches allocated once for the longest
+    context when `contexts` are given, and `benchmark_prompt` of `prompt_len` ids. Every compiled row and every
+    precompile worker (`dsv41.precompile`) starts from this, so they compile the same graphs.
+
+    Args: as `run_benchmark`; `model`: an already built (e.g. TP-sharded) model to allocate the caches of.
+    Returns: (model, prompt ids int64 [1, prompt_len] on `device`).
+    Raises: ValueError when a context plus `context_tokens` exceeds the preset's max_position_embeddings.
+    """
+    from .cli import build_model
+    from .model import benchmark_prompt
+
+    if model is None:
+        model = build_model(preset, device, weight_mode, dtype, seed=seed)
+    cfg = model.config
+    if contexts:
+        need = max(prompt_len + new_tokens, max(contexts) + context_tokens)
+        if need > cfg.max_position_embeddings:
+            raise ValueError(f"context {max(contexts)} + {context_tokens} tokens exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings} of preset {preset!r}")
+        model.setup_cache(1, need)  # generate() reuses a cache that is big enough
+    return model, benchmark_prompt(cfg, prompt_len, device=device)
+
+
 def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
     """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}.
     `speculative`: DSpark speculative decoding with simulated "match-expected" acceptance of that mean length."""
@@ -571,6 +596,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   dtype: str | None = None, warm_compile: bool = True, speculative: float | None = None,
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
                   tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False,
+                  precompile: int = 0, cache_dir: str | None = None, precompile_only: bool = False,
                   on_update: Callable[[dict], None] | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
@@ -598,6 +624,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             in), so the main rows also run on that allocation; recorded as `cache_max_seq_len`.
         regional: compile the embedding, each layer variant and the head as separate regions
             (`dsv41.compiler.regional`) for every compiled backend; recorded as `regional`.
+        precompile: N > 0 starts N worker processes at once (`dsv41.precompile`) that compile every compiled row
+            into its cache dir while the eager reference runs; each row's cold compile is then served from that
+            cache (`compile_s` is that compile; rows gain `precompiled` and the worker's `precompile_wall_s`,
+            the result `precompile`). Workers have exited before anything is timed.
+        cache_dir: root of the rows' Inductor cache dirs (`<cache_dir>/<row>` or `<cache_dir>/shared`), kept after
+            the run, so a later run (e.g. the next GPU call) with the same arguments is served from it; default a
+            temporary dir removed at the end. Recorded as `cache_dir`.
+        precompile_only: run the precompile workers into `cache_dir` and return (no eager reference, nothing
+            measured): the first of two GPU calls when the workers and the timed rows do not fit one.
         tp: tensor parallelism, inside an initialised process group (`dsv41.launch`): {"moe_mode": "tp" | "ep",
             "pad_to": int | None}; every rank shards the same seeded model with `apply_tp` and runs the same
             protocol in lockstep (collectives); the result gains `tp` (plan, world size, whether every rank's
@@ -614,7 +649,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     from rich.progress import Progress
 
     from .cli import build_model, environment
-    from .model import benchmark_prompt, generate
+    from .model import generate
     from .model.budget import budget
 
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
@@ -629,24 +664,28 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         contexts = sorted({int(c) for c in contexts})
         if contexts[0] < 1 or context_tokens < 2:
             raise ValueError(f"contexts must be >= 1 and context_tokens >= 2, got {contexts}, {context_tokens}")
-    model = build_model(preset, device, weight_mode, dtype)
-    cfg = model.config
+    if precompile and tp is not None:
+        raise ValueError("precompile workers are not supported with tensor parallelism")
+    if precompile < 0:
+        raise ValueError(f"precompile must be >= 0 workers, got {precompile}")
+    if precompile_only and not (precompile and cache_dir):
+        raise ValueError("precompile_only needs precompile workers and a cache_dir to keep what they compile")
     tp_info, rank = None, 0
     if tp is not None:
         import torch.distributed as dist
 
         from .model.tp import apply_tp
+        model = build_model(preset, device, weight_mode, dtype)
         plan = apply_tp(model, moe_mode=tp.get("moe_mode", "tp"), pad_to=tp.get("pad_to"))
         rank = dist.get_rank()
         tp_info = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "moe_mode": plan.moe_mode,
                    "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}
-    if contexts:
-        need = max(prompt_len + new_tokens, contexts[-1] + context_tokens)
-        if need > cfg.max_position_embeddings:
-            raise ValueError(f"context {contexts[-1]} + {context_tokens} tokens exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings} of preset {preset!r}")
-        model.setup_cache(1, need)  # generate() reuses a cache that is big enough
-    prompt = benchmark_prompt(cfg, prompt_len, device=device)
+        model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
+                                    context_tokens, model=model)
+    else:
+        model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
+                                    context_tokens)
+    cfg = model.config
     b = budget(cfg, max_seq_len=prompt_len + new_tokens)
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
@@ -703,7 +742,28 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
 
     console = Console(stderr=True, quiet=rank != 0)
     _ORIGINS.clear()  # rows of an earlier run in this process are gone: their ids may be reused
-    cache_root = tempfile.mkdtemp(prefix="dsv41-bench-cache-")
+    cache_root = os.path.abspath(cache_dir) if cache_dir else tempfile.mkdtemp(prefix="dsv41-bench-cache-")
+    res["cache_dir"] = cache_dir
+
+    def row_cache(n: str) -> str:
+        return os.path.join(cache_root, "shared" if shared_cache else n)
+
+    compiled_rows = [n for n in names if n not in ("eager", "torch_tensorrt")]
+    precompiler = None
+    if precompile and compiled_rows:
+        from .precompile import Precompiler
+        precompiler = Precompiler(
+            {"preset": preset, "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_mode": weight_mode,
+             "device": device, "options": options, "dtype": dtype, "speculative": speculative,
+             "contexts": list(contexts) if contexts else None, "context_tokens": context_tokens,
+             "regional": regional}, compiled_rows, row_cache, precompile).start()
+        if precompile_only:
+            res["precompile"] = pre = precompiler.wait()
+            for n in names:
+                w = pre["rows"].get(n)
+                rows[n].update(precompiled=bool(w and w["rc"] == 0), precompile_wall_s=w and w["wall_s"],
+                               note="precompile only, not measured" + (f": {w['note']}" if w and w["note"] else ""))
+            return res
     saved_cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if os.environ.get("TRITON_CACHE_DIR"):
         res["cache_note"] = "TRITON_CACHE_DIR is set, so cold compiles may reuse Triton binaries from it"
@@ -737,6 +797,18 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 tp_info["ranks_agree"] = all(t == toks[0] for t in toks)
             prog.advance(task)
             say(f"eager reference: {time.perf_counter() - t_ref:.1f} s")
+            if precompiler is not None:
+                say(f"waiting for {len(compiled_rows)} precompile worker(s), {precompile} at once")
+                res["precompile"] = pre = precompiler.wait()
+                for n, w in pre["rows"].items():
+                    rows[n]["precompiled"] = w["rc"] == 0
+                    rows[n]["precompile_wall_s"] = w["wall_s"]
+                    if w["rc"] == 0:
+                        notes[n].append(f"compiled from the cache a precompile worker filled (its cold compile + "
+                                        f"first run: {w['wall_s']:.1f} s, {precompile} workers at once)")
+                    else:
+                        notes[n].append(f"precompile failed, compiled cold: {w['note']}"[:600])
+                say(f"precompile: {pre['wall_s']:.1f} s for {len(compiled_rows)} row(s)")
             update()
 
             task = prog.add_task("cold compile + first run", total=len(names))
@@ -759,7 +831,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # Without a warm recompile the runners compiled here are the measured ones: a reset
                         # would drop them (Dynamo keeps one cache entry per backend, so none is needed).
                         torch.compiler.reset()
-                    _use_cache_dir(os.path.join(cache_root, "shared" if shared_cache else n))
+                    _use_cache_dir(row_cache(n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
                     skips, phases = _cudagraph_skips(), _compile_phase_totals()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
@@ -788,7 +860,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.update(task, description=f"{what}: {n}")
                 try:
                     if warm_compile:
-                        _use_cache_dir(os.path.join(cache_root, "shared" if shared_cache else n))
+                        _use_cache_dir(row_cache(n))
                         runners[n] = _make_runner(model, n, options, regional)
                         warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, speculative)["wall_s"]
                     else:
@@ -843,11 +915,14 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                                                           res.get("copy_bandwidth_tb_s"), prog, say)
                 update()
     finally:
+        if precompiler is not None:
+            precompiler.close()  # a run stopped before `wait` leaves no worker behind
         if saved_cache_env is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_cache_env
-        shutil.rmtree(cache_root, ignore_errors=True)
+        if not cache_dir:
+            shutil.rmtree(cache_root, ignore_errors=True)
 
     finalize(res, notes)
     return res
@@ -943,7 +1018,8 @@ def print_table(res: dict, console=None) -> None:
         t.add_row(escape(name), f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
                   _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"), _fmt(e.get("kernels_per_step"), "d"),
                   _fmt(e.get("roofline_fraction"), ".3f"),
-                  f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}",
+                  f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}"
+                  + (f" (worker {e['precompile_wall_s']:.0f})" if e.get("precompile_wall_s") else ""),
                   _fmt(e.get("peak_mem_gb"), ".2f"), "-" if match is None else ("yes" if match else "NO"),
                   _fmt(e.get("max_rel_logit_err"), ".2e"), escape(e.get("note") or ""))
     console.print(t)
@@ -972,6 +1048,12 @@ def main(argv=None) -> int:
                    help="one Inductor cache dir for all backends (compile_s is then not cold; fits a toggle matrix)")
     p.add_argument("--regional", action="store_true",
                    help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="N worker processes compile the rows into their caches in parallel first (dsv41.precompile)")
+    p.add_argument("--precompile-only", action="store_true",
+                   help="with --precompile and --cache-dir: only fill the caches (a later run is served from them)")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the rows' Inductor caches here (a later run with the same arguments is served from them)")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
     p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
@@ -1027,6 +1109,7 @@ def _bench_from_args(a) -> int:
                         speculative=a.speculative,
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
                         context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache,
+                        precompile=a.precompile, cache_dir=a.cache_dir, precompile_only=a.precompile_only,
                         on_update=write_json)
     if rank != 0:
         return 0

@@ -29,7 +29,7 @@ import torch.fx as fx
 __all__ = [
     "SourceLocation", "MatchRecord", "NearMiss", "Finding", "PassRecord", "FusionFamily",
     "BATCH", "LENGTH", "token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "is_dataflow_op", "is_view_op",
-    "is_table_lookup", "sourced_nodes",
+    "is_table_lookup", "sourced_nodes", "eliminate_dead_code",
     "RegionEvaluator", "RegionNotClosed", "collect_region", "insert_node", "size_args", "dsv41_op", "node_label",
     "wide_scale_probes", "agree_where_representable",
 ]
@@ -343,6 +343,24 @@ def sourced_nodes(graph: fx.Graph) -> set:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """`graph.eliminate_dead_code()` with the same rule (erase a node that has no users and no side effect, also in
+    subgraphs), asking `Node.is_impure` only of nodes without users.
+
+    Why: torch asks every node first, and for a custom op that check (`torch._library.utils.is_impure`) is slow:
+    on `small`'s whole decode graph (CPU, cProfile) 18 calls made 287,515 checks, 8.9 s of dsv41's 63.6 s of
+    passes. The node's users are looked at first here, so only the few dead candidates pay for it.
+    Returns: whether anything was erased. Source: torch/fx/graph.py `Graph.eliminate_dead_code`.
+    """
+    from torch._guards import TracingContext
+    from torch._inductor import config as inductor_config
+
+    impure_random = True
+    if TracingContext.try_get():  # what torch's own DCE decides for random ops
+        impure_random = inductor_config.fallback_random
+    return graph.eliminate_dead_code(is_impure_node=lambda n: bool(n.users) or n.is_impure(impure_random))
 
 
 # ------------------------------------------------------------------------------------------------ regions

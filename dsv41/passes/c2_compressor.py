@@ -42,8 +42,8 @@ import torch.fx as fx
 from ..kernels.c2_compressor import reference_pair_pool
 from ..model.norm import rms_norm
 from . import rope_fp4 as rf
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_view_op, node_label, same_shape,
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
                    size_args, sourced_nodes, tensor_val, token_rows)
 
 __all__ = ["C2CompressorFamily"]
@@ -95,7 +95,7 @@ class C2CompressorFamily(FusionFamily):
                 matches.append(rec)
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = {n.name for n in start - set(graph.nodes)}
         matches = [rf._keep_removed(m, removed) for m in matches]
         missing = [op for op in ("c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store") if dsv41_op(op) is None]

@@ -55,9 +55,9 @@ import torch.fx as fx
 
 from ..model import formats
 from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, same_shape, sourced_nodes, tensor_val,
-                   token_rows, wide_scale_probes)
+                   SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op,
+                   eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label,
+                   same_shape, sourced_nodes, tensor_val, token_rows, wide_scale_probes)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]
@@ -175,7 +175,7 @@ class DispatchFamily(FusionFamily):
                     self.name, "materialised_dequant",
                     f"dequantised {cand.fmt} weight [{cand.n}, {cand.k}] is materialised: it feeds "
                     f"{node_label(r)}, which no fused op reads", SourceLocation.from_node(r)))
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = {n.name for n in start - set(graph.nodes)}
         matches = [_with_removed(m, removed) for m in matches]
         findings.extend(_fallback_findings(self.name, graph))
@@ -623,7 +623,7 @@ class _GatheredMatcher:
                 else:
                     matches.append(self._fuse(found))
                 break
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         return matches, misses
 
     # -------------------------------------------------------------------------------------------- checks

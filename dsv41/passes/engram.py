@@ -58,8 +58,9 @@ import torch.fx as fx
 from ..model.engram import engram_row_ids, engram_update
 from ..model.formats import dequantize_fp8_1x32
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   agree_where_representable, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, sourced_nodes, tensor_val, token_rows, wide_scale_probes)
+                   agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, tensor_val, token_rows,
+                   wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 
@@ -135,7 +136,7 @@ class EngramFamily(FusionFamily):
                     continue
                 replaced[site.end] = _rewrite(graph, site, op, replaced)
                 sites.append(site)
-            graph.eliminate_dead_code()
+            eliminate_dead_code(graph)
 
 
 def _register_ops() -> None:

@@ -58,8 +58,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
                    is_view_op, node_label, tensor_val, token_rows)
 
 __all__ = ["IndexerFamily"]
@@ -678,10 +678,10 @@ class IndexerFamily(FusionFamily):
             sc.detail["pool_blocks"] = c.detail["n_blocks"]
             tk.detail["pool_blocks"] = c.detail["n_blocks"]
             records.append(tk)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = start - set(graph.nodes)
         matches = []
         for s in scores + records:

@@ -57,8 +57,8 @@ import torch.fx as fx
 
 from ..model.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..model.norm import rms_norm
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
                    is_view_op, node_label, tensor_val, token_rows)
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED"]
@@ -126,10 +126,10 @@ class MhcFamily(FusionFamily):
                     continue
                 _rewrite(graph, site, op)
                 sites.append(site)
-            graph.eliminate_dead_code()
+            eliminate_dead_code(graph)
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = start - set(graph.nodes)
         matches = []
         for s in sites:  # a removed node shared by two regions counts for the first match only

@@ -63,8 +63,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op, is_table_lookup,
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
                    is_view_op, node_label, size_hint, tensor_val, token_rows)
 
 __all__ = ["MoeFamily"]
@@ -129,10 +129,10 @@ class MoeFamily(FusionFamily):
                     continue
                 _rewrite(graph, site, op)
                 sites.append(site)
-            graph.eliminate_dead_code()
+            eliminate_dead_code(graph)
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         # Removed = region nodes no longer in the graph (including the `add` of a split addmm, created here);
         # a node shared by two regions counts for the first match only.
         alive, counted = set(graph.nodes), set()

@@ -31,7 +31,7 @@ import threading
 import torch
 import torch.fx as fx
 
-from .base import FusionFamily, MatchRecord, PassRecord, SourceLocation, node_label, tensor_val
+from .base import FusionFamily, MatchRecord, PassRecord, SourceLocation, eliminate_dead_code, node_label, tensor_val
 
 __all__ = ["NormalizeFamily", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
 
@@ -233,5 +233,5 @@ class NormalizeFamily(FusionFamily):
                     break
         finally:
             _local.sink = None
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         return PassRecord(self.name, True, tuple(sink))

@@ -43,9 +43,9 @@ import torch.fx as fx
 
 from ..model import formats
 from ..model.rope import apply_rope
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, concrete_shape, dsv41_op, insert_node, is_dataflow_op,
-                   is_view_op, node_label, same_shape, size_args, sourced_nodes, tensor_val, token_rows)
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label,
+                   same_shape, size_args, sourced_nodes, tensor_val, token_rows)
 
 __all__ = ["RopeFp4Family", "QUANT_RULES"]
 
@@ -130,7 +130,7 @@ class RopeFp4Family(FusionFamily):
                 misses.append(miss)
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = {n.name for n in start - set(graph.nodes)}
         matches = [_keep_removed(m, removed) for m in matches]
         missing = [op for op in ("rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")

@@ -51,9 +51,9 @@ import torch.fx as fx
 
 from ..model import formats
 from . import rope_fp4 as rf
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, agree_where_representable, concrete_shape, dsv41_op, insert_node, is_dataflow_op,
-                   is_table_lookup, is_view_op, node_label, sourced_nodes, tensor_val, token_rows)
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
+                   agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, tensor_val, token_rows)
 
 __all__ = ["SparseAttentionFamily", "OP_NAME"]
 
@@ -107,7 +107,7 @@ class SparseAttentionFamily(FusionFamily):
                     continue
                 _rewrite(graph, site, op)
                 sites.append(site)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         removed = start - set(graph.nodes)
         matches = []
         for s in sites:  # a removed node shared by several sites (CSE'd gathers) counts for the first one only

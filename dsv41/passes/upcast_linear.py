@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from ..kernels.upcast_gemv import WEIGHT_DTYPES
 from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
-                   dsv41_op, insert_node, is_view_op, node_label, tensor_val, token_rows)
+                   dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, tensor_val, token_rows)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["UpcastLinearFamily"]
@@ -163,7 +163,7 @@ class UpcastLinearFamily(FusionFamily):
                                        "operand; dsv41::linear_upcast takes an FP32 activation", loc))
                 continue
             matches.append(self._fuse(graph, mm, x, bias, *found))
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         alive = {n.name for n in graph.nodes}
         return PassRecord(self.name, True, tuple(_finish(m, alive) for m in matches), tuple(misses))
 

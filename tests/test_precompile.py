@@ -1,0 +1,107 @@
+"""`dsv41.precompile`: worker processes that fill each benchmark row's Inductor cache dir, at most N at once.
+
+The orchestration runs against a stub worker (a script that records what it was given); the real worker compiles
+a model and is exercised by `dsv41 bench --precompile` (bench/results/2026-11-30_cpu_precompile/)."""
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from dsv41.precompile import Precompiler, worker_threads
+
+_STUB = textwrap.dedent('''
+    import json, os, sys, time
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    spec = json.load(open(spec_path))
+    t0 = time.time()
+    time.sleep(spec["sleep"])
+    if spec["name"] == spec.get("fail"):
+        print("compile failed: some reason")
+        sys.exit(3)
+    if spec["name"] == spec.get("hang"):
+        time.sleep(60)
+    with open(os.path.join(spec["log_dir"], spec["name"] + ".seen"), "w") as f:
+        json.dump({"cache": os.environ["TORCHINDUCTOR_CACHE_DIR"], "threads": os.environ["TORCHINDUCTOR_COMPILE_THREADS"],
+                   "start": t0, "end": time.time(), "spec": spec}, f)
+    json.dump({"name": spec["name"], "wall_s": 1.5}, open(out_path, "w"))
+''')
+
+
+@pytest.fixture
+def stub(tmp_path):
+    path = tmp_path / "stub_worker.py"
+    path.write_text(_STUB)
+    return [sys.executable, str(path)]
+
+
+def _seen(log_dir, name):
+    with open(os.path.join(log_dir, name + ".seen")) as f:
+        return json.load(f)
+
+
+def test_worker_threads_share_the_cpus():
+    assert worker_threads(4, cpus=16) == 4
+    assert worker_threads(6, cpus=16) == 2
+    assert worker_threads(32, cpus=16) == 1
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        worker_threads(0)
+
+
+def test_each_row_compiles_into_its_own_cache_dir_at_most_n_at_once(tmp_path, stub):
+    names = ["dsv41", "dsv41[pdl=false]", "dsv41-no-mhc"]
+    caches = {n: str(tmp_path / "caches" / str(i)) for i, n in enumerate(names)}
+    spec = {"sleep": 1.0, "log_dir": str(tmp_path), "preset": "tiny"}
+    out = Precompiler(spec, names, caches.__getitem__, workers=2, command=stub).start().wait()
+    assert out["workers"] == 2 and set(out["rows"]) == set(names)
+    seen = {n: _seen(tmp_path, n) for n in names}
+    for n in names:
+        assert out["rows"][n]["rc"] == 0 and out["rows"][n]["wall_s"] == 1.5 and out["rows"][n]["note"] is None
+        assert seen[n]["cache"] == caches[n] and os.path.isdir(caches[n])
+        assert seen[n]["threads"] == str(worker_threads(2))
+        assert seen[n]["spec"]["name"] == n and seen[n]["spec"]["preset"] == "tiny"
+    spans = sorted((s["start"], s["end"]) for s in seen.values())
+    # two ran together, the third started only after one of them had ended
+    assert spans[1][0] < spans[0][1]
+    assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05
+
+
+def test_a_failed_or_hung_worker_is_reported_with_its_log(tmp_path, stub):
+    names = ["ok", "bad", "stuck"]
+    spec = {"sleep": 0.0, "log_dir": str(tmp_path), "fail": "bad", "hang": "stuck"}
+    out = Precompiler(spec, names, lambda n: str(tmp_path / n), workers=3, timeout_s=5, command=stub).start().wait()
+    rows = out["rows"]
+    assert rows["ok"]["rc"] == 0
+    assert rows["bad"]["rc"] == 3 and rows["bad"]["wall_s"] is None
+    assert "exited with 3" in rows["bad"]["note"] and "compile failed: some reason" in rows["bad"]["note"]
+    assert rows["stuck"]["rc"] is None and "killed after 5 s" in rows["stuck"]["note"]
+
+
+def test_no_rows_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no compiled rows"):
+        Precompiler({}, [], lambda n: str(tmp_path), workers=1)
+
+
+def test_bench_refuses_precompile_it_cannot_honour():
+    from dsv41.bench import run_benchmark
+    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+        run_benchmark("tiny", "eager", 8, 2, repeats=1, device="cpu", precompile=2, tp={"moe_mode": "tp"})
+    with pytest.raises(ValueError, match="precompile must be >= 0"):
+        run_benchmark("tiny", "eager", 8, 2, repeats=1, device="cpu", precompile=-1)
+    with pytest.raises(ValueError, match="precompile_only needs precompile workers and a cache_dir"):
+        run_benchmark("tiny", "eager", 8, 2, repeats=1, device="cpu", precompile=2, precompile_only=True)
+
+
+def test_close_kills_running_workers_and_starts_no_more(tmp_path, stub):
+    import time
+
+    spec = {"sleep": 0.0, "log_dir": str(tmp_path), "hang": "a"}
+    pre = Precompiler(spec, ["a", "b"], lambda n: str(tmp_path / n), workers=1, command=stub).start()
+    time.sleep(1.0)  # "a" is running (it hangs 60 s), "b" waits for the slot
+    t0 = time.perf_counter()
+    pre.close()
+    assert time.perf_counter() - t0 < 20
+    assert all(p.poll() is not None for p in pre._procs.values())
+    assert not os.path.exists(tmp_path / "b.seen")
