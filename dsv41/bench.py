@@ -96,7 +96,8 @@ DEFINITIONS = {
                                 "layers), with per-layer min/mean/max; kernels_per_step_static is their total",
     "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
                  "minus the median wall time of the measured runs (with shared_cache: one dir for all backends, "
-                 "so rows after the first are not cold)",
+                 "so rows after the first are not cold; with precompile or a reused cache_dir the row's caches "
+                 "were filled before: compile_cache_hits counts the FX-graph / AOT autograd cache hits of it)",
     "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
     "compile_phases_s": "seconds per Dynamo / Inductor compile phase during the cold run (torch._dynamo.utils."
                         "compile_times, nested phases overlap); the cold run's wall time minus "
@@ -563,6 +564,13 @@ _COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.ca
                    "async_compile.wait", "PyCodeCache.load_by_key_path", "compile_file", "build_guards")
 
 
+def _cache_hits() -> dict:
+    """Inductor's FX-graph and AOT autograd cache hits so far in this process (torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+    return {"fxgraph": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "aot_autograd": int(counters["aot_autograd"]["autograd_cache_hit"])}
+
+
 def _compile_phase_totals() -> dict:
     """Cumulative seconds per compile phase of this process ({} when torch does not report them)."""
     try:
@@ -749,7 +757,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         return os.path.join(cache_root, "shared" if shared_cache else n)
 
     compiled_rows = [n for n in names if n not in ("eager", "torch_tensorrt")]
-    precompiler = None
+    precompiler, pre_ok = None, {}
+    if precompile_only and not compiled_rows:
+        for n in names:
+            rows[n]["note"] = "precompile only: nothing to compile"
+        return res
     if precompile and compiled_rows:
         from .precompile import Precompiler
         precompiler = Precompiler(
@@ -758,7 +770,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
              "contexts": list(contexts) if contexts else None, "context_tokens": context_tokens,
              "regional": regional}, compiled_rows, row_cache, precompile).start()
         if precompile_only:
-            res["precompile"] = pre = precompiler.wait()
+            try:
+                res["precompile"] = pre = precompiler.wait()
+            finally:
+                precompiler.close()
             for n in names:
                 w = pre["rows"].get(n)
                 rows[n].update(precompiled=bool(w and w["rc"] == 0), precompile_wall_s=w and w["wall_s"],
@@ -801,11 +816,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 say(f"waiting for {len(compiled_rows)} precompile worker(s), {precompile} at once")
                 res["precompile"] = pre = precompiler.wait()
                 for n, w in pre["rows"].items():
-                    rows[n]["precompiled"] = w["rc"] == 0
                     rows[n]["precompile_wall_s"] = w["wall_s"]
                     if w["rc"] == 0:
-                        notes[n].append(f"compiled from the cache a precompile worker filled (its cold compile + "
-                                        f"first run: {w['wall_s']:.1f} s, {precompile} workers at once)")
+                        pre_ok[n] = w["wall_s"]
                     else:
                         notes[n].append(f"precompile failed, compiled cold: {w['note']}"[:600])
                 say(f"precompile: {pre['wall_s']:.1f} s for {len(compiled_rows)} row(s)")
@@ -833,9 +846,19 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         torch.compiler.reset()
                     _use_cache_dir(row_cache(n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
-                    skips, phases = _cudagraph_skips(), _compile_phase_totals()
+                    skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
+                    rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
+                    if n in pre_ok:
+                        # the worker's caches served this compile only if Inductor says it hit them
+                        rows[n]["precompiled"] = sum(rows[n]["compile_cache_hits"].values()) > 0
+                        notes[n].append(
+                            f"compiled from the cache a precompile worker filled (its compile + first run: "
+                            f"{pre_ok[n]:.1f} s, {precompile} workers at once)" if rows[n]["precompiled"] else
+                            "a precompile worker compiled this row, but this compile missed its cache: cold")
+                    elif sum(rows[n]["compile_cache_hits"].values()):
+                        notes[n].append("compile served from a cache filled before this run (not cold)")
                     rows[n]["compile_phases_s"] = _phase_deltas(phases, _compile_phase_totals())
                     if n.startswith("dsv41"):
                         _attach_report(rows[n], n == "dsv41", cfg.roles)

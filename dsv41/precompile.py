@@ -10,9 +10,12 @@ and is served from that cache (dsv41 keeps its pass records and launch counts ne
 compiler/pipeline.py), and times the rows one after another as before: workers have exited before anything is
 timed. Measured on CPU, `tiny` in FP32: a cold compile 151 s, one served from the cache it filled 33 s.
 
-Honesty of the numbers: a row compiled after a worker reports its served-from-cache compile as `compile_s`, marks
-`precompiled: true`, and keeps the worker's own cold compile + first run wall time as `precompile_wall_s`
-(workers share the CPUs and the GPU, so that is an upper bound of a solo cold compile).
+Honesty of the numbers: a row compiled after a worker reports its served-from-cache compile as `compile_s`, with
+`compile_cache_hits` (Inductor's FX-graph / AOT autograd cache hits of that compile) and `precompiled: true` only
+when those say the worker's cache served it; `precompile_wall_s` is the worker's own compile + first run (workers
+share the CPUs and the GPU, so that is an upper bound of a solo cold compile). Caveat: Inductor settles some kernel
+configurations on the worker's first run, while other workers share the GPU, and the row reuses them.
+A worker's log is kept in its row's cache dir (`precompile_<row>.log`); a worker exits when its benchmark is gone.
 
 Worker: `python -m dsv41.precompile SPEC.json RESULT.json`, SPEC the keyword arguments of `run_worker`.
 """
@@ -22,9 +25,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -41,7 +46,11 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    cpus = cpus or os.cpu_count() or 1
+    if not cpus:
+        try:
+            cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use, not the host's
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
     return max(1, cpus // workers)
 
 
@@ -102,6 +111,7 @@ class Precompiler:
         self._t0 = None
         self._procs: dict = {}
         self._closed = False
+        self._lock = threading.Lock()
         self._tmp = tempfile.mkdtemp(prefix="dsv41-precompile-")
 
     def start(self) -> "Precompiler":
@@ -115,33 +125,47 @@ class Precompiler:
         """Wait for every worker; the summary of the class docstring."""
         rows = {n: f.result() for n, f in self._futures.items()}
         self._pool.shutdown()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         return {"workers": self.workers, "compile_threads_per_worker": self.threads,
                 "wall_s": time.perf_counter() - self._t0, "rows": rows}
 
     def close(self) -> None:
         """Kill the workers still running and start no more (for a benchmark that stops early; idempotent)."""
-        self._closed = True
-        for proc in self._procs.values():
+        with self._lock:
+            self._closed = True
+            procs = list(self._procs.values())
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _one(self, name: str) -> dict:
+        try:
+            return self._run(name)
+        except Exception as e:  # noqa: BLE001 - a worker that cannot start leaves its row to a cold compile
+            return {"rc": None, "wall_s": None, "process_s": 0.0, "log": None,
+                    "note": f"worker not started: {type(e).__name__}: {e}"[:500]}
+
+    def _run(self, name: str) -> dict:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         spec_path, out_path = (os.path.join(self._tmp, f"{safe}.{x}.json") for x in ("spec", "result"))
-        log_path = os.path.join(self._tmp, f"{safe}.log")
         with open(spec_path, "w") as f:
             json.dump({**self.spec, "name": name}, f)
         cache = self.cache_dir_of(name)
         os.makedirs(cache, exist_ok=True)
+        log_path = os.path.join(cache, f"precompile_{safe}.log")  # kept with the cache it explains
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS=str(self.threads))
         t0 = time.perf_counter()
         with open(log_path, "w") as log:
-            if self._closed:
-                return {"rc": None, "wall_s": None, "process_s": 0.0, "note": "not started (closed)", "log": None}
-            proc = subprocess.Popen([*self.command, spec_path, out_path], env=env, stdout=log, stderr=subprocess.STDOUT)
-            self._procs[name] = proc
+            with self._lock:  # close() either sees this worker or stops it from starting
+                if self._closed:
+                    return {"rc": None, "wall_s": None, "process_s": 0.0, "note": "not started (closed)",
+                            "log": None}
+                proc = subprocess.Popen([*self.command, spec_path, out_path], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT)
+                self._procs[name] = proc
             try:
                 rc = proc.wait(timeout=self.timeout_s)
                 note = None if rc == 0 else f"worker exited with {rc}"
@@ -162,6 +186,20 @@ class Precompiler:
         return row
 
 
+def _exit_with_parent(poll_s: float = 2.0) -> None:
+    """End this worker when the benchmark that started it is gone (killed before it could stop its workers), so no
+    orphan keeps compiling on the GPU while a later run is timed."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="dsv41-precompile-parent-watch").start()
+
+
 def main(argv=None) -> int:
     """Worker entry point: `python -m dsv41.precompile SPEC.json RESULT.json`."""
     argv = sys.argv[1:] if argv is None else argv
@@ -170,6 +208,7 @@ def main(argv=None) -> int:
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)
+    _exit_with_parent()
     out = run_worker(**spec)
     tmp = argv[1] + ".tmp"
     with open(tmp, "w") as f:

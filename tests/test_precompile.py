@@ -105,3 +105,64 @@ def test_close_kills_running_workers_and_starts_no_more(tmp_path, stub):
     assert time.perf_counter() - t0 < 20
     assert all(p.poll() is not None for p in pre._procs.values())
     assert not os.path.exists(tmp_path / "b.seen")
+
+
+def test_a_worker_that_cannot_start_leaves_its_row_to_a_cold_compile(tmp_path, stub):
+    spec = {"sleep": 0.0, "log_dir": str(tmp_path), "options": {"disable": {"mhc"}}}  # a set is not JSON
+    out = Precompiler(spec, ["dsv41"], lambda n: str(tmp_path / n), workers=1, command=stub).start().wait()
+    row = out["rows"]["dsv41"]
+    assert row["rc"] is None and row["wall_s"] is None and "worker not started: TypeError" in row["note"]
+
+
+def test_precompile_only_without_compiled_rows_returns_at_once(tmp_path):
+    from dsv41.bench import run_benchmark
+    res = run_benchmark("tiny", "eager", 8, 2, repeats=1, device="cpu", precompile=2, cache_dir=str(tmp_path),
+                        precompile_only=True)
+    assert res["backends"]["eager"]["note"] == "precompile only: nothing to compile"
+    assert res["backends"]["eager"]["decode_tok_s"] is None
+
+
+def test_a_worker_ends_when_the_benchmark_that_started_it_is_killed(tmp_path):
+    """The worker's parent watch: a parent killed before it could close its workers leaves no orphan compiling."""
+    import subprocess
+    import time
+
+    child_code = ("import time; from dsv41.precompile import _exit_with_parent; _exit_with_parent(0.2); "
+                  "time.sleep(60)")
+    parent_code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child_code!r}]); "
+                   "print(p.pid, flush=True); import time; time.sleep(1.0)")
+    parent = subprocess.run([sys.executable, "-c", parent_code], capture_output=True, text=True, timeout=60)
+    pid = int(parent.stdout.split()[0])
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError("the worker outlived its parent by 15 s")
+
+
+def test_cache_hits_count_a_compile_served_from_inductors_cache(tmp_path, monkeypatch):
+    """`bench._cache_hits` reads the counters that say whether a row's compile was served from its cache (what
+    marks a row `precompiled`): a second compile of the same function from the same cache dir hits."""
+    import torch
+
+    from dsv41 import bench
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    x = torch.randn(8)
+    seen = []
+    for _ in range(2):
+        bench._use_cache_dir(str(tmp_path / "cache"))
+        torch._dynamo.reset()
+        before = bench._cache_hits()
+        torch.testing.assert_close(torch.compile(f)(x), f(x))
+        seen.append({k: v - before[k] for k, v in bench._cache_hits().items()})
+    assert seen[0] == {"fxgraph": 0, "aot_autograd": 0}
+    assert sum(seen[1].values()) >= 1

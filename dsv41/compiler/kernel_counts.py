@@ -623,8 +623,8 @@ def graph_counts(capture: WrapperCapture, passes_ran: bool, records_dir: str | N
             return kept
     try:
         counts = count_captured(capture, from_cache=not passes_ran)
-    except Exception as e:  # diagnostic only
-        return LayerKernelCounts(0, note=f"counting failed: {type(e).__name__}: {e}"[:300])
+    except Exception as e:  # diagnostic only; kept like a count, or every later compile would redo this one
+        counts = LayerKernelCounts(0, note=f"counting failed: {type(e).__name__}: {e}"[:300])
     if counts is not None and passes_ran and records_dir is not None and key is not None:
         save_counts(records_dir, key, counts)
     return counts
