@@ -754,6 +754,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     res["cache_dir"] = cache_dir
 
     def row_cache(n: str) -> str:
+        """Inductor cache dir of row `n`: `<cache_root>/<n>`, or `<cache_root>/shared` with shared_cache."""
         return os.path.join(cache_root, "shared" if shared_cache else n)
 
     compiled_rows = [n for n in names if n not in ("eager", "torch_tensorrt")]

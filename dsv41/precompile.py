@@ -192,6 +192,7 @@ def _exit_with_parent(poll_s: float = 2.0) -> None:
     parent = os.getppid()
 
     def watch():
+        """Poll the parent pid every `poll_s` seconds; exit the process (code 3) once it changed."""
         while True:
             time.sleep(poll_s)
             if os.getppid() != parent:

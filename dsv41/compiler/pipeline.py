@@ -253,8 +253,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         # the count file is gone): a cache hit would skip the compile the count is read from, so compile afresh.
         loaded = None
     stored, stored_schedule = loaded if loaded is not None else (None, None)
-    dynamo_layers = WrapperCapture()
-    dynamo_layers.remember_dynamo_graph(gm)  # before compile_fx, which may rewrite gm
+    dynamo_view = WrapperCapture()
+    dynamo_view.remember_dynamo_graph(gm)  # before compile_fx, which may rewrite gm; shared by both compiles
 
     def compile_once(caches: bool):
         """compile_fx through a fresh `WrapperCapture`; `caches=False` keeps Inductor's FX-graph and AOT autograd
@@ -265,7 +265,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
             if hasattr(functorch_config, "enable_autograd_cache"):
                 ac["enable_autograd_cache"] = False
         cap = WrapperCapture()
-        cap.dynamo_layers = dynamo_layers.dynamo_layers
+        cap.dynamo_layers = dynamo_view.dynamo_layers
         # bounded_operator_text: torch <= 2.11 formats every implicit fallback's input IR as nested text, which
         # stalled whole-model compiles (see fallback_text.py).
         with inductor_config.patch(p), functorch_config.patch(ac), bounded_operator_text():
