@@ -60,23 +60,26 @@ ROPE_SHAPES = [
 #: (name, N, K) of the grouped FP4 expert GEMVs of one h200 decode step (k = 6 of 96 experts per token; w1 and w3
 #: have the same shape). Timed by the GEMV section (heuristic plan) and, with --sweep, over `GROUPED_SWEEP`.
 GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
-#: (BLOCK_N, BLOCK_K, num_warps, STAGES, programs per SM, MMA[, maxnreg]) tried by --sweep on every GEMV shape
-#: at M = 1 and on the grouped GEMV (bf16 x). MMA False: CUDA-core FMA tiles; STAGES 1 is the tile-at-once layout
-#: with its own K_ITERS rule (the default; a quarter to a half of copy bandwidth). MMA True: tensor-core tiles in a
-#: software-pipelined K loop. For STAGES > 1 the K split is sized to the given programs per SM
-#: (`gemv_plan(sm_count=132 * density / 4)`, 4 per SM by default). maxnreg caps the registers per thread. The full
-#: pipelined / tensor-core grids measured on 2026-11-30 are in bench/results/2026-11-30_h200_s7_gemv/.
+#: Launch configurations tried by --sweep on every GEMV shape at M = 1 and on the grouped GEMV (bf16 x).
+#: A tuple is a tile-loop plan: (BLOCK_N, BLOCK_K, num_warps, STAGES, programs per SM, MMA[, maxnreg]); MMA False:
+#: CUDA-core FMA tiles, STAGES 1 the tile-at-once layout with its own K_ITERS rule (a quarter to a half of copy
+#: bandwidth, 2026-11-30), maxnreg a register cap (ncu: 120 registers (FP8) / 168 (FP4) hold it at 4 / 3 programs
+#: per SM). The pipelined and tensor-core tile loops were slower at every shape (bench/results/2026-11-30_h200_s7_gemv/)
+#: and are left out. A dict is a row-streaming plan (`dsv41/kernels/gemv_rows.py`): bytes of each weight row per
+#: program (`kc_bytes`: K chunk = kc_bytes values for block FP8, 2 x kc_bytes for FP4) and the other
+#: `gemv_rows.rows_plan` arguments; block-FP8 rows need block_r <= 32 (a larger one is skipped there).
 SWEEP = [(128, 128, 4, 1, 4, False),
-         # the best pipelined FMA and tensor-core plans of the 2026-11-30 sweeps (both slower than the default)
-         (128, 128, 4, 3, 4, False), (128, 128, 4, 3, 4, True), (64, 128, 4, 3, 8, True),
-         # the default tile with a register cap (ncu, 2026-11-30: 120 registers (FP8) / 168 (FP4) hold it at 4 / 3
-         # programs per SM; 128 allows 4, 96 allows 5, 80 allows 6, with spills)
-         (128, 128, 4, 1, 4, False, 128), (128, 128, 4, 1, 4, False, 96), (128, 128, 4, 1, 4, False, 80)]
+         # row-streaming plans: the best two of the first sweep (2026-11-30, eleventh session: every row plan slower
+         # than the tile; register caps on the tile no faster), then two row blocks loaded ahead (prefetch=2)
+         dict(kc_bytes=256, block_r=16), dict(kc_bytes=512, block_r=16),
+         dict(kc_bytes=256, block_r=16, prefetch=2), dict(kc_bytes=512, block_r=16, prefetch=2),
+         dict(kc_bytes=512, block_r=8, prefetch=2), dict(kc_bytes=256, block_r=32, prefetch=2),
+         dict(kc_bytes=256, block_r=16, prefetch=2, programs_per_sm=16)]
 GROUPED_SWEEP = SWEEP
 
 
 def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
-    """gemv_plan overrides and a row label for one SWEEP entry (an optional 7th field caps registers)."""
+    """gemv_plan overrides and a row label for one tile-loop SWEEP entry (an optional 7th field caps registers)."""
     over = dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, mma=mma)
     if st > 1:
         over["sm_count"] = max(1, int(132 * density / 4))
@@ -84,6 +87,21 @@ def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
     if maxnreg is not None:
         over["maxnreg"] = maxnreg
         label += f" maxnreg={maxnreg}"
+    return over, label
+
+
+def sweep_overrides(cfg, fp4: bool):
+    """(overrides for triton_linear_* / triton_grouped_linear_fp4, row label) of one SWEEP entry, or None for a
+    row-streaming entry the format cannot take (block FP8 with block_r > 32)."""
+    if not isinstance(cfg, dict):
+        return _sweep_overrides(*cfg)
+    cfg = dict(cfg)
+    kcb = cfg.pop("kc_bytes")
+    if not fp4 and cfg.get("block_r", 32) > 32:
+        return None
+    over = dict(rows=True, kc=kcb * (2 if fp4 else 1), **cfg)
+    label = f"sweep rows B={kcb} rb={cfg.get('block_r', 32)}" + "".join(
+        f" {k}={v}" for k, v in cfg.items() if k != "block_r")
     return over, label
 
 
@@ -188,14 +206,30 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
     del wd, wds
     if sweep and m == 1:
         for cfg in SWEEP:
-            over, label = _sweep_overrides(*cfg)
+            picked = sweep_overrides(cfg, fp4)
+            if picked is None:
+                continue
+            over, label = picked
             try:
                 t = _bench_graph([lambda w=w, s=s: tri(x, w, s, True, **over) for w, s in ws], reps_ms / 4)
             except Exception as exc:  # a config that does not compile (registers, shared memory)
                 print(f"  {label} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            rows.append(row(label, t, plan=qg.gemv_plan(m, n, k, fp4, **over)["grid"]))
+            rows.append(row(label, t, plan=_plan_grid(over, m, n, k, fp4)))
     return rows
+
+
+def _plan_grid(over: dict, m: int, n: int, k: int, fp4: bool, pairs: int = 0) -> list:
+    """The launch grid an override set gives (row-streaming or tile-loop plan), for the JSON rows."""
+    from dsv41.kernels import gemv_rows, quant_gemv as qg
+    over = dict(over)
+    rows = qg.split_rows_overrides(over, m)
+    if rows is not None:
+        return list(gemv_rows.rows_plan(n, k, fp4, pairs=max(pairs, 1), **rows)["grid"])
+    if pairs:
+        from dsv41.kernels import grouped_gemv as gg
+        return list(gg.grouped_gemv_plan(pairs, n, k, **over)["grid"])
+    return list(qg.gemv_plan(m, n, k, fp4, **over)["grid"])
 
 
 def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
@@ -226,14 +260,14 @@ def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
                                                        reps_ms))]
     if sweep:
         for cfg in GROUPED_SWEEP:
-            over, label = _sweep_overrides(*cfg)
+            over, label = sweep_overrides(cfg, True)
             try:
                 t = _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, **over) for i in idxs],
                                  reps_ms / 4)
             except Exception as exc:  # a config that does not compile (registers, shared memory)
                 print(f"  {label} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            rows.append(row(label, t, plan=gg.grouped_gemv_plan(topk, n, k, **over)["grid"]))
+            rows.append(row(label, t, plan=_plan_grid(over, 1, n, k, True, pairs=topk)))
     del w, s
     return rows
 

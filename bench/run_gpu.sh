@@ -43,9 +43,9 @@ for s in $sections; do
       # The compiled model end to end: tiny in FP32 (greedy tokens must equal eager's), then small in bf16 with
       # kernels per step counted by the profiler (count_kernels) and the per-role static counts in the report.
       timeout ${E2E_TINY_TIMEOUT:-150} python3 -m dsv41 run --preset tiny --device cuda --dtype fp32 --prompt-len 40 \
-        --new-tokens 16 ${E2E_OPTIONS:---option gpu_unvalidated=true --option streams=true} --json "$OUTDIR/run_tiny_fp32_dsv41.json" 2>&1 | tail -12
+        --new-tokens 16 ${E2E_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/run_tiny_fp32_dsv41.json" 2>&1 | tail -12
       timeout ${E2E_SMALL_TIMEOUT:-330} python3 -m dsv41 run --preset small --device cuda --prompt-len ${PROMPT_LEN:-1024} \
-        --new-tokens ${NEW_TOKENS:-32} --option count_kernels=true ${E2E_OPTIONS:---option gpu_unvalidated=true --option streams=true} \
+        --new-tokens ${NEW_TOKENS:-32} --option count_kernels=true ${E2E_OPTIONS:---option gpu_unvalidated=true} \
         --json "$OUTDIR/run_small_dsv41.json" 2>&1 | tail -30 ;;
     tp)
       # h200 under tensor parallelism on all local GPUs (an nvidia-h200-x2 / -x4 machine): MoE TP without padding

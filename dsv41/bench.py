@@ -8,7 +8,7 @@ torch_tensorrt` fails; never dropped), and the ablations `dsv41-no-<family>`: ds
 `{"disable": [<family>]}` for each pass family of `dsv41.passes.FAMILY_ORDER` (the project's ladder).
 `--backends all` is all of them; `ablations` expands to every ablation. `dsv41[key=value;...]` rows run dsv41 with
 those options over the run's `--option`s, and `toggles` expands to `TOGGLES` (CUDA graphs off, PDL off, side streams
-on: each toggled alone, issue 6).
+off: each toggled alone from the default, issue 6).
 
 Protocol, in this order (every backend gets the same prompt, seed 42, and the same eager module underneath):
 1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps
@@ -232,7 +232,7 @@ def ablation_families() -> tuple[tuple[str, ...], str | None]:
 
 
 #: The `toggles` group (issue 6): CUDA graphs, PDL and side streams, each flipped alone from the backend default.
-TOGGLES = ("dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=true]")
+TOGGLES = ("dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=false]")
 _VARIANT = re.compile(r"^dsv41\[(.+)\]$")
 
 
@@ -1067,7 +1067,7 @@ def main(argv=None) -> int:
     p.add_argument("--speculative", type=float, default=None, metavar="E",
                    help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=true")
+                   help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=false")
     p.add_argument("--shared-cache", action="store_true",
                    help="one Inductor cache dir for all backends (compile_s is then not cold; fits a toggle matrix)")
     p.add_argument("--regional", action="store_true",

@@ -165,7 +165,7 @@ def test_ablation_options_switch_exactly_one_family_off():
 def test_toggle_rows_flip_one_option_each_over_the_run_options():
     from dsv41.compiler.options import parse_options
     got = bench.expand_backends("eager,dsv41,toggles,dsv41[pdl=false;streams=true]", ("x",))
-    assert got == ["eager", "dsv41", "dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=true]",
+    assert got == ["eager", "dsv41", "dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=false]",
                    "dsv41[pdl=false;streams=true]"]
     base = {"gpu_unvalidated": True, "pdl": True}
     assert bench._backend_options("dsv41[cuda_graphs=false]", base) == {**base, "cuda_graphs": False}

@@ -19,6 +19,7 @@ from interp_harness import poison_outputs  # noqa: E402
 skip_unless_compiled_gpu()
 
 import dsv41.kernels as kernels  # noqa: E402
+from dsv41.kernels import gemv_rows as gr  # noqa: E402
 from dsv41.kernels import mhc as mk  # noqa: E402
 from dsv41.kernels import quant_gemv as qg  # noqa: E402
 from dsv41.kernels import rope_fp4 as rp  # noqa: E402
@@ -80,29 +81,63 @@ def test_gemv_matches_float64_reference_at_h200_shapes(shape, m):
     _check(y, x, w, s, True, fp4)
 
 
-def _sweep_configs():
-    """gemv_plan overrides of bench/kernels.py's SWEEP."""
-    bench = load_bench("kernels")
-    return [bench._sweep_overrides(*cfg)[0] for cfg in bench.SWEEP]
-
-
-_SWEEP_SHAPES = {"wo_b": (False, 5120, 8192), "expert_w2": (True, 5120, 2304)}
+_BENCH = load_bench("kernels")
+_SWEEP_SHAPES = {"wo_b": (False, 5120, 8192), "expert_w2": (True, 5120, 2304), "wq_b": (False, 32768, 1280)}
 _SWEEP_DATA: dict = {}
 
 
-@pytest.mark.parametrize("over", _sweep_configs(), ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("cfg", _BENCH.SWEEP, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else "-".join(map(str, c)))
 @pytest.mark.parametrize("name", list(_SWEEP_SHAPES))
-def test_sweep_configs_are_correct(name, over, monkeypatch):
-    # bench/kernels.py --sweep times these configurations (pipelined or tile-at-once, split or not, 2-8 warps);
-    # each must match the float64 reference: wo_b splits 64 K tiles unevenly, expert_w2 has a partial K range.
+def test_sweep_configs_are_correct(name, cfg, monkeypatch):
+    # bench/kernels.py --sweep times these configurations (tile-at-once or row-streaming, split or not, 4-8 warps);
+    # each must match the float64 reference: wo_b splits K unevenly for the tiles, expert_w2 has a partial K range
+    # (2304 = 4.5 row-streaming chunks of 512), wq_b's 32768 rows end a program's row range mid-way.
     fp4, n, k = _SWEEP_SHAPES[name]
+    picked = _BENCH.sweep_overrides(cfg, fp4)
+    if picked is None:
+        pytest.skip("block-FP8 rows take block_r <= 32")
     if name not in _SWEEP_DATA:
         w, s = _weights(n, k, fp4, seed=n + k + 1)
         _SWEEP_DATA[name] = (w, s, torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 2)
     w, s, x = _SWEEP_DATA[name]
     poison_outputs(monkeypatch, qg)
+    poison_outputs(monkeypatch, gr)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
-    _check(fn(x, w, s, True, **over), x, w, s, True, fp4)
+    _check(fn(x, w, s, True, **picked[0]), x, w, s, True, fp4)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
+def test_row_streaming_kernel_other_dtypes_pdl_graph_and_counters(fp4, monkeypatch):
+    # fp32 / fp16 x (fp16 repeats the reference's fp16 roundings), no act quant, split-K counters left at zero,
+    # and PDL launches replayed from a CUDA graph giving the same bits as plain launches.
+    poison_outputs(monkeypatch, gr)
+    w, s = _weights(2304, 5120, fp4, seed=19)
+    fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(1, 5120, device=DEV) * 2).to(dtype)
+        for aq in (True, False):
+            _check(fn(x, w, s, aq, rows=True), x, w, s, aq, fp4)
+    x = torch.randn(1, 5120, device=DEV, dtype=torch.bfloat16)
+    assert gr.rows_plan(2304, 5120, fp4)["SPLIT_K"] > 1
+    from dsv41.kernels import _common
+    want = fn(x, w, s, True, rows=True)
+    assert int(_common._COUNTERS[x.device.index].abs().sum()) == 0
+    kernels.set_pdl(True)
+    assert torch.equal(fn(x, w, s, True, rows=True), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(x, w, s, True, rows=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, w, s, True, rows=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert int(_common._COUNTERS[x.device.index].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("name", list(_SWEEP_SHAPES))

@@ -310,12 +310,13 @@ _BENCH = load_bench("kernels")
 _SWEEP_REF: dict = {}
 
 
-@pytest.mark.parametrize("cfg", _BENCH.GROUPED_SWEEP, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("cfg", _BENCH.GROUPED_SWEEP, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else "-".join(map(str, c)))
 @pytest.mark.parametrize("name", ["w13", "w2"])
 def test_grouped_sweep_configs_are_correct(expert_stacks, name, cfg):
     # bench/kernels.py --sweep times these launch configurations of the grouped GEMV; each must compute the same
     # result as the float64 reference at both h200 shapes (w2: K = 2304, a partial last K tile in every split).
-    over, _ = _BENCH._sweep_overrides(*cfg)
+    over, _ = _BENCH.sweep_overrides(cfg, True)
     w, s, w_cpu, s_cpu = expert_stacks[name]
     k_in = w.shape[2] * 2
     idx = _grouped_indices(1, 7)

@@ -210,10 +210,11 @@ def test_cost_model_counts_bytes_and_launches():
 def test_streams_option():
     o = parse_options({})
     assert o.streams is None and o.to_dict()["streams"] is None
-    # auto is off everywhere until the rewrite has been validated on a GPU, and says so
-    assert o.use_streams(True)[0] is False and o.use_streams(False)[0] is False
-    assert "not yet validated" in o.use_streams(True)[1] and "CPU" in o.use_streams(False)[1]
-    assert parse_options({"cuda_graphs": False}).use_streams(True)[0] is False
+    # auto: on for graphs replayed as CUDA graphs on CUDA (validated there), off on CPU and without CUDA graphs
+    assert o.use_streams(True) == (True, "on: auto (CUDA graph on CUDA)")
+    assert o.use_streams(False)[0] is False and "CPU" in o.use_streams(False)[1]
+    no_graphs = parse_options({"cuda_graphs": False}).use_streams(True)
+    assert no_graphs[0] is False and "no CUDA graph" in no_graphs[1]
     assert parse_options({"streams": False}).use_streams(True) == \
         (False, "off: option streams=False (schedule planned, not applied)")
     assert parse_options({"streams": True}).use_streams(False)[0] is True

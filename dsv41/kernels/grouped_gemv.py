@@ -57,7 +57,8 @@ from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
 
 from ._common import (check_same_device, check_tensor, is_interpreted, require_launchable, round_bf16,
                       split_k_counters, use_pdl_for)
-from .quant_gemv import _gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words
+from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words,
+                         split_rows_overrides)
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "MAX_TRITON_PAIRS"]
@@ -234,19 +235,22 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
     (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `quant_gemv.gemv_plan`
-    heuristic.
+    heuristic; `rows=True` runs the row-streaming kernel of `gemv_rows` instead (one launch for every pair; options
+    as in `quant_gemv.split_rows_overrides`; measured slower on the H200).
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
-        (token, expert) pairs, for mma=True with x not bf16 and for invalid plan values.
+        (token, expert) pairs, for mma=True with x not bf16, for invalid plan values and for mixing the tile-loop and
+        row-streaming options.
     """
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
     check_mma_dtype(x, overrides)
+    overrides.setdefault("sm_count", device_sm_count(x.device))
+    rows = split_rows_overrides(overrides, 1)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
         raise ValueError(f"{pairs} (token, expert) pairs exceed the {MAX_TRITON_PAIRS} one launch takes")
-    y = _empty((n, k, out), x.dtype, x.device)
     if pairs == 0 or out == 0:
-        return y
+        return _empty((n, k, out), x.dtype, x.device)
     x2 = x.reshape(n if shared else pairs, kk)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -255,7 +259,12 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
     idx = indices.reshape(pairs).contiguous()
-    overrides.setdefault("sm_count", device_sm_count(x.device))
+    if rows is not None:
+        from . import gemv_rows
+        plan = gemv_rows.rows_plan(out, kk, True, pairs=pairs, **rows)
+        return gemv_rows.launch_rows(x2, weight, scale, act_quant, True, plan, indices=idx,
+                                     x_row_div=k if shared else 1, pairs=pairs).reshape(n, k, out)
+    y = _empty((n, k, out), x.dtype, x.device)
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps

@@ -30,7 +30,9 @@ stores its FP32 partial to a workspace, then bumps a per-output-tile counter; th
 sums the partials in K order (deterministic) and writes y, then resets the counter. One launch, no memset:
 the counters live in a per-(device, stream) buffer that each launch leaves at zero.
 
-Two other tile loops exist, opt-in through `gemv_plan` (`stages`, `mma`), both measured slower on the H200:
+Three other loops exist, all measured slower on the H200: the row-streaming kernel of `gemv_rows` for M = 1 (x held
+in registers, weight rows streamed, no layout conversion in its loop; `rows=True`, see `split_rows_overrides`),
+and two tile loops opt-in through `gemv_plan` (`stages`, `mma`):
 - pipelined FMA tiles (STAGES > 1): 64-row tiles in a K loop that Triton's software pipeliner turns into cp.async
   copies to shared memory (the scales are then read as int32 words, `scale_words`: byte loads are not copied
   asynchronously and stall every iteration);
@@ -53,6 +55,7 @@ costs M FMAs per weight byte.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +72,8 @@ __all__ = [
     "linear_fp8_block", "linear_fp4",
     "reference_linear_fp8_block", "reference_linear_fp4",
     "triton_linear_fp8_block", "triton_linear_fp4",
-    "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "MAX_TRITON_M",
+    "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "split_rows_overrides", "MAX_TRITON_M",
+    "ROWS_KEYS", "ROWS_DEFAULT",
 ]
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
@@ -475,15 +479,49 @@ def check_mma_dtype(x: torch.Tensor, overrides: dict) -> None:
         raise ValueError(f"mma=True (tensor-core tiles) needs bf16 x, got {x.dtype}")
 
 
+#: Keys of `gemv_plan`-style overrides that select and shape the row-streaming kernel (`gemv_rows.rows_plan`).
+ROWS_KEYS = ("kc", "block_r", "row_iters", "prefetch", "programs_per_sm")
+#: Whether M = 1 runs the row-streaming kernel (`gemv_rows`) when no tile-loop option is given: no, it measured
+#: slower than the tile-at-once kernel at every h200 shape (gemv_rows' docstring); `rows=True` selects it.
+ROWS_DEFAULT = False
+
+
+def split_rows_overrides(overrides: dict, m: int) -> dict | None:
+    """Pop the row-streaming choice from `overrides` (in place): the `gemv_rows.rows_plan` arguments when the
+    row-streaming kernel runs (rows=True, or M = 1 by `ROWS_DEFAULT` without tile-loop overrides), else None.
+    Raises ValueError for rows=True with M != 1 or with tile-loop overrides (stages, mma, block_n, block_k,
+    k_iters, maxnreg), and for row-streaming keys without rows."""
+    rows = overrides.pop("rows", None)
+    picked = {key: overrides.pop(key) for key in ROWS_KEYS if key in overrides}
+    tile_keys = sorted(key for key in ("stages", "mma", "block_n", "block_k", "k_iters", "maxnreg")
+                       if overrides.get(key) not in (None, False))
+    if rows is None:
+        rows = ROWS_DEFAULT and m == 1 and not tile_keys
+    if not rows:
+        if picked:
+            raise ValueError(f"{sorted(picked)} apply to the row-streaming kernel only (rows=True)")
+        return None
+    if m != 1:
+        raise ValueError(f"rows=True (row-streaming kernel) takes one x row, got M = {m}")
+    if tile_keys:
+        raise ValueError(f"rows=True does not take the tile-loop options {tile_keys}")
+    for key in ("sm_count", "num_warps"):
+        if overrides.get(key) is not None:
+            picked[key] = overrides[key]
+    return picked
+
+
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
     n, k = _check_args(x, weight, scale, fp4)
     check_mma_dtype(x, overrides)
-    require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    m = math.prod(lead)
+    overrides.setdefault("sm_count", device_sm_count(x.device))
+    rows = split_rows_overrides(overrides, m)
+    require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
+    x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
     y = _empty((m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
@@ -491,7 +529,10 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
-    overrides.setdefault("sm_count", device_sm_count(x.device))
+    if rows is not None:
+        from . import gemv_rows
+        plan = gemv_rows.rows_plan(n, k, fp4, **rows)
+        return gemv_rows.launch_rows(x2, weight, scale, act_quant, fp4, plan).reshape(*lead, n)
     plan = gemv_plan(m, n, k, fp4, **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
@@ -526,7 +567,9 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
 
     Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
     to 8). `overrides` (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `gemv_plan`
-    heuristic; ValueError for mma=True with x not bf16 (`check_mma_dtype`) and for invalid plan values.
+    heuristic; `rows=True` with M = 1 runs the row-streaming kernel instead (`gemv_rows`; its `rows_plan` takes kc,
+    block_r, row_iters, prefetch, programs_per_sm, num_warps, sm_count). ValueError for mma=True with x not bf16
+    (`check_mma_dtype`), for invalid plan values and for mixing the two kernels' options (`split_rows_overrides`).
     Numerics: codes and scales bit-identical to the reference; FP32 accumulation in a different order, so
     results agree to FP32 rounding of the sum, then one rounding to x.dtype.
     """
