@@ -100,7 +100,8 @@ def sweep_overrides(cfg, fp4: bool):
     if not fp4 and cfg.get("block_r", 32) > 32:
         return None
     over = dict(rows=True, kc=kcb * (2 if fp4 else 1), **cfg)
-    label = f"sweep rows B={kcb} rb={cfg.get('block_r', 32)}" + "".join(
+    from dsv41.kernels import gemv_rows
+    label = f"sweep rows B={kcb} rb={cfg.get('block_r', gemv_rows._RB[fp4])}" + "".join(
         f" {k}={v}" for k, v in cfg.items() if k != "block_r")
     return over, label
 
@@ -223,7 +224,9 @@ def _plan_grid(over: dict, m: int, n: int, k: int, fp4: bool, pairs: int = 0) ->
     """The launch grid an override set gives (row-streaming or tile-loop plan), for the JSON rows."""
     from dsv41.kernels import gemv_rows, quant_gemv as qg
     over = dict(over)
-    rows = qg.split_rows_overrides(over, m)
+    if torch.cuda.is_available():  # as the launchers do: the plan is sized to this GPU's SMs
+        over.setdefault("sm_count", qg.device_sm_count(torch.device("cuda")))
+    rows = qg.split_rows_overrides(over, m, fp4)
     if rows is not None:
         return list(gemv_rows.rows_plan(n, k, fp4, pairs=max(pairs, 1), **rows)["grid"])
     if pairs:
@@ -354,6 +357,7 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 #   moe_combine    tokens * (k * d * elt(y) + d * elt(shared) + d * elt(out))    (V4.1's tail: weights = None)
 #                  N = d, K = k
 #   upcast_head    tokens * d * 4 [x fp32] + V * d * 2 [bf16 head weight, read once] + tokens * V * 4 [logits]
+#   fp32_dense     tokens * K * 4 [x] + head_dim * K * 4 [FP32 compressor weight] + tokens * head_dim * 4 [y]
 #                  V = vocab_size; N = V, K = d
 #   grouped_fp4    U * out * (K/2 + K/32)                  codes + scales of the U distinct experts the ids name
 #                  + x bytes (tokens x K for w1/w3, tokens x k x K for w2) + tokens * k * 8 [ids]
@@ -812,6 +816,22 @@ def _case_index_candidates(ctx, cfg, n, dev, dt, gen, state):
                 ref=ik.reference_indexer_candidates, ref_graph=True)
 
 
+def _case_fp32_dense(k_in, cfg, n, dev, dt, gen, state):
+    """The ratio-2 compressor's wkv (or wgate): an FP32 [head_dim, k_in] weight times FP32 x, `F.linear` (cuBLAS)
+    against the GEMV the `upcast_linear` family puts there. k_in: the hidden size (5120 at h200, 1024 at small)."""
+    from dsv41.kernels import upcast_gemv as ug
+    hd = cfg.head_dim
+
+    def make():
+        return (_randn((n, k_in), gen, dev, 1.0), _randn((hd, k_in), gen, dev, k_in ** -0.5))
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + n * hd * 4
+
+    return dict(shape=f"{hd}x{k_in}_fp32", N=hd, K=k_in, make=make, nbytes=nbytes, tri=ug.triton_linear_upcast,
+                ref=ug.reference_linear_upcast, ref_graph=True)
+
+
 #: (row kernel name, dsv41 op, case builder(cfg, tokens, device, dtype, generator, shared state) -> case dict).
 FAMILY_CASES = [
     ("engram_lookup", "dsv41::engram_lookup", _case_engram_lookup),
@@ -819,6 +839,8 @@ FAMILY_CASES = [
     ("moe_router", "dsv41::moe_router", _case_moe_router),
     ("moe_combine", "dsv41::moe_combine", _case_moe_combine),
     ("upcast_head", "dsv41::linear_upcast", _case_upcast_head),
+    ("fp32_dense", "dsv41::linear_upcast", functools.partial(_case_fp32_dense, 5120)),
+    ("fp32_dense", "dsv41::linear_upcast", functools.partial(_case_fp32_dense, 1024)),
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w1w3")),
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w2")),
     ("c2_pool_store", "dsv41::c2_pool_norm_rope_fp4_store", functools.partial(_case_c2, True)),

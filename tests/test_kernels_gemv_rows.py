@@ -42,7 +42,7 @@ ROWS_CASES = [
     # (N, K, dtype, act_quant, overrides): odd N and K against the row blocks and K chunks
     (40, 64, torch.float32, True, {}),                                        # one chunk, second block half full
     (96, 160, torch.bfloat16, True, {"kc": 64, "row_iters": 2}),              # 3 chunks, the last half empty
-    (72, 160, torch.float16, True, {"kc": 64, "block_r": 8, "row_iters": 3, "prefetch": False}),
+    (72, 160, torch.float16, True, {"kc": 64, "block_r": 8, "row_iters": 3, "prefetch": 0}),
     (33, 288, torch.float32, True, {"kc": 128, "block_r": 4, "row_iters": 5}),  # 2 of 5 blocks empty
     (130, 96, torch.bfloat16, False, {"block_r": 16, "row_iters": 4, "num_warps": 8}),
     (64, 1280, torch.bfloat16, True, {"programs_per_sm": 1, "sm_count": 1}),  # row_iters from the heuristic
@@ -111,7 +111,7 @@ ROWS_GROUPED_CASES = [
     (1, 2, 8, 64, 128, torch.float32, True, True, {}),
     (1, 6, 9, 40, 96, torch.bfloat16, False, True, {"kc": 64, "block_r": 16}),   # partial chunk, 2 blocks
     (2, 3, 7, 72, 160, torch.float16, True, True, {"kc": 64, "block_r": 8, "row_iters": 2}),
-    (3, 2, 5, 40, 256, torch.float32, False, False, {"kc": 64, "prefetch": False}),
+    (3, 2, 5, 40, 256, torch.float32, False, False, {"kc": 64, "prefetch": 0}),
     (1, 6, 9, 72, 128, torch.bfloat16, False, True, {"kc": 64, "block_r": 8, "row_iters": 4, "prefetch": 2}),
 ]
 
@@ -156,18 +156,59 @@ def test_row_streaming_options_are_checked():
         qg.triton_linear_fp8_block(x[:1], w, s, True, rows=False, kc=64)
     with pytest.raises(ValueError, match=r"does not take the tile-loop options \['block_n', 'stages'\]"):
         qg.triton_linear_fp8_block(x[:1], w, s, True, rows=True, stages=3, block_n=64)
+    with pytest.raises(ValueError, match=r"tile-loop options \['k_iters'\]"):  # 0 is a value, not "not given"
+        qg.triton_linear_fp8_block(x[:1], w, s, True, rows=True, k_iters=0)
+    # a misspelt option is an error, never a silently different plan (also for the grouped op, before any launch)
+    with pytest.raises(ValueError, match=r"unknown options for the row-streaming kernel: \['row_iter'\]"):
+        qg.triton_linear_fp8_block(x[:1], w, s, True, rows=True, row_iter=4)
+    we, se = torch.zeros(3, 40, 32, dtype=torch.uint8), torch.zeros(3, 40, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"\['blok_r'\]"):
+        gg.triton_grouped_linear_fp4(x[:1], we, se, torch.zeros(1, 2, dtype=torch.int64), True, rows=True, blok_r=4)
+    with pytest.raises(ValueError, match="kc=96"):  # checked before the empty-output early return
+        qg.triton_linear_fp8_block(x[:1], w[:0], s[:0], True, rows=True, kc=96)
     with pytest.raises(ValueError, match="block_r=64 must be a power of two <= 32"):
         gr.rows_plan(64, 64, False, block_r=64)
-    with pytest.raises(ValueError, match="kc=32 must be a power of two >= 64"):
+    with pytest.raises(ValueError, match="block_r=128 must be a power of two <= 64"):
+        gr.rows_plan(64, 64, True, block_r=128)
+    with pytest.raises(ValueError, match="kc=32 must be a power of two in 64..2048"):
         gr.rows_plan(64, 64, True, kc=32)
     with pytest.raises(ValueError, match="kc=96"):
         gr.rows_plan(64, 128, False, kc=96)
+    with pytest.raises(ValueError, match="kc=4096"):
+        gr.rows_plan(64, 128, False, kc=4096)
+    with pytest.raises(TypeError, match="kc must be an int, got float"):
+        gr.rows_plan(64, 128, False, kc=64.0)
+    with pytest.raises(TypeError, match="block_r must be an int, got bool"):
+        gr.rows_plan(64, 128, False, block_r=True)
+    with pytest.raises(TypeError, match="row_iters must be an int"):
+        gr.rows_plan(64, 128, False, row_iters=2.5)
     with pytest.raises(ValueError, match="prefetch=3 must be 0, 1 or 2"):
         gr.rows_plan(64, 128, False, prefetch=3)
     with pytest.raises(ValueError, match="row_iters=0"):
         gr.rows_plan(64, 128, False, row_iters=0)
+    with pytest.raises(ValueError, match="num_warps=3 must be a power of two"):
+        gr.rows_plan(64, 128, False, num_warps=3)
     with pytest.raises(ValueError, match="programs_per_sm=0"):
         gr.rows_plan(64, 128, False, programs_per_sm=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        gr.rows_plan(0, 128, False)
+
+
+@interpreted
+def test_row_streaming_empty_shapes_give_empty_or_zero_outputs(poisoned_outputs):
+    """M = 0 gives an empty result, K = 0 an empty sum: zeros, as the reference (never uninitialised memory)."""
+    w, s = torch.zeros(5, 0, dtype=torch.uint8), torch.zeros(1, 0, dtype=torch.uint8)
+    for over in ({"rows": True}, {}):
+        y = qg.triton_linear_fp8_block(torch.zeros(1, 0), w, s, True, **over)
+        assert torch.equal(y, torch.zeros(1, 5)), over
+        y = qg.triton_linear_fp4(torch.zeros(1, 0), w, torch.zeros(5, 0, dtype=torch.uint8), True, **over)
+        assert torch.equal(y, torch.zeros(1, 5)), over
+        y = gg.triton_grouped_linear_fp4(torch.zeros(1, 0), torch.zeros(3, 5, 0, dtype=torch.uint8),
+                                         torch.zeros(3, 5, 0, dtype=torch.uint8), torch.zeros(1, 2, dtype=torch.int64),
+                                         True, **over)
+        assert torch.equal(y, torch.zeros(1, 2, 5)), over
+    w, s = G.make_weights(40, 64, False, torch.Generator().manual_seed(0))
+    assert qg.triton_linear_fp8_block(torch.zeros(0, 64), w, s, True, rows=True).shape == (0, 40)
 
 
 def test_row_streaming_plan_at_h200_shapes():

@@ -320,12 +320,14 @@ def test_mhc_kernels_match_float64_reference_at_model_widths(d, dtype):
 U = load_reference("test_kernels_upcast_gemv")
 
 
-@pytest.mark.parametrize("n, k", [(129280, 5120), (2048, 5120), (24, 16384)], ids=["head", "wide", "narrow"])
+@pytest.mark.parametrize("n, k", [(129280, 5120), (2048, 5120), (24, 16384), (512, 5120), (512, 1024)],
+                         ids=["head", "wide", "narrow", "compressor", "compressor_small"])
 @pytest.mark.parametrize("m", [1, 6])
-@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_upcast_gemv_matches_float64_at_h200_shapes(n, k, m, wdt):
-    """The FP32 GEMV over a half-precision weight (the h200 LM head among them) against float64, run twice
-    with identical bits (split-K combine is deterministic), and the op's CUDA dispatch giving the same."""
+    """The FP32 GEMV over a bf16 / fp16 / fp32 weight (the h200 LM head and the compressor's FP32 wkv among them)
+    against float64, run twice with identical bits (split-K combine is deterministic), and the op's CUDA dispatch
+    giving the same."""
     from dsv41.kernels import upcast_gemv as ug
     gen = torch.Generator().manual_seed(n + m)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(wdt).to(DEV)

@@ -124,14 +124,31 @@ def make_score_inputs(b, t, h, d, n, dtype, seed):
     return q, w, codes, scales, nv
 
 
-def assert_scores(got, ref):
+def assert_scores(got, ref, mag=None):
+    """got == ref to FP32 rounding: |err| <= 1e-5 (1 + |ref|), plus 2^-16 mag where `mag` is the sum of the
+    terms' magnitudes (`scores_mag64`): a score that cancels (negative head weights) keeps the rounding of its
+    large terms (seen: -6.2023 from terms near 1e3, error 7.3e-5, in the interpreter with numpy 2.4)."""
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert not torch.isnan(got).any(), "NaN left in the scores (an element was never written)"
     inf = torch.isinf(ref)
     assert torch.equal(torch.isinf(got), inf) and bool((got[inf] < 0).all())
     err = (got.double() - ref)[~inf].abs()
     bound = 1e-5 * (1 + ref[~inf].abs())
+    if mag is not None:
+        bound = bound + 2.0 ** -16 * mag[~inf]
     assert bool((err <= bound).all()), f"max error {float(err.max())}"
+
+
+def scores_mag64(q, w, codes, scales, n_visible, blocks=None, block=1):
+    """float64 sum over heads of |w_h| (|q_h| . |k|): the magnitude of every product the score sums (E2M1 sign bits
+    cleared: bit 3 of each nibble)."""
+    return ref_scores64(q.abs(), w.abs(), codes & 0x77, scales, n_visible, blocks, block)
+
+
+def assert_scores64(got, q, w, codes, scales, n_visible, blocks=None, block=1):
+    """`assert_scores` against the float64 reference of these inputs, with the terms' magnitude."""
+    assert_scores(got, ref_scores64(q, w, codes, scales, n_visible, blocks, block),
+                  scores_mag64(q, w, codes, scales, n_visible, blocks, block))
 
 
 def tie_scores(b, t, s, gen):
@@ -177,7 +194,7 @@ def test_torch_topk_breaks_ties_another_way_which_is_why_the_rule_is_explicit():
 def test_cpu_ops_match_the_float64_spec():
     q, w, codes, scales, nv = make_score_inputs(2, 2, 4, 64, 45, torch.float32, 4)
     s = torch.ops.dsv41.indexer_scores(q, w, codes, scales, nv, None, 1)
-    assert_scores(s, ref_scores64(q, w, codes, scales, nv))
+    assert_scores64(s, q, w, codes, scales, nv)
     blocks = torch.ops.dsv41.indexer_candidates(s, nv, 4, 5)
     assert torch.equal(blocks, ref_candidates(s, nv, 4, 5))
     idx = torch.ops.dsv41.indexer_topk(s, 8, None, 1, 0)
@@ -195,7 +212,7 @@ def test_triton_scores_match_float64_reference(shape, poisoned_outputs):
     b, t, h, d, n, dtype = shape
     q, w, codes, scales, nv = make_score_inputs(b, t, h, d, n, dtype, n + d)
     got = ik.triton_indexer_scores(q, w, codes, scales, nv)
-    assert_scores(got, ref_scores64(q, w, codes, scales, nv))
+    assert_scores64(got, q, w, codes, scales, nv)
 
 
 @interpreted
@@ -205,11 +222,11 @@ def test_triton_scores_read_strided_cache_slices_and_compact_pool_rows(poisoned_
     q, w, codes, scales, nv = make_score_inputs(2, 2, 4, 32, 51, torch.float32, 5)
     nv = torch.tensor([[50, 3], [0, 49]])
     got = ik.triton_indexer_scores(q, w, codes[:, :50], scales[:, :50], nv)
-    assert_scores(got, ref_scores64(q, w, codes[:, :50], scales[:, :50], nv))
+    assert_scores64(got, q, w, codes[:, :50], scales[:, :50], nv)
     blocks = torch.tensor([[[0, 5, 12, -1], [0, -1, -1, -1]], [[-1, -1, -1, -1], [3, 7, 11, 12]]])
     got = ik.triton_indexer_scores(q, w, codes[:, :50], scales[:, :50], nv, blocks, 4)
     assert got.shape == (2, 2, 16)
-    assert_scores(got, ref_scores64(q, w, codes[:, :50], scales[:, :50], nv, blocks, 4))
+    assert_scores64(got, q, w, codes[:, :50], scales[:, :50], nv, blocks, 4)
 
 
 # ------------------------------------------------------------------------------------------- top-k (interpreted)

@@ -50,6 +50,10 @@ CASES = [
     ((2, 3), 33, 200, torch.bfloat16, {"block_k": 32, "k_iters": 1}),
     ((11,), 9, 64, torch.float16, {}),
     ((1,), 300, 40, torch.bfloat16, {"block_n": 32}),
+    # FP32 weights (the compressor's wkv / wgate): BLOCK_K 32 by default, several K splits
+    ((1,), 37, 100, torch.float32, {}),
+    ((2, 1), 130, 257, torch.float32, {"k_iters": 2}),
+    ((5,), 65, 96, torch.float32, {"block_n": 16, "block_k": 64, "k_iters": 1}),
 ]
 
 
@@ -103,7 +107,7 @@ def test_reference_is_the_eager_spelling():
 
 @pytest.mark.parametrize("bad, match", [
     (lambda: (torch.randn(2, 8).double(), torch.randn(3, 8).bfloat16()), "x"),
-    (lambda: (torch.randn(2, 8), torch.randn(3, 8)), "weight"),
+    (lambda: (torch.randn(2, 8), torch.randn(3, 8).double()), "weight"),
     (lambda: (torch.randn(2, 8), torch.randn(3, 8, 1).bfloat16()), "weight"),
     (lambda: (torch.randn(2, 9), torch.randn(3, 8).bfloat16()), "K = 8"),
 ])
@@ -111,6 +115,17 @@ def test_bad_inputs_are_named(bad, match):
     x, w = bad()
     with pytest.raises((TypeError, ValueError), match=match):
         ug.reference_linear_upcast(x, w)
+
+
+def test_fp32_weights_are_taken_with_16_kib_tiles():
+    assert ug.upcast_plan(1, 1024, 1024, weight_bytes=4)["BLOCK_K"] == 32
+    assert ug.upcast_plan(1, 1024, 1024)["BLOCK_K"] == 64
+    with pytest.raises(ValueError, match="weight_bytes=8"):
+        ug.upcast_plan(1, 8, 8, weight_bytes=8)
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(17, 48, generator=gen)
+    x = torch.randn(1, 48, generator=gen)
+    assert torch.equal(torch.ops.dsv41.linear_upcast(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_plan_splits_the_head_and_keeps_small_weights_whole():

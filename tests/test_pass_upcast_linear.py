@@ -1,4 +1,5 @@
-"""`upcast_linear` family: FP32 matmul by an upcast bf16 / fp16 weight -> dsv41::linear_upcast.
+"""`upcast_linear` family: FP32 matmul by an upcast bf16 / fp16 weight, or by an FP32 weight at decode M ->
+dsv41::linear_upcast.
 
 A hand-written zoo (not dsv41/model) compiled once with backend="dsv41" (module fixture, debug mode):
     head      F.linear(h.float(), W_bf16.float()), h bf16 [B, T, K]            -> fused
@@ -9,7 +10,9 @@ A hand-written zoo (not dsv41/model) compiled once with backend="dsv41" (module 
     f64       F.linear(x.double(), W.double())                                  -> near-miss weight_transform
     computed  W made in the graph (w_bf16 * 2, exact), then upcast              -> near-miss weight_source
     cache     a bf16 buffer written this step, then multiplied by (PDL hazard)  -> near-miss weight_source
-    plain     an FP32 weight, no upcast                                        -> left to Inductor, no record
+    plain     an FP32 weight, no upcast, M = 2                                 -> fused (no bytes saved: a GEMV)
+    prefill   the same FP32 weight at M = 12 (> 8: a GEMM)                     -> left to Inductor, no record
+    product   an FP32 product of two activations (x @ y^T)                     -> left to Inductor, no record
 Reference: the eager module in float64 (the weights' values are exact in it). Compiled outputs must equal it to
 FP32 summation rounding, and equal eager FP32 to the same tolerance.
 """
@@ -41,7 +44,7 @@ class UpcastZoo(nn.Module):
         self.w_c = nn.Parameter(torch.randn(N, K, generator=g).bfloat16(), requires_grad=False)
         self.register_buffer("cache", torch.randn(N, K, generator=g).bfloat16())
 
-    def forward(self, h, x):
+    def forward(self, h, x, xp):
         head = F.linear(h.float(), self.w_head.float())  # site:head
         mt = x @ self.w_t.float().t()  # site:matmul_t
         bias = F.linear(x, self.w_bias.float(), self.b.float())  # site:bias
@@ -50,10 +53,12 @@ class UpcastZoo(nn.Module):
         scaled = F.linear(x, self.w_scaled.float() * 0.5)  # site:scaled
         f64 = F.linear(x.double(), self.w_f64.double()).float()  # site:f64
         plain = F.linear(x, self.w_plain)  # site:plain
+        prefill = F.linear(xp, self.w_plain)  # site:prefill
+        product = x[0] @ xp.t()  # site:product
         computed = F.linear(x, (self.w_c * 2).float())  # site:computed
         self.cache[0] = h[0, 0]
         cache = x @ self.cache.float().t()  # site:cache
-        return head, mt, bias, shared, scaled, f64, plain, computed, cache
+        return head, mt, bias, shared, scaled, f64, plain, computed, cache, prefill, product
 
 
 def _site(loc) -> str | None:
@@ -63,16 +68,16 @@ def _site(loc) -> str | None:
 
 def _inputs():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(B, T, K, generator=g).bfloat16(), torch.randn(B, T, K, generator=g)
+    return (torch.randn(B, T, K, generator=g).bfloat16(), torch.randn(B, T, K, generator=g),
+            torch.randn(12, K, generator=g))
 
 
 @pytest.fixture(scope="module")
 def compiled():
     model = UpcastZoo()
-    h, x = _inputs()
     torch._dynamo.reset()
     with torch.no_grad():
-        got = torch.compile(model, backend="dsv41", options={"debug": True})(h, x)
+        got = torch.compile(model, backend="dsv41", options={"debug": True})(*_inputs())
     rep = dsv41.last_report()
     rec = {r.family: r for gr in rep.graphs for r in gr.records}["upcast_linear"]
     return model, got, rep, rec
@@ -81,11 +86,16 @@ def compiled():
 def test_fused_sites_and_near_misses(compiled):
     _, _, _, rec = compiled
     fused = {_site(m.location): m for m in rec.matches}
-    assert set(fused) == {"head", "matmul_t", "bias", "shared"}, [m.location for m in rec.matches]
+    assert set(fused) == {"head", "matmul_t", "bias", "shared", "plain"}, [m.location for m in rec.matches]
     assert dict(fused["shared"].detail)["upcast_kept"] is True
     assert dict(fused["head"].detail)["upcast_kept"] is False
     assert dict(fused["matmul_t"].detail)["weight_dtype"] == "torch.float16"
     assert dict(fused["bias"].detail)["bias"] is True
+    assert dict(fused["plain"].detail)["weight_dtype"] == "torch.float32"
+    assert dict(fused["plain"].detail)["upcast_kept"] is False
+    assert fused["plain"].pattern == "linear_upcast(torch.float32)"
+    plain_before, plain_after = fused["plain"].bytes_evaluated()
+    assert plain_before == plain_after  # nothing to save but the kernel: the same bytes in a GEMV
     misses = {_site(m.location): m for m in rec.near_misses}
     assert set(misses) == {"scaled", "f64", "computed", "cache"}, rec.near_misses
     assert misses["computed"].check == misses["cache"].check == "weight_source"
@@ -97,8 +107,8 @@ def test_fused_sites_and_near_misses(compiled):
 
 
 def test_the_upcasts_are_gone_from_the_graph(compiled):
-    """4 fused matmuls; the weight upcasts of head, matmul_t and bias are gone, the shared one (read by the sum)
-    and the look-alikes' stay."""
+    """5 fused matmuls; the weight upcasts of head, matmul_t and bias are gone, the shared one (read by the sum)
+    and the look-alikes' stay; the FP32 GEMM at M = 12 and the product of activations stay mm's."""
     _, _, rep, _ = compiled
 
     def upcasts(code):
@@ -106,31 +116,34 @@ def test_the_upcasts_are_gone_from_the_graph(compiled):
 
     before = "\n".join(gr.graph_before for gr in rep.graphs)
     after = "\n".join(gr.graph_after for gr in rep.graphs)
-    assert after.count("torch.ops.dsv41.linear_upcast.default(") == 4
+    assert after.count("torch.ops.dsv41.linear_upcast.default(") == 5
+    # head, matmul_t, shared and plain were mm's (bias an addmm); prefill, product and the look-alikes stay
+    assert before.count("aten.mm.default(") - after.count("aten.mm.default(") == 4
     assert upcasts(before) - upcasts(after) == 3, (upcasts(before), upcasts(after))
 
 
 def test_outputs_equal_eager_and_float64(compiled):
     model, got, _, _ = compiled
-    h, x = _inputs()
+    h, x, xp = _inputs()
     with torch.no_grad():
-        want = model(h, x)
-    for name, g, w in zip(("head", "mt", "bias", "shared", "scaled", "f64", "plain", "computed", "cache"), got, want):
+        want = model(h, x, xp)
+    names = ("head", "mt", "bias", "shared", "scaled", "f64", "plain", "computed", "cache", "prefill", "product")
+    for name, g, w in zip(names, got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=name)
     # float64 for the fused sites (bf16 / fp16 weights and bf16 h are exact in float64).
     ref = {"head": h.double() @ model.w_head.double().T, "mt": x.double() @ model.w_t.double().T,
-           "bias": x.double() @ model.w_bias.double().T + model.b.double()}
-    for i, name in enumerate(("head", "mt", "bias")):
+           "bias": x.double() @ model.w_bias.double().T + model.b.double(),
+           "plain": x.double() @ model.w_plain.double().T}
+    for i, name in ((0, "head"), (1, "mt"), (2, "bias"), (6, "plain")):
         torch.testing.assert_close(got[i].double(), ref[name], rtol=1e-5, atol=1e-4, msg=name)
 
 
 def test_family_can_be_switched_off():
     model = UpcastZoo()
-    h, x = _inputs()
     torch._dynamo.reset()
     with torch.no_grad():
-        got = torch.compile(model, backend="dsv41", options={"disable": ["upcast_linear"]})(h, x)
+        got = torch.compile(model, backend="dsv41", options={"disable": ["upcast_linear"]})(*_inputs())
     rec = {r.family: r for gr in dsv41.last_report().graphs for r in gr.records}["upcast_linear"]
     assert not rec.enabled and not rec.matches
     with torch.no_grad():
-        torch.testing.assert_close(got[0], model(h, x)[0])
+        torch.testing.assert_close(got[0], model(*_inputs())[0])

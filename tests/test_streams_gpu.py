@@ -1,10 +1,10 @@
 """Side-stream overlap on CUDA (dsv41/compiler/streams.py): the rewrite must not change what the model computes.
 
 The reference is the eager model's greedy output on the same GPU in FP32 (`tiny`, checkpoint weights). The dsv41
-compile with streams=True (a second stream, fork/join events, inside the decode step's CUDA graph) must give the
-same tokens over 24 steps as eager and as the same compile with streams=False, with logits equal to the
-streams=False compile (the same kernels on the same inputs; only their stream placement differs), and its report
-must say the schedule was applied with two streams. Skipped without CUDA.
+compile with default options, where side streams are on (auto: a second stream, fork/join events, inside the decode
+step's CUDA graph), must give the same tokens over 24 steps as eager and as the same compile with streams=False,
+with logits equal to the streams=False compile (the same kernels on the same inputs; only their stream placement
+differs), and its report must say the schedule was applied with two streams. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -48,21 +48,22 @@ def _greedy(step, model, prompt):
     return torch.stack(toks, 1).cpu(), torch.stack(logits, 1)
 
 
-def _compiled_run(model, prompt, streams: bool):
+def _compiled_run(model, prompt, options: dict):
     import dsv41
     from dsv41.cli import compile_model
 
     torch._dynamo.reset()
-    compiled = compile_model(model, "dsv41", {"streams": streams})
+    compiled = compile_model(model, "dsv41", options)
     out = _greedy(compiled, model, prompt)
     return out, dsv41.last_report().to_dict()
 
 
 def test_side_streams_keep_the_eager_tokens_and_the_single_stream_logits(tiny_cuda):
     model, prompt, ref = tiny_cuda
-    (tok_on, lg_on), rep_on = _compiled_run(model, prompt, True)
-    (tok_off, lg_off), rep_off = _compiled_run(model, prompt, False)
+    (tok_on, lg_on), rep_on = _compiled_run(model, prompt, {})  # the default: streams auto, on here
+    (tok_off, lg_off), rep_off = _compiled_run(model, prompt, {"streams": False})
     assert rep_on["schedule"]["applied"] is True and rep_on["schedule"]["streams"] == 2
+    assert rep_on["schedule"]["reason"] == "on: auto (CUDA graph on CUDA)"
     assert rep_on["schedule"]["moved"] > 0
     assert rep_off["schedule"]["applied"] is False
     assert torch.equal(tok_on, ref) and torch.equal(tok_off, ref)

@@ -18,8 +18,8 @@ the weight tile is built in the tile's own layout, so the loop has no layout con
   the [rows, KC/32] scale tile is addressed through a multiplier `one` that the JIT does not specialise, so its
   load gets the thread mapping of the block sums.
 - A row block's results are kept in registers and written once at the end; K chunks combine through the split-K
-  arrival counters (`_common.split_k_counters`), the last program to arrive summing the partials in chunk order
-  (deterministic).
+  arrival counters (`_common.split_k_counters`), the last program to arrive summing the partials by a fixed tree
+  over the chunks (deterministic).
 - PREFETCH (0, 1, 2): the next one or two row blocks' weights and scales are loaded before this one is multiplied
   (register double / triple buffering), so each program keeps loads in flight while it computes.
 
@@ -46,7 +46,7 @@ from ._common import (E2M1_HALF_SCALE, e2m1_value_scaled_down, exp2_int, next_po
                       split_k_counters, use_pdl_for)
 from .quant_gemv import _fake_quant_fp8_1x32
 
-__all__ = ["rows_plan", "launch_rows", "ROWS_PROGRAMS_PER_SM"]
+__all__ = ["rows_plan", "check_rows_options", "launch_rows", "ROWS_PROGRAMS_PER_SM"]
 
 #: Programs per SM the default plan sizes its grid for (the row loop is split so that about this many programs per
 #: SM cover the weight once; each keeps one row block in flight while it multiplies another).
@@ -237,6 +237,46 @@ def _rows_gemv_kernel(
     tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=store_ok)
 
 
+#: Upper bounds of the plan options (a larger tile would not fit a program's registers).
+_MAX_KC = 2048
+_MAX_RB = 64
+
+
+def _int_option(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    return v
+
+
+def check_rows_options(fp4: bool, *, kc: int | None = None, block_r: int | None = None, row_iters: int | None = None,
+                       num_warps: int | None = None, prefetch: int | None = None, programs_per_sm: int | None = None,
+                       sm_count: int | None = None) -> None:
+    """Raise TypeError / ValueError naming the first invalid `rows_plan` option (arguments as there): kc a power of
+    two in 32..2048 (64..2048 for FP4), block_r a power of two in 1..64 (1..32 for block FP8: one scale row per
+    block), row_iters in 1..64, prefetch 0..2, num_warps a power of two in 1..32, programs_per_sm and sm_count
+    >= 1; every one an int (not a bool)."""
+    lo = 64 if fp4 else 32
+    for name, v in (("kc", kc), ("block_r", block_r), ("row_iters", row_iters), ("num_warps", num_warps),
+                    ("prefetch", prefetch), ("programs_per_sm", programs_per_sm), ("sm_count", sm_count)):
+        if v is not None:
+            _int_option(name, v)
+    if kc is not None and (not lo <= kc <= _MAX_KC or kc & (kc - 1)):
+        raise ValueError(f"kc={kc} must be a power of two in {lo}..{_MAX_KC}")
+    rb_max = _MAX_RB if fp4 else 32
+    if block_r is not None and (not 1 <= block_r <= rb_max or block_r & (block_r - 1)):
+        raise ValueError(f"block_r={block_r} must be a power of two <= {rb_max}"
+                         + ("" if fp4 else " (one block-FP8 scale row)"))
+    if row_iters is not None and not 1 <= row_iters <= _MAX_ROW_ITERS:
+        raise ValueError(f"row_iters={row_iters} must be in 1..{_MAX_ROW_ITERS}")
+    if prefetch is not None and prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch={prefetch!r} must be 0, 1 or 2 (row blocks loaded ahead)")
+    if num_warps is not None and (not 1 <= num_warps <= 32 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps={num_warps} must be a power of two in 1..32")
+    for name, v in (("sm_count", sm_count), ("programs_per_sm", programs_per_sm)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+
+
 def rows_plan(n: int, k: int, fp4: bool, *, pairs: int = 1, sm_count: int | None = None, kc: int | None = None,
               block_r: int | None = None, row_iters: int | None = None, num_warps: int | None = None,
               prefetch: int | None = None, programs_per_sm: int | None = None) -> dict:
@@ -251,33 +291,25 @@ def rows_plan(n: int, k: int, fp4: bool, *, pairs: int = 1, sm_count: int | None
     - PREFETCH (`prefetch`, 0-2, default 1): row blocks loaded ahead of the one being multiplied. num_warps: 4.
     Returns a dict with KC, RB, ROW_ITERS, ITERS_P2, SPLIT_K, SPLIT_POW2, PREFETCH, num_warps and the grid
     (row programs, SPLIT_K, pairs).
-    Raises: ValueError for a kc that is not a power of two >= 32 (>= 64 for FP4), a block_r that is not a power of two
-    (or above 32 for block FP8), row_iters outside 1..64, prefetch outside 0..2, or sm_count / programs_per_sm
-    below 1.
+    Raises: ValueError for n or k below 1 (the launchers return empty or zero outputs before planning) and for the
+    options `check_rows_options` rejects (TypeError for a non-int one).
     """
+    check_rows_options(fp4, kc=kc, block_r=block_r, row_iters=row_iters, num_warps=num_warps, prefetch=prefetch,
+                       programs_per_sm=programs_per_sm, sm_count=sm_count)
+    if n < 1 or k < 1:
+        raise ValueError(f"rows_plan needs a non-empty [n, k] weight, got n={n}, k={k}")
     if kc is None:
         kc = min(_KC[fp4], max(next_power_of_2(k), 64 if fp4 else 32))
-    if kc < (64 if fp4 else 32) or kc & (kc - 1):
-        raise ValueError(f"kc={kc} must be a power of two >= {64 if fp4 else 32}")
     rb = _RB[fp4] if block_r is None else block_r
-    if rb < 1 or rb & (rb - 1) or (not fp4 and rb > 32):
-        raise ValueError(f"block_r={rb} must be a power of two{'' if fp4 else ' <= 32 (one block-FP8 scale row)'}")
-    for name, v in (("sm_count", sm_count), ("programs_per_sm", programs_per_sm)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name}={v} must be >= 1")
     split_k = -(-k // kc)
     blocks = -(-n // rb)
     if row_iters is None:
         target = (sm_count or _DEFAULT_SMS) * (programs_per_sm or ROWS_PROGRAMS_PER_SM)
         row_iters = max(1, min(_MAX_ROW_ITERS, round(blocks * split_k * max(pairs, 1) / target)))
-    if prefetch is not None and prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch={prefetch!r} must be 0, 1 or 2 (row blocks loaded ahead)")
-    if not 1 <= row_iters <= _MAX_ROW_ITERS:
-        raise ValueError(f"row_iters={row_iters} must be in 1..{_MAX_ROW_ITERS}")
     row_iters = min(row_iters, blocks)
     programs = -(-blocks // row_iters)
     return dict(KC=kc, RB=rb, ROW_ITERS=row_iters, ITERS_P2=next_power_of_2(row_iters), SPLIT_K=split_k,
-                SPLIT_POW2=next_power_of_2(split_k), PREFETCH=1 if prefetch is None else int(prefetch),
+                SPLIT_POW2=next_power_of_2(split_k), PREFETCH=1 if prefetch is None else prefetch,
                 num_warps=num_warps or 4, grid=(programs, split_k, max(pairs, 1)))
 
 

@@ -244,13 +244,15 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
     check_mma_dtype(x, overrides)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = split_rows_overrides(overrides, 1)
+    rows = split_rows_overrides(overrides, 1, True)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
         raise ValueError(f"{pairs} (token, expert) pairs exceed the {MAX_TRITON_PAIRS} one launch takes")
     if pairs == 0 or out == 0:
         return _empty((n, k, out), x.dtype, x.device)
+    if kk == 0:  # an empty sum: zeros, as the reference's einsum gives
+        return torch.zeros((n, k, out), dtype=x.dtype, device=x.device)
     x2 = x.reshape(n if shared else pairs, kk)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

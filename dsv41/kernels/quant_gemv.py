@@ -486,28 +486,38 @@ ROWS_KEYS = ("kc", "block_r", "row_iters", "prefetch", "programs_per_sm")
 ROWS_DEFAULT = False
 
 
-def split_rows_overrides(overrides: dict, m: int) -> dict | None:
+def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
     """Pop the row-streaming choice from `overrides` (in place): the `gemv_rows.rows_plan` arguments when the
-    row-streaming kernel runs (rows=True, or M = 1 by `ROWS_DEFAULT` without tile-loop overrides), else None.
-    Raises ValueError for rows=True with M != 1 or with tile-loop overrides (stages, mma, block_n, block_k,
-    k_iters, maxnreg), and for row-streaming keys without rows."""
+    row-streaming kernel runs (rows=True, or M = 1 by `ROWS_DEFAULT` without tile-loop overrides), else None. The
+    returned options are checked (`gemv_rows.check_rows_options`, for the weight format `fp4`) before anything runs.
+    Raises ValueError for rows=True with M > 1, with a tile-loop option (stages, mma, block_n, block_k, k_iters,
+    maxnreg: any value other than None / False), or with any other option than the row-streaming ones, sm_count and
+    num_warps (a misspelt option is an error, never a silently different plan); for row-streaming options without
+    rows; and for invalid option values (TypeError for a non-int one)."""
     rows = overrides.pop("rows", None)
     picked = {key: overrides.pop(key) for key in ROWS_KEYS if key in overrides}
     tile_keys = sorted(key for key in ("stages", "mma", "block_n", "block_k", "k_iters", "maxnreg")
-                       if overrides.get(key) not in (None, False))
+                       if overrides.get(key) is not None and overrides.get(key) is not False)
     if rows is None:
         rows = ROWS_DEFAULT and m == 1 and not tile_keys
     if not rows:
         if picked:
             raise ValueError(f"{sorted(picked)} apply to the row-streaming kernel only (rows=True)")
         return None
-    if m != 1:
+    if m > 1:
         raise ValueError(f"rows=True (row-streaming kernel) takes one x row, got M = {m}")
     if tile_keys:
         raise ValueError(f"rows=True does not take the tile-loop options {tile_keys}")
+    unknown = sorted(key for key, v in overrides.items() if key not in ("sm_count", "num_warps")
+                     and v is not None and v is not False)
+    if unknown:
+        raise ValueError(f"unknown options for the row-streaming kernel: {unknown}; it takes "
+                         f"{sorted(ROWS_KEYS + ('sm_count', 'num_warps'))}")
     for key in ("sm_count", "num_warps"):
         if overrides.get(key) is not None:
             picked[key] = overrides[key]
+    from .gemv_rows import check_rows_options
+    check_rows_options(fp4, **picked)
     return picked
 
 
@@ -517,14 +527,15 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     lead = x.shape[:-1]
     m = math.prod(lead)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = split_rows_overrides(overrides, m)
+    rows = split_rows_overrides(overrides, m, fp4)
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = _empty((m, n), x.dtype, x.device)
     if m == 0 or n == 0:
-        return y.reshape(*lead, n)
+        return _empty((m, n), x.dtype, x.device).reshape(*lead, n)
+    if k == 0:  # an empty sum: zeros, as F.linear gives
+        return torch.zeros((*lead, n), dtype=x.dtype, device=x.device)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
@@ -533,6 +544,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         from . import gemv_rows
         plan = gemv_rows.rows_plan(n, k, fp4, **rows)
         return gemv_rows.launch_rows(x2, weight, scale, act_quant, fp4, plan).reshape(*lead, n)
+    y = _empty((m, n), x.dtype, x.device)
     plan = gemv_plan(m, n, k, fp4, **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps

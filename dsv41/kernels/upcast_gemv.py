@@ -1,4 +1,4 @@
-"""FP32 GEMV over a bf16 / fp16 weight read in its stored width: the `upcast_linear` fusion target.
+"""FP32 GEMV over a bf16 / fp16 / fp32 weight read in its stored width: the `upcast_linear` fusion target.
 
 Eager code that wants FP32 products from a half-precision weight writes `F.linear(x.float(), W.float())`
 (dsv41/model: the LM head, model.py `final_logits`; the compressor's wkv / wgate, csa.py; DSpark's head; the same
@@ -6,10 +6,14 @@ spelling is common for routers and heads elsewhere). Run as written, every step 
 2 bytes per element, writes 4) and then runs an FP32 GEMM that reads the 4-byte copy: 5x the weight's bytes. On the
 H200 the `h200` LM head alone (129280 x 4096) took 629 us in cuBLAS's FP32 GEMV plus the copy
 (bench/results/2026-11-30_h200_bmm_fix). `dsv41::linear_upcast` reads the weight once, in its stored dtype.
+FP32 weights (the ratio-2 compressor's wkv / wgate are held in FP32) have no copy to save, but cuBLAS runs their
+M = 1 products as tiled FP32 GEMMs: on the H200 one such kernel (`sm80_xmma_gemm_f32f32_..._tilesize32x128x8`)
+took 53 us per launch, 318 us of a 2.85 ms `small` decode step (bench/results/2026-11-30_h200_s11); this GEMV
+spreads the same bytes over every SM.
 
 Op (`dsv41::linear_upcast(x, weight) -> y`):
     x       float32 [..., K]
-    weight  bfloat16 / float16 [N, K]
+    weight  bfloat16 / float16 / float32 [N, K]
     y       float32 [..., N] = x @ weight.float().T  (`reference_linear_upcast`, the eager spelling itself)
 
 On CPU the op runs the reference. On CUDA, M = prod(x.shape[:-1]) <= `MAX_TRITON_M` runs the Triton kernel and a
@@ -26,7 +30,8 @@ of a tile in flight at once), widens them in registers and multiplies them by up
 of one output tile combine through the arrival counters of `_common.split_k_counters`, as `quant_gemv` does. Under
 PDL the weight tile is requested before `gdc_wait` (weights never come from the previous kernel), x after it.
 Tile sizes (`upcast_plan`) follow `quant_gemv.gemv_plan`'s measured H200 choices for 1-byte weights with BLOCK_K
-halved, so a tile is the same 16 KiB of loads; they have not been swept for 2-byte weights yet.
+halved (2-byte weights) or quartered (4-byte), so a tile is the same 16 KiB of loads; they have not been swept for
+2- or 4-byte weights yet.
 """
 
 from __future__ import annotations
@@ -44,10 +49,10 @@ __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, speculative verify); above it cuBLAS.
 MAX_TRITON_M = 8
-#: Weight dtypes the op reads (their widening to fp32 is exact).
-WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
-#: Weight columns per tile (`upcast_plan`).
-_BLOCK_K = 64
+#: Weight dtypes the op reads (their widening to fp32 is exact; fp32 is read as it is).
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Weight columns per tile by weight element size in bytes (`upcast_plan`): 16 KiB of loads per tile.
+_BLOCK_K = {2: 64, 4: 32}
 
 
 def _check_args(x, weight) -> tuple[int, int]:
@@ -66,7 +71,7 @@ def reference_linear_upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
     Args:
         x: float32 [..., K].
-        weight: bfloat16 / float16 [N, K].
+        weight: bfloat16 / float16 / float32 [N, K].
     Returns: float32 [..., N].
     Raises: TypeError for a wrong dtype, ValueError for a wrong rank or a K mismatch (each names the argument).
     Source: the eager spelling `F.linear(x.float(), W.float())` (dsv41/model/model.py `final_logits`, csa.py).
@@ -121,17 +126,20 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def upcast_plan(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
-                k_iters: int | None = None, num_warps: int | None = None) -> dict:
-    """Launch parameters for x [m, k] and a half-precision [n, k] weight (module docstring, "Kernel"):
-    `quant_gemv.gemv_plan`'s rules (BLOCK_M, BLOCK_N, K_ITERS, SPLIT_K, grid) with BLOCK_K = 64 by default, so a
-    2-byte tile is the 16 KiB of loads of a 1-byte FP8 tile. Explicit arguments override the heuristic.
-    Raises: ValueError for a block_n that is not a power of two, a block_k that is not a power-of-two multiple
-    of 32, or k_iters < 1.
+def upcast_plan(m: int, n: int, k: int, *, weight_bytes: int = 2, block_n: int | None = None,
+                block_k: int | None = None, k_iters: int | None = None, num_warps: int | None = None) -> dict:
+    """Launch parameters for x [m, k] and an [n, k] weight of `weight_bytes` (2: bf16 / fp16, 4: fp32) bytes per
+    element (module docstring, "Kernel"): `quant_gemv.gemv_plan`'s rules (BLOCK_M, BLOCK_N, K_ITERS, SPLIT_K, grid)
+    with BLOCK_K = 64 (2-byte) or 32 (4-byte) by default, so a tile is the 16 KiB of loads of a 1-byte FP8 tile.
+    Explicit arguments override the heuristic.
+    Raises: ValueError for a weight_bytes other than 2 or 4, a block_n that is not a power of two, a block_k that is
+    not a power-of-two multiple of 32, or k_iters < 1.
     """
     from .quant_gemv import gemv_plan
-    return gemv_plan(m, n, k, False, block_n=block_n, block_k=block_k or _BLOCK_K, num_warps=num_warps,
-                     k_iters=k_iters, stages=1)
+    if weight_bytes not in _BLOCK_K:
+        raise ValueError(f"weight_bytes={weight_bytes} must be 2 (bf16 / fp16) or 4 (fp32)")
+    return gemv_plan(m, n, k, False, block_n=block_n, block_k=block_k or _BLOCK_K[weight_bytes],
+                     num_warps=num_warps, k_iters=k_iters, stages=1)
 
 
 def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
@@ -155,7 +163,7 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
         return y.reshape(*lead, n)
     if k == 0:
         return y.zero_().reshape(*lead, n)
-    plan = upcast_plan(m, n, k, **overrides)
+    plan = upcast_plan(m, n, k, weight_bytes=weight.element_size(), **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
     if split_k > 1:
         part = _empty((split_k, m, n), torch.float32, x.device)
@@ -174,7 +182,7 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
 
 @torch.library.custom_op("dsv41::linear_upcast", mutates_args=(), device_types="cpu")
 def linear_upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`y = x @ weight.float().T` reading the bf16 / fp16 weight once; see `reference_linear_upcast`."""
+    """`y = x @ weight.float().T` reading the bf16 / fp16 / fp32 weight once; see `reference_linear_upcast`."""
     return reference_linear_upcast(x, weight)
 
 

@@ -364,6 +364,26 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
     return graph.eliminate_dead_code(is_impure_node=lambda n: bool(n.users) or n.is_impure(impure_random))
 
 
+def static_inputs(graph: fx.Graph) -> set[fx.Node] | None:
+    """Placeholders of `graph` that AOT autograd marks static for the running compile: the parameters and buffers
+    Dynamo lifted into graph inputs (`ViewAndMutationMeta.static_input_indices`, the inputs CUDA-graph trees
+    leave in place), as opposed to activations and other user inputs. None when no compile is running or the
+    installed torch does not say (a caller must then not rely on it).
+
+    Why: a placeholder alone does not tell a weight from an activation, and in a regional compile one region's
+    inputs are the previous region's outputs, written by the kernel just before in the same CUDA graph. Source:
+    torch/_functorch/_aot_autograd/schemas.py (`static_input_indices`; placeholders in flat-input order).
+    """
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    idx = getattr(meta, "static_input_indices", None)
+    if idx is None:
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return {placeholders[i] for i in idx if 0 <= i < len(placeholders)}
+
+
 # ------------------------------------------------------------------------------------------------ regions
 class RegionNotClosed(Exception):
     """Raised by `RegionEvaluator` when a region reads a graph input that was not given a probe value."""

@@ -1,24 +1,33 @@
-"""`upcast_linear` family: an FP32 matmul by an upcast bf16 / fp16 weight reads the weight once, in its own width.
+"""`upcast_linear` family: an FP32 matmul by a stored weight reads the weight once, in its own width.
 
-Chain matched (post-grad ATen; `F.linear(x.float(), W.float())`, `x.float() @ W.float().t()` and their addmm form
-with a bias all lower to it):
+Chains matched (post-grad ATen; `F.linear(x.float(), W.float())`, `x.float() @ W.float().t()` and their addmm form
+with a bias all lower to them):
 
     w32 = convert_element_type(W, float32)          # W bf16 / fp16 [N, K]
     y   = mm(x, permute(w32, [1, 0]))               # x float32 [M, K]     (or addmm(bias, x, ...), alpha = beta = 1)
     (the permute may also come before the convert)
 
-becomes `y = dsv41::linear_upcast(x, W)` (`+ bias`). Eager reads W (2 bytes per element), writes the FP32 copy
-(4), and the FP32 GEMM reads the copy (4): every step, 5x the weight's bytes in two launches; the fused op reads
-the 2 bytes once (dsv41/kernels/upcast_gemv.py). In dsv41/model this is the LM head (`final_logits`), the
-compressor's wkv / wgate (csa.py) and DSpark's head; the MoE router gate and the mHC projection have the same
-spelling but are consumed earlier by the `moe` and `mhc` families, which run before this one.
+    y   = mm(x, permute(W, [1, 0]))                 # W float32 [N, K], x float32 [M, K], M <= 8 (decode, verify)
+
+become `y = dsv41::linear_upcast(x, W)` (`+ bias`). For a half-precision W, eager reads W (2 bytes per element),
+writes the FP32 copy (4), and the FP32 GEMM reads the copy (4): every step, 5x the weight's bytes in two launches;
+the fused op reads the 2 bytes once (dsv41/kernels/upcast_gemv.py). For an FP32 W no bytes are saved: cuBLAS runs
+an M <= 8 FP32 product as a tiled GEMM over few SMs (53 us per launch for one of them on the H200, the kernel
+module's docstring), and the op's split-K GEMV reads the same bytes over every SM. Larger M (prefill) is left to
+Inductor and cuBLAS, unrecorded: that is a GEMM, which cuBLAS does well. In dsv41/model this is the LM head
+(`final_logits`), the compressor's wkv / wgate (csa.py; FP32 weights at ratio 2) and DSpark's head; the MoE
+router gate and the mHC projection have the same spelling but are consumed earlier by the `moe` and `mhc`
+families, which run before this one. In an FP32 model every dense projection has the FP32 form.
 
 Semantics need no probe: widening bf16 / fp16 to fp32 is exact, so the op multiplies exactly the values the
 FP32 matmul multiplies (sums in another FP32 order, as any two GEMMs differ; the report's tolerance).
 
 Only weights that are graph inputs the graph never writes (parameters and buffers, or views of them) are fused:
 the kernel requests its weight tile before waiting on the previous kernel (PDL), which is only safe for memory no
-kernel of the step writes. A weight computed or written in the graph is left unfused (near-miss `weight_source`).
+kernel of the step writes. A computed or written half-precision weight is left unfused (near-miss
+`weight_source`). An FP32 weight must moreover be one the compile marks static (`base.static_inputs`: a parameter
+or buffer, not an activation input such as a regional graph's input from the previous region); any other FP32
+matmul is an ordinary product of activations, left to Inductor unrecorded.
 
 Near-misses (reported, not fused):
 
@@ -41,9 +50,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..kernels.upcast_gemv import WEIGHT_DTYPES
+from ..kernels.upcast_gemv import MAX_TRITON_M
 from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
-                   dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, tensor_val, token_rows)
+                   dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, static_inputs, tensor_val,
+                   token_rows)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["UpcastLinearFamily"]
@@ -51,6 +61,8 @@ __all__ = ["UpcastLinearFamily"]
 aten = torch.ops.aten
 prims = torch.ops.prims
 _PATTERN = "upcast(bf16/fp16 W) -> fp32 mm"
+#: Stored widths widened by the upcast form (FP32 weights are matched without an upcast).
+_HALF = (torch.bfloat16, torch.float16)
 _TRANSPOSES = (aten.permute.default, aten.t.default)
 
 
@@ -65,7 +77,7 @@ def _is_upcast(n, to: torch.dtype | None = torch.float32) -> bool:
     if not isinstance(n, fx.Node) or n.op != "call_function" or n.target != prims.convert_element_type.default:
         return False
     src = tensor_val(n.args[0])
-    return src is not None and src.dtype in WEIGHT_DTYPES and (to is None or n.args[1] == to)
+    return src is not None and src.dtype in _HALF and (to is None or n.args[1] == to)
 
 
 def _weight_of(rhs: fx.Node):
@@ -81,7 +93,17 @@ def _weight_of(rhs: fx.Node):
             return None
         # convert(permute(W)): the op wants W itself, which the permute's input is.
         return w, [wt, rhs]
+    if _is_transpose(rhs):
+        wv = tensor_val(rhs.args[0])
+        if wv is not None and wv.dtype == torch.float32 and len(concrete_shape(wv)) == 2:
+            return rhs.args[0], [rhs]
     return None
+
+
+def _few_rows(x: fx.Node) -> bool:
+    """The mm's activation [M, K] has M <= MAX_TRITON_M rows, or a symbolic M (the op picks at run time)."""
+    m = tensor_val(x).shape[0]
+    return not isinstance(m, int) or m <= MAX_TRITON_M
 
 
 def _look_alike(rhs: fx.Node) -> str | None:
@@ -120,16 +142,19 @@ def _token_leading(x: fx.Node) -> tuple:
 
 
 class UpcastLinearFamily(FusionFamily):
-    """Fuse `mm(x_f32, upcast(W_half)^T)` into `dsv41::linear_upcast` (module docstring)."""
+    """Fuse `mm(x_f32, upcast(W_half)^T)`, and `mm(x_f32, W_f32^T)` at M <= 8, into `dsv41::linear_upcast`
+    (module docstring)."""
 
     name = "upcast_linear"
-    summary = "FP32 matmul by an upcast bf16/fp16 weight -> GEMV reading the weight once in its stored width"
+    summary = ("FP32 matmul by an upcast bf16/fp16 weight, or by an FP32 weight at decode M -> GEMV reading the "
+               "weight once in its stored width")
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Rewrite every matching matmul of `gm` in place; returns the matches and near-misses."""
         graph = gm.graph
         matches, misses = [], []
         written = mutated_inputs(graph)
+        stored = static_inputs(graph)  # parameters / buffers (None: unknown, then no FP32-weight match)
         for mm in list(graph.nodes):
             if mm.op != "call_function" or mm.target not in (aten.mm.default, aten.addmm.default):
                 continue
@@ -149,6 +174,18 @@ class UpcastLinearFamily(FusionFamily):
                     misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
                 continue
             base = _view_base(found[0])
+            if tensor_val(found[0]).dtype == torch.float32:
+                # No upcast: a stored FP32 weight (a parameter or buffer the graph does not write) at decode /
+                # verify M; anything else is an ordinary FP32 matmul, left to Inductor unrecorded.
+                is_stored = base.op == "get_attr" or (stored is not None and base in stored)
+                xv = tensor_val(x)
+                if not is_stored or base in written or xv is None or xv.dtype != torch.float32 or not _few_rows(x):
+                    why = _look_alike(rhs)  # e.g. an upcast weight scaled before the matmul
+                    if why is not None:
+                        misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
+                    continue
+                matches.append(self._fuse(graph, mm, x, bias, *found))
+                continue
             if base.op not in ("placeholder", "get_attr") or base in written:
                 how = "written in place by" if base in written else "computed by"
                 misses.append(NearMiss(self.name, _PATTERN, "weight_source",
@@ -177,11 +214,11 @@ class UpcastLinearFamily(FusionFamily):
         n, k = concrete_shape(tensor_val(w))
         half = tensor_val(w).element_size()
         rows, subs = token_rows(_token_leading(x))
-        upcast = next(c for c in chain if c.target == prims.convert_element_type.default)
+        upcast = next((c for c in chain if c.target == prims.convert_element_type.default), None)
         io = rows * k * 4 + rows * n * 4 + (n * 4 if bias is not None else 0)
         # Before: W read, its FP32 copy written, the GEMM reads the copy. After: W read once (`_finish` adds the
-        # copy back if something else still reads it).
-        before = n * k * half + 2 * n * k * 4 + io
+        # copy back if something else still reads it). An FP32 weight has no copy: the same bytes, in a GEMV.
+        before = n * k * half + (2 * n * k * 4 if upcast is not None else 0) + io
         after = n * k * half + io
         region = chain + [mm]
         return MatchRecord(
@@ -189,7 +226,8 @@ class UpcastLinearFamily(FusionFamily):
             tuple(r.name for r in region), tuple(node_label(r) for r in region), str(sympy.expand(before)),
             str(sympy.expand(after)), tuple(sorted(subs.items())),
             (("N", n), ("K", k), ("weight_dtype", str(tensor_val(w).dtype)), ("bias", bias is not None),
-             ("upcast", upcast.name), ("upcast_bytes", n * k * (half + 4))))
+             ("upcast", upcast.name if upcast is not None else None),
+             ("upcast_bytes", n * k * (half + 4) if upcast is not None else 0)))
 
 
 def _finish(m: MatchRecord, alive: set) -> MatchRecord:
