@@ -357,8 +357,8 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 #   moe_combine    tokens * (k * d * elt(y) + d * elt(shared) + d * elt(out))    (V4.1's tail: weights = None)
 #                  N = d, K = k
 #   upcast_head    tokens * d * 4 [x fp32] + V * d * 2 [bf16 head weight, read once] + tokens * V * 4 [logits]
-#   fp32_dense     tokens * K * 4 [x] + head_dim * K * 4 [FP32 compressor weight] + tokens * head_dim * 4 [y]
 #                  V = vocab_size; N = V, K = d
+#   fp32_dense     tokens * K * 4 [x] + head_dim * K * 4 [FP32 compressor weight] + tokens * head_dim * 4 [y]
 #   grouped_fp4    U * out * (K/2 + K/32)                  codes + scales of the U distinct experts the ids name
 #                  + x bytes (tokens x K for w1/w3, tokens x k x K for w2) + tokens * k * 8 [ids]
 #                  + tokens * k * out * elt(y); shapes w1w3: out = moe_intermediate_size, K = d; w2: the reverse

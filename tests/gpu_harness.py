@@ -4,6 +4,8 @@
 TRITON_INTERPRET is not set (those files check the compiled kernels; the interpreter is covered by the CPU tests).
 `load_reference(name)` imports tests/<name>.py by path, for the float64 references the CPU tests define;
 `load_bench(name)` imports bench/<name>.py (bench/ is not a package), for the configurations the benchmarks time.
+`tiny_cuda_reference(steps)` builds the FP32 `tiny` model on the GPU with its eager greedy tokens, for the
+end-to-end GPU tests.
 """
 
 from __future__ import annotations
@@ -39,3 +41,14 @@ def load_bench(name: str):
     """The module bench/<name>.py, loaded by path under a private name (not added to sys.modules)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return _load(os.path.join(root, "bench", f"{name}.py"), f"_dsv41_bench_{name}")
+
+
+def tiny_cuda_reference(steps: int, prompt_len: int = 40):
+    """(model, prompt, tokens): `tiny` (checkpoint weights, FP32) on CUDA, the benchmark prompt of `prompt_len`
+    tokens, and eager `generate`'s greedy tokens [1, steps] (the reference of the end-to-end GPU tests)."""
+    from dsv41.cli import build_model
+    from dsv41.model import benchmark_prompt, generate
+
+    model = build_model("tiny", "cuda", "checkpoint", "fp32")
+    prompt = benchmark_prompt(model.config, prompt_len, device="cuda")
+    return model, prompt, generate(model, prompt, steps).tokens

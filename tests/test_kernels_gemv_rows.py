@@ -75,17 +75,8 @@ def test_row_streaming_gemv_matches_float64_reference(case, fp4, poisoned_output
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
 def test_row_streaming_activation_quant_is_bit_exact(fp4, poisoned_outputs):
     """With an identity weight y = fq(x) exactly, so the kernel's fake quant is checked bit for bit."""
-    k = 128
     x = G.crafted_activation(torch.float32)
-    if fp4:
-        codes = torch.zeros(k, k, dtype=torch.uint8)
-        codes[torch.arange(k), torch.arange(k)] = 2  # E2M1 code 2 = 1.0
-        w = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        s = torch.full((k, k // 32), 127, dtype=torch.uint8)
-    else:
-        w = torch.zeros(k, k, dtype=torch.uint8)
-        w[torch.arange(k), torch.arange(k)] = 0x38  # E4M3 1.0
-        s = torch.full((k // 32, k // 32), 127, dtype=torch.uint8)
+    w, s = G.identity_weight(128, fp4)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
     for xx in (x, x.bfloat16()):
         for kc in (64, 128):
@@ -166,30 +157,28 @@ def test_row_streaming_options_are_checked():
         gg.triton_grouped_linear_fp4(x[:1], we, se, torch.zeros(1, 2, dtype=torch.int64), True, rows=True, blok_r=4)
     with pytest.raises(ValueError, match="kc=96"):  # checked before the empty-output early return
         qg.triton_linear_fp8_block(x[:1], w[:0], s[:0], True, rows=True, kc=96)
-    with pytest.raises(ValueError, match="block_r=64 must be a power of two <= 32"):
-        gr.rows_plan(64, 64, False, block_r=64)
-    with pytest.raises(ValueError, match="block_r=128 must be a power of two <= 64"):
-        gr.rows_plan(64, 64, True, block_r=128)
-    with pytest.raises(ValueError, match="kc=32 must be a power of two in 64..2048"):
-        gr.rows_plan(64, 64, True, kc=32)
-    with pytest.raises(ValueError, match="kc=96"):
-        gr.rows_plan(64, 128, False, kc=96)
-    with pytest.raises(ValueError, match="kc=4096"):
-        gr.rows_plan(64, 128, False, kc=4096)
-    with pytest.raises(TypeError, match="kc must be an int, got float"):
-        gr.rows_plan(64, 128, False, kc=64.0)
-    with pytest.raises(TypeError, match="block_r must be an int, got bool"):
-        gr.rows_plan(64, 128, False, block_r=True)
-    with pytest.raises(TypeError, match="row_iters must be an int"):
-        gr.rows_plan(64, 128, False, row_iters=2.5)
-    with pytest.raises(ValueError, match="prefetch=3 must be 0, 1 or 2"):
-        gr.rows_plan(64, 128, False, prefetch=3)
-    with pytest.raises(ValueError, match="row_iters=0"):
-        gr.rows_plan(64, 128, False, row_iters=0)
-    with pytest.raises(ValueError, match="num_warps=3 must be a power of two"):
-        gr.rows_plan(64, 128, False, num_warps=3)
-    with pytest.raises(ValueError, match="programs_per_sm=0"):
-        gr.rows_plan(64, 128, False, programs_per_sm=0)
+
+
+@pytest.mark.parametrize("fp4, kwargs, error, match", [
+    (False, {"block_r": 64}, ValueError, "block_r=64 must be a power of two <= 32"),
+    (True, {"block_r": 128}, ValueError, "block_r=128 must be a power of two <= 64"),
+    (True, {"kc": 32}, ValueError, "kc=32 must be a power of two in 64..2048"),
+    (False, {"kc": 96}, ValueError, "kc=96"),
+    (False, {"kc": 4096}, ValueError, "kc=4096"),
+    (False, {"kc": 64.0}, TypeError, "kc must be an int, got float"),
+    (False, {"block_r": True}, TypeError, "block_r must be an int, got bool"),
+    (False, {"row_iters": 2.5}, TypeError, "row_iters must be an int"),
+    (False, {"prefetch": 3}, ValueError, "prefetch=3 must be 0, 1 or 2"),
+    (False, {"row_iters": 0}, ValueError, "row_iters=0"),
+    (False, {"num_warps": 3}, ValueError, "num_warps=3 must be a power of two"),
+    (False, {"programs_per_sm": 0}, ValueError, "programs_per_sm=0"),
+], ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_row_streaming_plan_rejects_bad_options(fp4, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gr.rows_plan(64, 128, fp4, **kwargs)
+
+
+def test_row_streaming_plan_needs_a_weight():
     with pytest.raises(ValueError, match="non-empty"):
         gr.rows_plan(0, 128, False)
 

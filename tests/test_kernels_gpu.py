@@ -170,17 +170,8 @@ def test_gemv_other_dtypes_and_no_act_quant(fp4, dtype):
 
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
 def test_in_kernel_activation_quant_is_bit_exact_on_gpu(fp4):
-    k = 128
     x = G.crafted_activation(torch.float32).to(DEV)
-    if fp4:
-        codes = torch.zeros(k, k, dtype=torch.uint8)
-        codes[torch.arange(k), torch.arange(k)] = 2
-        w = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(DEV)
-        s = torch.full((k, k // 32), 127, dtype=torch.uint8, device=DEV)
-    else:
-        w = torch.zeros(k, k, dtype=torch.uint8)
-        w[torch.arange(k), torch.arange(k)] = 0x38
-        w, s = w.to(DEV), torch.full((k // 32, k // 32), 127, dtype=torch.uint8, device=DEV)
+    w, s = (t.to(DEV) for t in G.identity_weight(128, fp4))
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
     for xx in (x, x.bfloat16()):
         y = fn(xx, w, s, True, block_k=128)

@@ -5,8 +5,10 @@ table, low nibble = even channel, UE8M0 scale 2^(e - 127), ReLU, head-weighted s
 and the selections in plain Python with the documented tie rule (order = score descending, then index
 ascending; -0.0 == +0.0), so a kernel that breaks ties another way fails.
 
-Tolerances: scores in FP32 against float64: |got - ref| <= 1e-5 (1 + |ref|) (a D = 128 dot product of O(1)
-values rounds at ~1e-6); the -inf pattern exactly. Selections exactly (indices).
+Tolerances: scores in FP32 against float64: |got - ref| <= 1e-5 (1 + |ref|) + 2^-16 mag, mag = sum over heads of
+|w_h| (|q_h| . |k|) (the products are exact, so the error is FP32 summation over D channels and H heads, at most
+about (D + H + 1) 2^-24 mag; the mag term matters only where negative head weights cancel); the -inf pattern
+exactly. Selections exactly (indices).
 
 Interpreter tests (`@interpreted`) run in a child pytest with TRITON_INTERPRET=1 unless this process was started
 with it (tests/interp_harness.py); every output the launchers allocate starts poisoned (NaN / 0xAB bytes).

@@ -199,22 +199,25 @@ def crafted_activation(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([b0, b1, b2, b3])[None].to(dtype)
 
 
+def identity_weight(k: int, fp4: bool):
+    """(weight, scale) of the k x k identity: E2M1 code 2 (1.0, packed two per byte) with 1x32 scales, or E4M3
+    0x38 (1.0) with 32x32 scales, every scale 2^0; y = fq(x) @ I^T is then fq(x) exactly."""
+    if fp4:
+        codes = torch.zeros(k, k, dtype=torch.uint8)
+        codes[torch.arange(k), torch.arange(k)] = 2
+        return codes[:, 0::2] | (codes[:, 1::2] << 4), torch.full((k, k // 32), 127, dtype=torch.uint8)
+    w = torch.zeros(k, k, dtype=torch.uint8)
+    w[torch.arange(k), torch.arange(k)] = 0x38
+    return w, torch.full((k // 32, k // 32), 127, dtype=torch.uint8)
+
+
 @interpreted
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8_block", "fp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_in_kernel_activation_quant_is_bit_exact(fp4, dtype, poisoned_outputs):
     """With an identity weight y = fq(x) exactly, so the kernel's fake quant is checked bit for bit."""
-    k = 128
     x = crafted_activation(dtype)
-    if fp4:
-        codes = torch.zeros(k, k, dtype=torch.uint8)
-        codes[torch.arange(k), torch.arange(k)] = 2  # E2M1 code 2 = 1.0
-        w = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        s = torch.full((k, k // 32), 127, dtype=torch.uint8)
-    else:
-        w = torch.zeros(k, k, dtype=torch.uint8)
-        w[torch.arange(k), torch.arange(k)] = 0x38  # E4M3 1.0
-        s = torch.full((k // 32, k // 32), 127, dtype=torch.uint8)
+    w, s = identity_weight(128, fp4)
     fn = qg.triton_linear_fp4 if fp4 else qg.triton_linear_fp8_block
     want = ref_fake_quant_fp8(x)
     for mma in (False, True) if dtype == torch.bfloat16 else (False,):

@@ -18,12 +18,8 @@ N = 24
 
 @pytest.fixture(scope="module")
 def tiny_cuda():
-    from dsv41.cli import build_model
-    from dsv41.model import benchmark_prompt, generate
-
-    model = build_model("tiny", "cuda", "checkpoint", "fp32")
-    prompt = benchmark_prompt(model.config, 40, device="cuda")
-    return model, prompt, generate(model, prompt, N).tokens
+    from gpu_harness import tiny_cuda_reference
+    return tiny_cuda_reference(N)
 
 
 @pytest.mark.parametrize("backend", ["dsv41", "inductor-cudagraphs"])

@@ -322,7 +322,9 @@ def test_generated_code_keeps_order_and_inputs_alive(zoo_streams):
     for f, la, j in zip(forks, launches, joins):
         assert f < la < j
         between = lines[la + 1:j]
-        assert any("extern_kernels.mm(" in ln for ln in between), "main-stream work between launch and join"
+        # the sublayer's FP32 projection (a cuBLAS mm, or dsv41::linear_upcast where it takes the FP32 weight)
+        assert any("extern_kernels.mm(" in ln or "dsv41.linear_upcast" in ln for ln in between), \
+            "main-stream work between launch and join"
         names = re.search(r"stream_fork\.default\(\[([^\]]*)\]", lines[f]).group(1).split(", ")
         for name in names:
             for ln in lines[f + 1:j]:

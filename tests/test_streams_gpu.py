@@ -19,12 +19,8 @@ N = 24
 
 @pytest.fixture(scope="module")
 def tiny_cuda():
-    from dsv41.cli import build_model
-    from dsv41.model import benchmark_prompt, generate
-
-    model = build_model("tiny", "cuda", "checkpoint", "fp32")
-    prompt = benchmark_prompt(model.config, 40, device="cuda")
-    ref = generate(model, prompt, N).tokens
+    from gpu_harness import tiny_cuda_reference
+    model, prompt, ref = tiny_cuda_reference(N)
     assert torch.equal(_greedy(model, model, prompt)[0], ref)  # the loop below decodes as generate does
     return model, prompt, ref
 

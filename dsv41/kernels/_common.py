@@ -157,6 +157,16 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def split_k_workspace(empty, device: torch.device, split_k: int, out_shape: tuple, tiles: int):
+    """(partials, counters) of a split-K launch (quant_gemv, upcast_gemv, grouped_gemv, gemv_rows): FP32
+    partials [split_k, *out_shape] from `empty(shape, dtype, device)` (the caller module's allocation seam, which
+    tests poison) and `tiles` arrival counters (`split_k_counters`); for split_k == 1 a one-element placeholder of
+    each, typed like the real ones and never read (no kernel launch to allocate)."""
+    if split_k > 1:
+        return empty((split_k, *out_shape), torch.float32, device), split_k_counters(device, tiles)
+    return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+
+
 def prepare_device(device: torch.device) -> None:
     """Allocate the per-device state dsv41's kernels keep across launches (the split-K counters) now,
     outside any CUDA-graph memory pool. A no-op on CPU and when already done."""

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._common import (E2M1_HALF_SCALE, e2m1_value_scaled_down, exp2_int, next_power_of_2, round_bf16,
-                      split_k_counters, use_pdl_for)
+                      split_k_merge_2d, split_k_workspace, use_pdl_for)
 from .quant_gemv import _fake_quant_fp8_1x32
 
 __all__ = ["rows_plan", "check_rows_options", "launch_rows", "ROWS_PROGRAMS_PER_SM"]
@@ -214,21 +214,10 @@ def _rows_gemv_kernel(
         total = acc
         store_ok = out_ok
     else:
-        split_stride = tl.num_programs(2).to(tl.int64) * N
+        # The last of the SPLIT_K programs of this row range sums every chunk's partial (fixed tree, .cg reads).
         p_ptrs = part_ptr + pair.to(tl.int64) * N + out_rows
-        tl.store(p_ptrs + pid_k.to(tl.int64) * split_stride, acc, mask=out_ok)
-        # Every thread's partial must be visible before the counter moves (release at GPU scope).
-        tl.debug_barrier()
-        tile = pair * tl.num_programs(0) + pid_r
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        total = tl.zeros_like(acc)
-        if arrived == SPLIT_K - 1:
-            # Every chunk's partial in one load, summed by a fixed tree over the chunk axis; .cg reads L2.
-            sp = tl.arange(0, SPLIT_POW2)
-            parts = tl.load(p_ptrs[None, :, :] + sp[:, None, None].to(tl.int64) * split_stride,
-                            mask=(sp < SPLIT_K)[:, None, None] & out_ok[None, :, :], other=0.0, cache_modifier=".cg")
-            total = tl.sum(parts, axis=0)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        total, arrived = split_k_merge_2d(acc, p_ptrs, tl.num_programs(2).to(tl.int64) * N, out_ok, cnt_ptr,
+                                          pair * tl.num_programs(0) + pid_r, pid_k, SPLIT_K, SPLIT_POW2)
         store_ok = out_ok & ((out_rows * 0 + arrived) == SPLIT_K - 1)
     if y_ptr.dtype.element_ty == tl.bfloat16:
         total = round_bf16(total)  # RNE on the bits; exact for the cast below
@@ -332,12 +321,7 @@ def launch_rows(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act
     k = x2.shape[-1]
     y = _empty((pairs, n), x2.dtype, x2.device)
     programs, split_k, _ = plan["grid"]
-    if split_k > 1:
-        part = _empty((split_k, pairs, n), torch.float32, x2.device)
-        cnt = split_k_counters(x2.device, programs * pairs)
-    else:  # not read when SPLIT_K == 1, but typed like the real workspace (no kernel launch to allocate)
-        part = torch.empty(1, dtype=torch.float32, device=x2.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=x2.device)
+    part, cnt = split_k_workspace(_empty, x2.device, split_k, (pairs, n), programs * pairs)
     pdl = use_pdl_for(_rows_gemv_kernel, x2.device)
     extra = {"launch_pdl": True} if pdl else {}
     idx = indices if grouped else part  # unused pointer when not grouped

@@ -56,7 +56,7 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
 
 from ._common import (check_same_device, check_tensor, is_interpreted, require_launchable, round_bf16,
-                      split_k_counters, use_pdl_for)
+                      split_k_workspace, use_pdl_for)
 from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words,
                          split_rows_overrides)
 
@@ -274,12 +274,7 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     words = scale_words(scale, kk, plan["BLOCK_K"]) if plan["STAGES"] > 1 else None
     if words is not None:
         scale = words
-    if split_k > 1:
-        part = _empty((split_k, pairs, out), torch.float32, x.device)
-        cnt = split_k_counters(x.device, n_tiles * pairs)
-    else:  # not read when SPLIT_K == 1, but typed like the real workspace
-        part = torch.empty(1, dtype=torch.float32, device=x.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=x.device)
+    part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
     pdl = use_pdl_for(_grouped_gemv_kernel, x.device)
     extra = {"launch_pdl": True} if pdl else {}
     if plan["MAXNREG"] is not None:

@@ -64,8 +64,8 @@ import triton.language as tl
 
 from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
 
-from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round,
-                      exp2_int, is_interpreted, next_power_of_2, require_launchable, round_bf16, split_k_counters,
+from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round, exp2_int,
+                      is_interpreted, next_power_of_2, require_launchable, round_bf16, split_k_workspace,
                       split_k_merge_2d, ue8m0_exponent, use_pdl_for)
 
 __all__ = [
@@ -552,12 +552,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     words = scale_words(scale, k, plan["BLOCK_K"]) if plan["STAGES"] > 1 else None
     if words is not None:
         scale = words
-    if split_k > 1:
-        part = _empty((split_k, m, n), torch.float32, x.device)
-        cnt = split_k_counters(x.device, n_tiles * m_tiles)
-    else:  # not read when SPLIT_K == 1, but typed like the real workspace (no kernel launch to allocate)
-        part = torch.empty(1, dtype=torch.float32, device=x.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=x.device)
+    part, cnt = split_k_workspace(_empty, x.device, split_k, (m, n), n_tiles * m_tiles)
     pdl = use_pdl_for(_quant_gemv_kernel, x.device)
     extra = {"launch_pdl": True} if pdl else {}
     if plan["MAXNREG"] is not None:

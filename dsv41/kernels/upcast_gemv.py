@@ -6,10 +6,10 @@ spelling is common for routers and heads elsewhere). Run as written, every step 
 2 bytes per element, writes 4) and then runs an FP32 GEMM that reads the 4-byte copy: 5x the weight's bytes. On the
 H200 the `h200` LM head alone (129280 x 4096) took 629 us in cuBLAS's FP32 GEMV plus the copy
 (bench/results/2026-11-30_h200_bmm_fix). `dsv41::linear_upcast` reads the weight once, in its stored dtype.
-FP32 weights (the ratio-2 compressor's wkv / wgate are held in FP32) have no copy to save, but cuBLAS runs their
-M = 1 products as tiled FP32 GEMMs: on the H200 one such kernel (`sm80_xmma_gemm_f32f32_..._tilesize32x128x8`)
-took 53 us per launch, 318 us of a 2.85 ms `small` decode step (bench/results/2026-11-30_h200_s11); this GEMV
-spreads the same bytes over every SM.
+FP32 weights (the ratio-2 compressor's wkv / wgate are held in FP32) have no copy to save; at M = 1 this GEMV
+measured 6-8 % faster than cuBLAS's FP32 GEMM on the compressor's shapes (H200: 512 x 5120 6.21 vs 6.75 us,
+512 x 1024 3.20 vs 3.41 us; bench/results/2026-11-30_h200_s11). Not measured: FP32 weights at M > 1 (BLOCK_K 32
+doubles the K splits of a 2-byte weight, and the split-K merge loads them all at once).
 
 Op (`dsv41::linear_upcast(x, weight) -> y`):
     x       float32 [..., K]
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, require_launchable, split_k_counters,
-                      split_k_merge_2d, use_pdl_for)
+from ._common import (check_same_device, check_tensor, require_launchable, split_k_workspace, split_k_merge_2d,
+                      use_pdl_for)
 
 __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "upcast_plan", "MAX_TRITON_M",
            "WEIGHT_DTYPES"]
@@ -165,12 +165,7 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
         return y.zero_().reshape(*lead, n)
     plan = upcast_plan(m, n, k, weight_bytes=weight.element_size(), **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
-    if split_k > 1:
-        part = _empty((split_k, m, n), torch.float32, x.device)
-        cnt = split_k_counters(x.device, n_tiles * m_tiles)
-    else:  # not read when SPLIT_K == 1
-        part = torch.empty(1, dtype=torch.float32, device=x.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=x.device)
+    part, cnt = split_k_workspace(_empty, x.device, split_k, (m, n), n_tiles * m_tiles)
     pdl = use_pdl_for(_upcast_gemv_kernel, x.device)
     extra = {"launch_pdl": True} if pdl else {}
     _upcast_gemv_kernel[plan["grid"]](

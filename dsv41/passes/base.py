@@ -365,23 +365,36 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
 
 
 def static_inputs(graph: fx.Graph) -> set[fx.Node] | None:
-    """Placeholders of `graph` that AOT autograd marks static for the running compile: the parameters and buffers
-    Dynamo lifted into graph inputs (`ViewAndMutationMeta.static_input_indices`, the inputs CUDA-graph trees
-    leave in place), as opposed to activations and other user inputs. None when no compile is running or the
-    installed torch does not say (a caller must then not rely on it).
+    """Placeholders of `graph` that AOT autograd marks static for the running compile: the parameters, buffers
+    and other module tensors Dynamo lifted into graph inputs (`ViewAndMutationMeta.static_input_indices`, the
+    inputs CUDA-graph trees leave in place), as opposed to activations and other user inputs.
+
+    None (callers must then not rely on it) when no compile is running, the installed torch does not say, the compile
+    is a training one (a backward graph would see the forward's metadata), or `graph` is not the graph that metadata
+    describes: its placeholder count differs from the forward's inputs (Inductor runs the post-grad passes on the
+    subgraphs of `cond` / `invoke_subgraph` too, under the same metadata) or an index falls outside it.
+
+    Static does not mean unwritten: a module tensor written by an earlier graph (after a graph break, or by an earlier
+    region of a regional compile) is static here too; `small_ops.mutated_inputs` sees only this graph's writes.
 
     Why: a placeholder alone does not tell a weight from an activation, and in a regional compile one region's
     inputs are the previous region's outputs, written by the kernel just before in the same CUDA graph. Source:
-    torch/_functorch/_aot_autograd/schemas.py (`static_input_indices`; placeholders in flat-input order).
+    torch/_functorch/_aot_autograd/schemas.py (`static_input_indices`, `input_info`, `tokens`,
+    `num_graphsafe_rng_states`, `traced_tangents`); torch/_inductor/
+    compile_fx.py (`get_static_input_idxs`).
     """
     from torch._guards import TracingContext
 
     meta = getattr(TracingContext.try_get(), "fw_metadata", None)
     idx = getattr(meta, "static_input_indices", None)
-    if idx is None:
+    if idx is None or getattr(meta, "traced_tangents", None):  # tangents: a training (joint) compile
         return None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    return {placeholders[i] for i in idx if 0 <= i < len(placeholders)}
+    n_inputs = (len(getattr(meta, "input_info", ())) + len(getattr(meta, "tokens", ()) or ())
+                + (getattr(meta, "num_graphsafe_rng_states", 0) or 0))
+    if len(placeholders) != n_inputs or any(not 0 <= i < n_inputs for i in idx):
+        return None
+    return {placeholders[i] for i in idx}
 
 
 # ------------------------------------------------------------------------------------------------ regions

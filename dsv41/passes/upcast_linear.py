@@ -7,15 +7,15 @@ with a bias all lower to them):
     y   = mm(x, permute(w32, [1, 0]))               # x float32 [M, K]     (or addmm(bias, x, ...), alpha = beta = 1)
     (the permute may also come before the convert)
 
-    y   = mm(x, permute(W, [1, 0]))                 # W float32 [N, K], x float32 [M, K], M <= 8 (decode, verify)
+    y   = mm(x, permute(W, [1, 0]))                 # W float32 [N, K], x float32 [1, K] (batch-1 decode)
 
 become `y = dsv41::linear_upcast(x, W)` (`+ bias`). For a half-precision W, eager reads W (2 bytes per element),
 writes the FP32 copy (4), and the FP32 GEMM reads the copy (4): every step, 5x the weight's bytes in two launches;
-the fused op reads the 2 bytes once (dsv41/kernels/upcast_gemv.py). For an FP32 W no bytes are saved: cuBLAS runs
-an M <= 8 FP32 product as a tiled GEMM over few SMs (53 us per launch for one of them on the H200, the kernel
-module's docstring), and the op's split-K GEMV reads the same bytes over every SM. Larger M (prefill) is left to
-Inductor and cuBLAS, unrecorded: that is a GEMM, which cuBLAS does well. In dsv41/model this is the LM head
-(`final_logits`), the compressor's wkv / wgate (csa.py; FP32 weights at ratio 2) and DSpark's head; the MoE
+the fused op reads the 2 bytes once (dsv41/kernels/upcast_gemv.py). For an FP32 W no bytes are saved; the op's
+split-K GEMV measured 6-8 % faster than cuBLAS at M = 1 on the compressor's shapes (H200: 512 x 5120 6.21 vs
+6.75 us, 512 x 1024 3.20 vs 3.41 us; bench/results/2026-11-30_h200_s11), so only M = 1 is taken (a static shape;
+other M, verify and prefill included, stay with Inductor and cuBLAS, unrecorded). In dsv41/model this is the LM
+head (`final_logits`), the compressor's wkv / wgate (csa.py; FP32 weights at ratio 2) and DSpark's head; the MoE
 router gate and the mHC projection have the same spelling but are consumed earlier by the `moe` and `mhc`
 families, which run before this one. In an FP32 model every dense projection has the FP32 form.
 
@@ -25,9 +25,12 @@ FP32 matmul multiplies (sums in another FP32 order, as any two GEMMs differ; the
 Only weights that are graph inputs the graph never writes (parameters and buffers, or views of them) are fused:
 the kernel requests its weight tile before waiting on the previous kernel (PDL), which is only safe for memory no
 kernel of the step writes. A computed or written half-precision weight is left unfused (near-miss
-`weight_source`). An FP32 weight must moreover be one the compile marks static (`base.static_inputs`: a parameter
-or buffer, not an activation input such as a regional graph's input from the previous region); any other FP32
-matmul is an ordinary product of activations, left to Inductor unrecorded.
+`weight_source`). An FP32 weight must moreover be one the compile marks static (`base.static_inputs`: a parameter,
+buffer or module tensor, not an activation input such as a regional graph's input from the previous region; None
+in training graphs and subgraphs, then no FP32 match); any other FP32 matmul is an ordinary product of
+activations, left to Inductor unrecorded. What neither check sees: a module tensor written by an EARLIER graph
+(after a graph break, or an earlier region) and multiplied here; in dsv41/model no FP32 module state is a matmul
+operand (the compressor's FP32 state is written and read inside its own region).
 
 Near-misses (reported, not fused):
 
@@ -50,7 +53,6 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..kernels.upcast_gemv import MAX_TRITON_M
 from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
                    dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, static_inputs, tensor_val,
                    token_rows)
@@ -100,10 +102,9 @@ def _weight_of(rhs: fx.Node):
     return None
 
 
-def _few_rows(x: fx.Node) -> bool:
-    """The mm's activation [M, K] has M <= MAX_TRITON_M rows, or a symbolic M (the op picks at run time)."""
-    m = tensor_val(x).shape[0]
-    return not isinstance(m, int) or m <= MAX_TRITON_M
+def _one_row(x: fx.Node) -> bool:
+    """The mm's activation [M, K] has exactly M = 1 row (batch-1 decode: the only M the FP32 GEMV was measured at)."""
+    return tensor_val(x).shape[0] == 1
 
 
 def _look_alike(rhs: fx.Node) -> str | None:
@@ -142,11 +143,11 @@ def _token_leading(x: fx.Node) -> tuple:
 
 
 class UpcastLinearFamily(FusionFamily):
-    """Fuse `mm(x_f32, upcast(W_half)^T)`, and `mm(x_f32, W_f32^T)` at M <= 8, into `dsv41::linear_upcast`
+    """Fuse `mm(x_f32, upcast(W_half)^T)`, and `mm(x_f32, W_f32^T)` at M = 1, into `dsv41::linear_upcast`
     (module docstring)."""
 
     name = "upcast_linear"
-    summary = ("FP32 matmul by an upcast bf16/fp16 weight, or by an FP32 weight at decode M -> GEMV reading the "
+    summary = ("FP32 matmul by an upcast bf16/fp16 weight, or by an FP32 weight at M = 1 -> GEMV reading the "
                "weight once in its stored width")
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
@@ -175,11 +176,11 @@ class UpcastLinearFamily(FusionFamily):
                 continue
             base = _view_base(found[0])
             if tensor_val(found[0]).dtype == torch.float32:
-                # No upcast: a stored FP32 weight (a parameter or buffer the graph does not write) at decode /
-                # verify M; anything else is an ordinary FP32 matmul, left to Inductor unrecorded.
+                # No upcast: a stored FP32 weight (a parameter or buffer the graph does not write) at M = 1;
+                # anything else is an ordinary FP32 matmul, left to Inductor unrecorded.
                 is_stored = base.op == "get_attr" or (stored is not None and base in stored)
                 xv = tensor_val(x)
-                if not is_stored or base in written or xv is None or xv.dtype != torch.float32 or not _few_rows(x):
+                if not is_stored or base in written or xv is None or xv.dtype != torch.float32 or not _one_row(x):
                     why = _look_alike(rhs)  # e.g. an upcast weight scaled before the matmul
                     if why is not None:
                         misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
