@@ -411,3 +411,52 @@ def test_float64_reference_rounds_e4m3_ties_to_even():
     want = torch.tensor([1.0, 1.25, 2.0, 0.0, 4 * 2 ** -9, 2 ** -6, 448.0], dtype=torch.float64)
     assert torch.equal(got, want)
     assert math.isclose(E4M3_GRID[-1].item(), 448.0)
+
+
+class _RecordingLaunch:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the launch keywords."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+def test_a_weight_copied_at_launch_is_not_read_under_pdl(monkeypatch):
+    """The GEMVs read their weight tile before the PDL wait (weights never come from the previous kernel). A weight
+    or scale view with a last stride != 1 is copied by the launcher, i.e. written by the kernel just before, so
+    that launch must go without PDL; a contiguous one keeps it. Checked on the launch keywords (PDL forced on)."""
+    from dsv41.kernels import gemv_rows as gr
+    from dsv41.kernels import upcast_gemv as ug
+    stubs = {}
+    for mod, name in ((qg, "_quant_gemv_kernel"), (gr, "_rows_gemv_kernel"), (ug, "_upcast_gemv_kernel")):
+        stubs[name] = _RecordingLaunch()
+        monkeypatch.setattr(mod, name, stubs[name])
+        monkeypatch.setattr(mod, "use_pdl_for", lambda kernel, device: True)
+    for mod in (qg, ug):
+        monkeypatch.setattr(mod, "require_launchable", lambda *args: None)
+
+    def pdl_of(name):
+        kw = stubs[name].calls[-1]
+        assert kw["USE_PDL"] == ("launch_pdl" in kw)
+        return kw["USE_PDL"]
+
+    gen = torch.Generator().manual_seed(2)
+    w, s = make_weights(40, 64, False, gen)
+    w_view = torch.zeros(40, 128, dtype=torch.uint8)[:, ::2]
+    w_view.copy_(w)
+    s_view = torch.zeros(2, 4, dtype=torch.uint8)[:, ::2]
+    s_view.copy_(s)
+    x = torch.randn(1, 64, generator=gen)
+    for rows, name in ((False, "_quant_gemv_kernel"), (True, "_rows_gemv_kernel")):
+        qg.triton_linear_fp8_block(x, w, s, True, rows=rows)
+        assert pdl_of(name) is True
+        for ww, ss in ((w_view, s), (w, s_view)):
+            qg.triton_linear_fp8_block(x, ww, ss, True, rows=rows)
+            assert pdl_of(name) is False, (rows, ww.stride(), ss.stride())
+    wb = torch.randn(40, 64, generator=gen).bfloat16()
+    ug.triton_linear_upcast(x, wb)
+    assert pdl_of("_upcast_gemv_kernel") is True
+    ug.triton_linear_upcast(x, torch.zeros(40, 128, dtype=torch.bfloat16)[:, ::2])
+    assert pdl_of("_upcast_gemv_kernel") is False

@@ -309,12 +309,14 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def launch_rows(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool, fp4: bool,
                 plan: dict, *, indices: torch.Tensor | None = None, x_row_div: int = 1,
-                pairs: int = 1) -> torch.Tensor:
+                pairs: int = 1, pdl_allowed: bool = True) -> torch.Tensor:
     """y [pairs, N] in x2.dtype: one row-streaming launch (`plan` from `rows_plan`); callers check the arguments.
 
     Plain (indices None): x2 [1, K], weight uint8 [N, K] (block FP8, scale [ceil(N/32), K/32]) or [N, K/2] (FP4,
     scale [N, K/32]). Grouped (FP4 only): weight [E, N, K/2], scale [E, N, K/32], indices int64 [pairs] (negative
     wrap, invalid ones give NaN rows), x2 [pairs / x_row_div, K]. Last dims contiguous.
+    pdl_allowed False: launch without PDL (the caller just made the weight or scale with a copy kernel, which the
+    plain kernel's pre-wait weight loads would race).
     """
     grouped = indices is not None
     n = weight.shape[-2]
@@ -322,7 +324,7 @@ def launch_rows(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act
     y = _empty((pairs, n), x2.dtype, x2.device)
     programs, split_k, _ = plan["grid"]
     part, cnt = split_k_workspace(_empty, x2.device, split_k, (pairs, n), programs * pairs)
-    pdl = use_pdl_for(_rows_gemv_kernel, x2.device)
+    pdl = pdl_allowed and use_pdl_for(_rows_gemv_kernel, x2.device)
     extra = {"launch_pdl": True} if pdl else {}
     idx = indices if grouped else part  # unused pointer when not grouped
     e = weight.shape[0] if grouped else 1

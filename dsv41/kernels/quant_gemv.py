@@ -536,6 +536,9 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         return _empty((m, n), x.dtype, x.device).reshape(*lead, n)
     if k == 0:  # an empty sum: zeros, as F.linear gives
         return torch.zeros((*lead, n), dtype=x.dtype, device=x.device)
+    # A copy made here is written by the kernel just before ours: the weight may then not be read before the PDL
+    # wait, which the GEMV does (weights never come from the previous kernel), so that launch goes without PDL.
+    copied = weight.stride(-1) != 1 or scale.stride(-1) != 1
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
@@ -543,7 +546,8 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     if rows is not None:
         from . import gemv_rows
         plan = gemv_rows.rows_plan(n, k, fp4, **rows)
-        return gemv_rows.launch_rows(x2, weight, scale, act_quant, fp4, plan).reshape(*lead, n)
+        return gemv_rows.launch_rows(x2, weight, scale, act_quant, fp4, plan, pdl_allowed=not copied
+                                     ).reshape(*lead, n)
     y = _empty((m, n), x.dtype, x.device)
     plan = gemv_plan(m, n, k, fp4, **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
@@ -553,7 +557,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     if words is not None:
         scale = words
     part, cnt = split_k_workspace(_empty, x.device, split_k, (m, n), n_tiles * m_tiles)
-    pdl = use_pdl_for(_quant_gemv_kernel, x.device)
+    pdl = use_pdl_for(_quant_gemv_kernel, x.device) and not copied
     extra = {"launch_pdl": True} if pdl else {}
     if plan["MAXNREG"] is not None:
         extra["maxnreg"] = plan["MAXNREG"]

@@ -155,7 +155,10 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if weight.stride(-1) != 1:
+    # A copy made here is written by the kernel just before ours, and the GEMV reads its weight before the PDL
+    # wait: that launch goes without PDL.
+    copied = weight.stride(-1) != 1
+    if copied:
         weight = weight.contiguous()
     m = x2.shape[0]
     y = _empty((m, n), torch.float32, x.device)
@@ -166,7 +169,7 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
     plan = upcast_plan(m, n, k, weight_bytes=weight.element_size(), **overrides)
     n_tiles, split_k, m_tiles = plan["grid"]
     part, cnt = split_k_workspace(_empty, x.device, split_k, (m, n), n_tiles * m_tiles)
-    pdl = use_pdl_for(_upcast_gemv_kernel, x.device)
+    pdl = use_pdl_for(_upcast_gemv_kernel, x.device) and not copied
     extra = {"launch_pdl": True} if pdl else {}
     _upcast_gemv_kernel[plan["grid"]](
         x2, weight, y, part, cnt, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
