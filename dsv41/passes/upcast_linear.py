@@ -103,8 +103,10 @@ def _weight_of(rhs: fx.Node):
 
 
 def _one_row(x: fx.Node) -> bool:
-    """The mm's activation [M, K] has exactly M = 1 row (batch-1 decode: the only M the FP32 GEMV was measured at)."""
-    return tensor_val(x).shape[0] == 1
+    """The mm's activation [M, K] has exactly M = 1 row (batch-1 decode: the only M the FP32 GEMV was measured at).
+    A symbolic M is not compared (that would add a guard to the compile): it is not taken."""
+    m = tensor_val(x).shape[0]
+    return isinstance(m, int) and m == 1
 
 
 def _look_alike(rhs: fx.Node) -> str | None:
