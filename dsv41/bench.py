@@ -97,7 +97,8 @@ DEFINITIONS = {
     "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
                  "minus the median wall time of the measured runs (with shared_cache: one dir for all backends, "
                  "so rows after the first are not cold; with precompile or a reused cache_dir the row's caches "
-                 "were filled before: compile_cache_hits counts the FX-graph / AOT autograd cache hits of it)",
+                 "were filled before: compile_cache_hits counts the FX-graph / AOT autograd cache hits of it, "
+                 "compile_cache_misses the FX-graph lookups that missed and compiled)",
     "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
     "compile_phases_s": "seconds per Dynamo / Inductor compile phase during the cold run (torch._dynamo.utils."
                         "compile_times, nested phases overlap); the cold run's wall time minus "
@@ -571,6 +572,12 @@ def _cache_hits() -> dict:
             "aot_autograd": int(counters["aot_autograd"]["autograd_cache_hit"])}
 
 
+def _cache_misses() -> int:
+    """Inductor's FX-graph cache misses so far in this process (lookups that compiled; torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def _compile_phase_totals() -> dict:
     """Cumulative seconds per compile phase of this process ({} when torch does not report them)."""
     try:
@@ -769,7 +776,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             {"preset": preset, "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_mode": weight_mode,
              "device": device, "options": options, "dtype": dtype, "speculative": speculative,
              "contexts": list(contexts) if contexts else None, "context_tokens": context_tokens,
-             "regional": regional}, compiled_rows, row_cache, precompile).start()
+             "regional": regional, "share_weights": regional}, compiled_rows, row_cache, precompile).start()
         if precompile_only:
             try:
                 res["precompile"] = pre = precompiler.wait()
@@ -848,9 +855,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     _use_cache_dir(row_cache(n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
+                    misses = _cache_misses()
                     cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
+                    rows[n]["compile_cache_misses"] = _cache_misses() - misses
                     if n in pre_ok:
                         # the worker's caches served this compile only if Inductor says it hit them
                         rows[n]["precompiled"] = sum(rows[n]["compile_cache_hits"].values()) > 0

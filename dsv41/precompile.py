@@ -17,12 +17,22 @@ share the CPUs and the GPU, so that is an upper bound of a solo cold compile). C
 configurations on the worker's first run, while other workers share the GPU, and the row reuses them.
 A worker's log is kept in its row's cache dir (`precompile_<row>.log`); a worker exits when its benchmark is gone.
 
+Regional rows (`share_weights`). The `h200` preset holds 86.7 GB of weights, so a second process with its own copy
+does not fit the GPU and its rows compiled one at a time (about 150 s each). A regional compile traces each layer as
+its own graph, whose weights are graph inputs: their shapes, not their values, are in the graph and in Inductor's
+cache key. So a worker of a regional row builds the model with every layer taking the weights of the first layer
+with the same weight names, shapes and dtypes (`blocks_sharing_weights`; `h200`: 6 weight sets for 40 layers, 18.4
+GB in all), and compiles the same graphs the full model compiles; the caches and buffers (KV rings, banks, states)
+stay per layer. The numbers it computes differ, which a compile does not see. Not for whole-model compiles: there
+shared weights would be one graph input used for several layers, a different graph.
+
 Worker: `python -m dsv41.precompile SPEC.json RESULT.json`, SPEC the keyword arguments of `run_worker`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +43,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["Precompiler", "run_worker", "worker_threads"]
+__all__ = ["Precompiler", "run_worker", "worker_threads", "blocks_sharing_weights"]
 
 #: Lines of a failed worker's log kept in its result.
 _LOG_TAIL = 30
@@ -54,26 +64,68 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // workers)
 
 
+@contextlib.contextmanager
+def blocks_sharing_weights():
+    """While open, each decoder layer (`dsv41.model.model.Block`, not a subclass) that `DeepseekV41Flash` builds takes the
+    parameters of the first layer built in this context with the same parameter names, shapes and dtypes; its own
+    are freed at once, so at most one layer's worth more than the shared sets is allocated. Buffers stay per layer.
+
+    For compile-only workers of regional rows (module docstring); the weights' values then differ from the seeded
+    model's. Yields {signature: first layer} of the sets made so far (one entry per distinct weight set).
+    Not thread-safe: it wraps `Block.__init__` while open.
+    """
+    from .model.model import Block
+
+    real_init = Block.__init__
+    firsts: dict = {}
+
+    def init(block, *args, **kwargs):
+        """`Block.__init__`, then the parameters of its set's first layer replace its own (docstring above)."""
+        real_init(block, *args, **kwargs)
+        if type(block) is not Block:  # a subclass (DSpark's stages) adds parameters after this returns: its own
+            return
+        sig = tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in block.named_parameters())
+        first = firsts.setdefault(sig, block)
+        if first is not block:
+            params = dict(first.named_parameters())
+            for mod_name, mod in block.named_modules():
+                for p_name, p in mod._parameters.items():
+                    if p is not None:
+                        mod._parameters[p_name] = params[f"{mod_name}.{p_name}" if mod_name else p_name]
+
+    Block.__init__ = init
+    try:
+        yield firsts
+    finally:
+        Block.__init__ = real_init
+
+
 def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_mode: str, device: str,
                options: Mapping | None = None, dtype: str | None = None, speculative: float | None = None,
                contexts: Sequence[int] | None = None, context_tokens: int = 32, regional: bool = False,
-               seed: int = 0) -> dict:
+               seed: int = 0, share_weights: bool = False) -> dict:
     """Compile benchmark row `name` as `bench.run_benchmark` would and run its cold step once.
 
-    Builds the model with `bench.bench_model` (same preset, weights, dtype and cache allocation), compiles it with
+    Builds the model with `bench.bench_model` (same preset, weights, dtype and cache allocation; with
+    `share_weights`, only for `regional`, layers of equal weight shapes share one set: module docstring), compiles it with
     `bench._make_runner` (same backend options) and runs `bench._timed_run` (the benchmark's cold compile + first
     run: prefill, decode steps, and DSpark rounds when `speculative`), then the teacher-forced decode the row's logit
     error comes from. Inductor writes to `TORCHINDUCTOR_CACHE_DIR` of this process.
     Returns: {"name", "wall_s" (compile + first run), "teacher_forced_s", "tokens" (list)}.
-    Raises: whatever the compile or the run raises (the caller records it).
+    Raises: ValueError for `share_weights` without `regional`; whatever the compile or the run raises (the caller
+    records it).
     """
     import torch
 
     from .bench import _make_runner, _timed_run, bench_model, teacher_forced_logits
 
+    if share_weights and not regional:
+        raise ValueError("share_weights is for regional rows only: a whole-model graph would see one weight set as "
+                         "one input of several layers, a different graph")
     cuda = device.startswith("cuda")
-    model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts, context_tokens,
-                                seed=seed)
+    with blocks_sharing_weights() if share_weights else contextlib.nullcontext():
+        model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
+                                    context_tokens, seed=seed)
     with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)):
         runner = _make_runner(model, name, dict(options) if options else None, regional)
         first = _timed_run(runner, prompt, new_tokens, cuda, speculative)

@@ -78,16 +78,26 @@ def test_regional_rejects_bad_requests():
 
 def test_regional_compiles_regions_without_inductor_graphs_and_captures_the_step_itself():
     """CUDA-graph trees would see each region call as a new generation (module docstring): the regions compile
-    with cuda_graphs off and PDL on, and the wrapper captures; cuda_graphs=False turns the capture off."""
+    with cuda_graphs off, and the wrapper captures; PDL and side streams follow the wrapper's capture on CUDA as
+    they follow Inductor's CUDA graphs; cuda_graphs=False turns the capture, and with it both, off."""
     from dsv41.cli import build_model
     from dsv41.compiler.regional import compile_regional
 
     model = build_model("tiny", "cpu")
     rm = compile_regional(model, "dsv41")
+    opts = rm.report.options
     assert rm.cuda_graphs is True
-    assert rm.report.options.cuda_graphs is False and rm.report.options.pdl is True
+    assert opts.cuda_graphs is False and opts.step_captured is True and not opts.use_cuda_graphs(True)
+    assert opts.use_pdl(True) and not opts.use_pdl(False)
+    on, why = opts.use_streams(True)
+    assert on and "regional wrapper" in why
+    assert opts.use_streams(False)[0] is False  # CPU: the wrapper never captures there
     off = compile_regional(model, "dsv41", {"cuda_graphs": False})
-    assert off.cuda_graphs is False and off.report.options.pdl is None
+    assert off.cuda_graphs is False and off.report.options.step_captured is False
+    assert not off.report.options.use_pdl(True) and off.report.options.use_streams(True)[0] is False
+    # an explicit option still wins over the capture
+    explicit = compile_regional(model, "dsv41", {"streams": False, "pdl": False}).report.options
+    assert explicit.use_streams(True)[0] is False and not explicit.use_pdl(True)
     assert compile_regional(model, "inductor-cudagraphs").cuda_graphs is True
     assert compile_regional(model, "inductor").cuda_graphs is False
 

@@ -65,3 +65,25 @@ def test_side_streams_keep_the_eager_tokens_and_the_single_stream_logits(tiny_cu
     assert torch.equal(tok_on, ref) and torch.equal(tok_off, ref)
     # Same kernels, same inputs: placement on a second stream must not change a bit of the logits.
     assert torch.equal(lg_on, lg_off)
+
+
+def test_regional_side_streams_follow_the_wrappers_capture(tiny_cuda):
+    """Regional compilation: the regions compile without Inductor's CUDA graphs and the wrapper captures the step;
+    side streams follow that capture (`Options.step_captured`). Tokens equal eager's and logits equal those of
+    the same regions without side streams, bit for bit."""
+    from dsv41.compiler.regional import compile_regional
+
+    model, prompt, ref = tiny_cuda
+    runs = {}
+    for name, options in (("on", None), ("off", {"streams": False})):
+        torch._dynamo.reset()
+        rm = compile_regional(model, "dsv41", options)
+        runs[name] = (_greedy(rm, model, prompt), rm.report.to_dict(), rm.captures)
+    (tok_on, lg_on), rep_on, cap_on = runs["on"]
+    (tok_off, lg_off), rep_off, cap_off = runs["off"]
+    assert cap_on == 1 and cap_off == 1
+    assert rep_on["schedule"]["applied"] is True and rep_on["schedule"]["streams"] == 2
+    assert "regional wrapper" in rep_on["schedule"]["reason"] and rep_on["schedule"]["moved"] > 0
+    assert rep_off["schedule"]["applied"] is False
+    assert torch.equal(tok_on, ref) and torch.equal(tok_off, ref)
+    assert torch.equal(lg_on, lg_off)

@@ -10,9 +10,9 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `count_kernels`| bool              | False   | run each compiled graph once eagerly and once compiled under torch.profiler and record kernels per step before/after |
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
-| `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: same as `cuda_graphs`): `dsv41.kernels.set_pdl` around each call of the compiled graphs (other compiles keep their own), and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
+| `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: on where the graph replays as a CUDA graph: `cuda_graphs`, or the regional wrapper's capture): `dsv41.kernels.set_pdl` around each call of the compiled graphs (other compiles keep their own), and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
 | `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200); off, they show in the report as off with that reason. CPU always runs them |
-| `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: on for graphs on CUDA replayed as CUDA graphs (validated on the H200: `tests/test_streams_gpu.py`, `small` 365.6 -> 407.5 tok/s), off otherwise (outside a graph every fork/join is a host-side event record and wait; on CPU they are no-ops); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
+| `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: on for graphs on CUDA replayed as CUDA graphs, Inductor's or the regional wrapper's (validated on the H200: `tests/test_streams_gpu.py`, `small` 365.6 -> 407.5 tok/s), off otherwise (outside a graph every fork/join is a host-side event record and wait; on CPU they are no-ops); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
 non-empty value except `0`/`false`/`no` is a JSON path to write it to.
@@ -54,12 +54,16 @@ class Options:
     pdl: bool | None = None
     streams: bool | None = None
     gpu_unvalidated: bool = False
+    #: Not a user option: set by `compile_regional` when its wrapper captures the whole step as one CUDA graph while
+    #: the regions compile without Inductor's (cuda_graphs False). PDL and side streams follow it when unset.
+    step_captured: bool = False
 
     def to_dict(self) -> dict:
         """JSON-friendly form (shown in the report)."""
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
                 "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
-                "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": self.gpu_unvalidated}
+                "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": self.gpu_unvalidated,
+                **({"step_captured": True} if self.step_captured else {})}
 
     def gated_families(self, on_cuda: bool) -> dict:
         """{family: reason} of the families switched off for a graph on CUDA because their kernels have not yet
@@ -74,9 +78,15 @@ class Options:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
         return on_cuda and self.cuda_graphs is not False
 
+    def replays_as_graph(self, on_cuda: bool) -> bool:
+        """Whether a graph on CUDA replays inside a CUDA graph: Inductor's (`use_cuda_graphs`) or a wrapper's that
+        captures the whole step (`step_captured`, regional compilation). Never on CPU."""
+        return on_cuda and (self.use_cuda_graphs(on_cuda) or self.step_captured)
+
     def use_pdl(self, on_cuda: bool) -> bool:
-        """Whether kernels of a graph on CUDA launch with PDL (default: with CUDA graphs; never on CPU)."""
-        return on_cuda and (self.use_cuda_graphs(on_cuda) if self.pdl is None else self.pdl)
+        """Whether kernels of a graph on CUDA launch with PDL (default: when it replays as a CUDA graph; never on
+        CPU)."""
+        return on_cuda and (self.replays_as_graph(on_cuda) if self.pdl is None else self.pdl)
 
     def use_streams(self, on_cuda: bool) -> tuple[bool, str]:
         """(whether the side-stream schedule is applied to a graph on CUDA (`on_cuda`) or CPU, and why)."""
@@ -88,8 +98,9 @@ class Options:
         # equal eager, logits bit-identical to one stream: tests/test_streams_gpu.py; `small` decode 365.6 ->
         # 407.5 tok/s, bench/results/2026-11-30_h200_s11/). Outside a graph each fork/join is a host-side event
         # record and wait, not measured; on CPU fork/join are no-ops.
-        if on_cuda and self.use_cuda_graphs(on_cuda):
-            return True, "on: auto (CUDA graph on CUDA)"
+        if self.replays_as_graph(on_cuda):
+            return True, "on: auto (CUDA graph on CUDA" + (", captured by the regional wrapper)"
+                                                           if not self.use_cuda_graphs(on_cuda) else ")")
         return False, ("off: auto (" + ("no CUDA graph" if on_cuda else "this graph is on CPU")
                        + "; streams=True applies it) (schedule planned, not applied)")
 

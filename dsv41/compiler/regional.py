@@ -16,7 +16,8 @@ What changes against a whole-model compile:
   decode step as one `torch.cuda.CUDAGraph` per input signature (batch, length, flags, cache allocation): the
   first call of a signature runs uncaptured (it compiles), the second captures (nothing executes during capture,
   so the caches are written once per step) and replays, later calls copy the inputs into static buffers and
-  replay. dsv41's kernels launch with PDL inside it. Captured for `dsv41` (unless `cuda_graphs=False`) and
+  replay. dsv41's kernels launch with PDL inside it, and its side-stream schedule is applied (both follow the
+  capture: `Options.step_captured`). Captured for `dsv41` (unless `cuda_graphs=False`) and
   `inductor-cudagraphs`; plain `inductor` stays uncaptured, as without regions;
 - regions compile with static shapes (`dynamic=False`): layer variants see differently shaped inputs (Engram
   rows, the shared top-k selection), which would otherwise turn on automatic dynamic shapes;
@@ -46,10 +47,12 @@ _RECOMPILE_LIMIT = 256
 class _SharedReportBackend:
     """The dsv41 backend for every region of one `compile_regional` call: one FusionReport for all regions."""
 
-    def __init__(self, options: dict | None, mode: str | None):
+    def __init__(self, options: dict | None, mode: str | None, step_captured: bool = False):
+        import dataclasses
+
         from .options import parse_options
         from .report import FusionReport
-        self.opts = parse_options(options)
+        self.opts = dataclasses.replace(parse_options(options), step_captured=step_captured)
         self.report = FusionReport(self.opts)
         self.mode = mode
 
@@ -198,12 +201,11 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
     report = None
     if backend == "dsv41":
         opts = dict(options or {})
-        # The wrapper captures the whole step (module docstring); PDL follows the capture unless set.
+        # The wrapper captures the whole step (module docstring); PDL and side streams follow the capture unless
+        # set (`Options.step_captured`), as they follow Inductor's CUDA graphs in a whole-model compile.
         capture = opts.get("cuda_graphs") is not False
         opts["cuda_graphs"] = False
-        if capture and opts.get("pdl") is None:
-            opts["pdl"] = True
-        be = _SharedReportBackend(opts, None)
+        be = _SharedReportBackend(opts, None, step_captured=capture)
         report = be.report
         report.regional = ("regional compilation: one graph per compiled layer variant; launches per layer are those "
                            "of the graphs each layer's region ran in the first decode step")
