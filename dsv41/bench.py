@@ -697,14 +697,23 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                    "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens, model=model)
+    elif precompile_only:
+        # Only the workers build models: a preset that fits the GPU once (h200, 87 GB) leaves them no room otherwise.
+        from .cli import _DTYPES
+        from .model import ModelConfig
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        model, prompt = None, None
+        cfg = ModelConfig.preset(preset)
     else:
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens)
-    cfg = model.config
+    cfg = model.config if model is not None else cfg
     b = budget(cfg, max_seq_len=prompt_len + new_tokens)
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
-           "dtype": str(model.dtype).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
+           "dtype": str(model.dtype if model is not None else
+                        _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "shared_cache": shared_cache,
            "speculative": None if speculative is None else {"simulated_acceptance": speculative,

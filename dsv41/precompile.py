@@ -21,8 +21,8 @@ Regional rows (`share_weights`). The `h200` preset holds 86.7 GB of weights, so 
 does not fit the GPU and its rows compiled one at a time (about 150 s each). A regional compile traces each layer as
 its own graph, whose weights are graph inputs: their shapes, not their values, are in the graph and in Inductor's
 cache key. So a worker of a regional row builds the model with every layer taking the weights of the first layer
-with the same weight names, shapes and dtypes (`blocks_sharing_weights`; `h200`: 6 weight sets for 40 layers, 18.4
-GB in all), and compiles the same graphs the full model compiles; the caches and buffers (KV rings, banks, states)
+with a weight of the same name, shape and dtype (`blocks_sharing_weights`; `h200`: one layer's worth of each weight
+shared by 40 layers), and compiles the same graphs the full model compiles; the caches and buffers (KV rings, banks, states)
 stay per layer. The numbers it computes differ, which a compile does not see. Not for whole-model compiles: there
 shared weights would be one graph input used for several layers, a different graph.
 
@@ -66,36 +66,35 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
 
 @contextlib.contextmanager
 def blocks_sharing_weights():
-    """While open, each decoder layer (`dsv41.model.model.Block`, not a subclass) that `DeepseekV41Flash` builds takes the
-    parameters of the first layer built in this context with the same parameter names, shapes and dtypes; its own
-    are freed at once, so at most one layer's worth more than the shared sets is allocated. Buffers stay per layer.
+    """While open, each decoder layer (`dsv41.model.model.Block`, not a subclass) that `DeepseekV41Flash` builds
+    takes, for each of its parameters, the tensor of the first layer built in this context that has a parameter of
+    the same name (within the layer), shape and dtype; its own are freed at once, so at most one layer's worth more
+    than the shared tensors is allocated. Within one layer no two parameters share a tensor (their names differ),
+    so no graph of one region sees an input twice. Buffers (caches, tables) stay per layer.
 
     For compile-only workers of regional rows (module docstring); the weights' values then differ from the seeded
-    model's. Yields {signature: first layer} of the sets made so far (one entry per distinct weight set).
+    model's. Yields {(name, shape, dtype, device): tensor} of the shared tensors made so far.
     Not thread-safe: it wraps `Block.__init__` while open.
     """
     from .model.model import Block
 
     real_init = Block.__init__
-    firsts: dict = {}
+    shared: dict = {}
 
     def init(block, *args, **kwargs):
-        """`Block.__init__`, then the parameters of its set's first layer replace its own (docstring above)."""
+        """`Block.__init__`, then each parameter replaced by the shared tensor of its key (docstring above)."""
         real_init(block, *args, **kwargs)
         if type(block) is not Block:  # a subclass (DSpark's stages) adds parameters after this returns: its own
             return
-        sig = tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in block.named_parameters())
-        first = firsts.setdefault(sig, block)
-        if first is not block:
-            params = dict(first.named_parameters())
-            for mod_name, mod in block.named_modules():
-                for p_name, p in mod._parameters.items():
-                    if p is not None:
-                        mod._parameters[p_name] = params[f"{mod_name}.{p_name}" if mod_name else p_name]
+        for mod_name, mod in block.named_modules():
+            for p_name, p in mod._parameters.items():
+                if p is not None:
+                    key = (f"{mod_name}.{p_name}" if mod_name else p_name, tuple(p.shape), p.dtype, p.device)
+                    mod._parameters[p_name] = shared.setdefault(key, p)
 
     Block.__init__ = init
     try:
-        yield firsts
+        yield shared
     finally:
         Block.__init__ = real_init
 

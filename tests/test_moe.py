@@ -213,6 +213,47 @@ def test_dense_path_chunks_tokens_without_changing_results(cfg, monkeypatch):
     torch.testing.assert_close(ex.forward_dense(x, w, idx), whole, rtol=1e-6, atol=1e-6)
 
 
+def _dense_one_expert_at_a_time(ex, x, weights, indices):
+    """The dense path as first written, one expert at a time (dequantise, two GEMMs, SwiGLU, routing weight,
+    FP8 re-quantisation, GEMM, FP32 sum in expert order): the reference the grouped path must equal bit for bit."""
+    n = x.shape[0]
+    route = torch.zeros(n, ex.n_experts).scatter(1, indices, weights.float())
+    xq = ex._act_quant(x.to(ex.dtype))
+    out = torch.zeros(n, ex.dim)
+    for e in range(ex.n_experts):
+        w1, w2, w3 = (ex.dequantized_weight(name, e) for name in ("w1", "w2", "w3"))
+        h = clamped_swiglu(torch.nn.functional.linear(xq, w1), torch.nn.functional.linear(xq, w3), ex.limit)
+        h = h * route[:, e:e + 1]
+        out = out + torch.nn.functional.linear(ex._act_quant(h.to(ex.dtype)), w2).float()
+    return out
+
+
+@pytest.mark.parametrize("mode,dtype", [("checkpoint", torch.float32), ("checkpoint", torch.bfloat16),
+                                        ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("group_bytes", [1, 3, None])  # one expert per group, a ragged last group, all at once
+def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype, group_bytes):
+    """Experts run in groups (elementwise steps batched, GEMMs and the FP32 sum per expert in order): the same
+    bits as one expert at a time, for any group size and with token chunks."""
+    ex = RoutedExperts(cfg, mode, dtype)
+    ex.init_random(torch.Generator().manual_seed(12))
+    gen = torch.Generator().manual_seed(13)
+    n, k = 9, cfg.num_experts_per_tok
+    x = torch.randn(n, cfg.hidden_size, generator=gen) * 3
+    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=gen) + 0.1
+    want = _dense_one_expert_at_a_time(ex, x, w, idx)
+    if group_bytes is not None:
+        per_expert = cfg.hidden_size * cfg.moe_intermediate_size * (3 * dtype.itemsize + 24) \
+            + 6 * n * cfg.moe_intermediate_size * 4
+        monkeypatch.setattr(moe_mod, "_DENSE_GROUP_BYTES", group_bytes * per_expert)
+        assert ex._dense_group(n) == group_bytes
+    else:
+        assert ex._dense_group(n) == cfg.n_routed_experts
+    assert torch.equal(ex.forward_dense(x, w, idx), want)
+    monkeypatch.setattr(moe_mod, "_DENSE_TOKEN_CHUNK", 4)
+    assert torch.equal(ex.forward_dense(x, w, idx), want)
+
+
 # ------------------------------------------------------------------------------------------ whole MoE
 @pytest.mark.parametrize("mode", ["checkpoint", "bf16"])
 @pytest.mark.parametrize("shape,amp", [((1, 1), 1.0), ((2, 4), 1.0), ((2, 3), 20.0)])

@@ -122,6 +122,36 @@ def test_precompile_only_without_compiled_rows_returns_at_once(tmp_path):
     assert res["backends"]["eager"]["decode_tok_s"] is None
 
 
+def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monkeypatch, stub):
+    """Only the workers build models in a precompile-only run: h200 (87 GB) fits the GPU once, so a model in the
+    benchmark process left the workers out of memory (the H200, 2026-11-30). Regional rows ask for shared weights."""
+    from dsv41 import bench, precompile
+    from dsv41.bench import run_benchmark
+
+    def no_model(*a, **k):
+        raise AssertionError("the benchmark process built a model")
+
+    seen = {}
+    real = precompile.Precompiler
+
+    class Recording(real):
+        def __init__(self, spec, names, cache_dir_of, workers, **kw):
+            seen.update(spec=dict(spec), names=list(names))
+            super().__init__({**spec, "sleep": 0.0, "log_dir": str(tmp_path)}, names, cache_dir_of, workers,
+                             command=stub)
+
+    monkeypatch.setattr(bench, "bench_model", no_model)
+    monkeypatch.setattr(precompile, "Precompiler", Recording)
+    res = run_benchmark("tiny", "eager,dsv41,inductor", 8, 2, repeats=1, device="cpu", precompile=2,
+                        cache_dir=str(tmp_path / "c"), precompile_only=True, regional=True)
+    assert seen["names"] == ["dsv41", "inductor"] and seen["spec"]["share_weights"] is True
+    assert res["dtype"] == "float32" and res["preset"] == "tiny"
+    assert res["backends"]["dsv41"]["precompiled"] is True and res["backends"]["dsv41"]["decode_tok_s"] is None
+    with pytest.raises(ValueError, match="unknown dtype"):
+        run_benchmark("tiny", "dsv41", 8, 2, repeats=1, device="cpu", precompile=1, dtype="fp8",
+                      cache_dir=str(tmp_path / "c"), precompile_only=True)
+
+
 def test_a_worker_ends_when_the_benchmark_that_started_it_is_killed(tmp_path):
     """The worker's parent watch: a parent killed before it could close its workers leaves no orphan compiling."""
     import subprocess
@@ -180,51 +210,42 @@ def _weight_sets(model):
     return out
 
 
-def test_blocks_sharing_weights_gives_layers_of_equal_weight_shapes_one_set(monkeypatch):
-    """Layers whose weights have equal names, shapes and dtypes share each parameter's storage; layers of other
-    shapes do not; caches stay per layer; `Block.__init__` is restored even when the build raises."""
-    import torch
-
+def test_blocks_sharing_weights_gives_each_weight_name_and_shape_one_tensor(monkeypatch):
+    """Across layers, parameters of equal name, shape and dtype share one tensor; within a layer none do; DSpark's
+    stages (a Block subclass) keep their own; caches stay per layer; `Block.__init__` is restored even when the
+    build raises."""
     from dsv41.cli import build_model
     from dsv41.model.model import Block
-    from dsv41.precompile import blocks_sharing_weights
+    from dsv41.precompile import blocks_sharing_weights, run_worker
 
     real_init = Block.__init__
     plain = build_model("tiny", "cpu")
-    with blocks_sharing_weights() as firsts:
+    with blocks_sharing_weights() as shared_tensors:
         shared = build_model("tiny", "cpu")
     assert Block.__init__ is real_init
-    groups = _weight_sets(plain)
-    assert len(firsts) == len(groups) and 1 < len(groups) < len(plain.layers)
-    stages = [m for m in shared.mtp.modules() if isinstance(m, Block)]  # DSpark's stages subclass Block: own weights
-    assert stages and not {p.data_ptr() for s in stages for p in s.parameters()} & \
-        {p.data_ptr() for l in shared.layers for p in l.parameters()}
-    assert _weight_sets(shared) == groups
-    for idx in groups.values():
-        first = dict(shared.layers[idx[0]].named_parameters())
-        for i in idx[1:]:
-            for n, p in shared.layers[i].named_parameters():
-                assert p.data_ptr() == first[n].data_ptr(), (i, n)
-    ptrs = {p.data_ptr() for p in shared.parameters()}
-    assert len(ptrs) < len({p.data_ptr() for p in plain.parameters()})
-    reps = [shared.layers[idx[0]] for idx in groups.values()]
-    for x in range(len(reps)):  # no storage crosses sets
-        for y in range(x + 1, len(reps)):
-            assert not {p.data_ptr() for p in reps[x].parameters()} & {p.data_ptr() for p in reps[y].parameters()}
+    keys = {(n, tuple(p.shape), p.dtype) for l in plain.layers for n, p in l.named_parameters()}
+    assert len(shared_tensors) == len(keys)
+    first = {}
+    for i, layer in enumerate(shared.layers):
+        ptrs = [p.data_ptr() for p in layer.parameters()]
+        assert len(set(ptrs)) == len(ptrs), f"layer {i} sees one tensor twice"
+        for n, p in layer.named_parameters():
+            assert first.setdefault((n, tuple(p.shape), p.dtype), p.data_ptr()) == p.data_ptr(), (i, n)
+    layer_ptrs = {p.data_ptr() for l in shared.layers for p in l.parameters()}
+    assert len(layer_ptrs) == len(keys) < len({p.data_ptr() for l in plain.layers for p in l.parameters()})
+    assert _weight_sets(shared) == _weight_sets(plain)  # same shapes everywhere
+    stages = [m for m in shared.mtp.modules() if isinstance(m, Block)]
+    assert stages and not {p.data_ptr() for s in stages for p in s.parameters()} & layer_ptrs
     shared.setup_cache(1, 32)
     rings = [l.attn.ring_codes.data_ptr() for l in shared.layers]
     assert len(set(rings)) == len(rings)
 
-    def boom(*a, **k):
-        raise RuntimeError("build failed")
     with pytest.raises(RuntimeError, match="build failed"):
         with blocks_sharing_weights():
-            boom()
+            raise RuntimeError("build failed")
     assert Block.__init__ is real_init
     with pytest.raises(ValueError, match="regional rows only"):
-        from dsv41.precompile import run_worker
         run_worker("tiny", "dsv41", 4, 2, "checkpoint", "cpu", share_weights=True, regional=False)
-    assert torch.equal(plain.layers[0].attn.wq_a.weight, build_model("tiny", "cpu").layers[0].attn.wq_a.weight)
 
 
 def test_a_shared_weight_model_traces_the_graphs_of_the_full_model():
