@@ -109,6 +109,9 @@ DEFINITIONS = {
     "roofline_fraction": "median decode tok/s / roofline_tok_s",
     "peak_mem_gb": "max torch.cuda.max_memory_allocated() over the backend's measured runs (1e9 bytes)",
     "tokens_match_eager": "greedy tokens of every measured run equal eager's (all new_tokens of them)",
+    "teacher_forced_logits_sha256": "SHA-256 of the row's teacher-forced decode logits (dtype, shape, bytes)",
+    "same_tokens_as": "other rows whose measured runs all gave exactly this row's greedy tokens",
+    "same_logits_as": "other rows whose teacher-forced logits are bit-identical to this row's (equal SHA-256)",
     "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
                          "max |logits - eager logits| / max |eager logits| over all decode steps",
@@ -598,7 +601,40 @@ def _empty_row() -> dict:
     return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
+            "teacher_forced_logits_sha256": None, "same_tokens_as": None, "same_logits_as": None,
             "options": None, "note": None}
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 (hex) of a tensor's dtype, shape and bytes: equal digests mean bit-identical tensors."""
+    import hashlib
+    c = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{c.dtype}{tuple(c.shape)}".encode())
+    h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()
+
+
+def identical_rows(tokens: Mapping[str, Sequence[torch.Tensor]], digests: Mapping[str, str | None]) -> dict:
+    """Which rows computed exactly what another row computed.
+
+    Args: tokens: row -> the greedy tokens int64 [B, N] of each of its measured runs (empty: not measured);
+        digests: row -> `tensor_digest` of its teacher-forced logits (None: not computed).
+    Returns: row -> {"same_tokens_as": the other rows whose every run's tokens equal every run of this one (None
+    when this row has no runs), "same_logits_as": the other rows with bit-identical teacher-forced logits (None
+    without a digest)}. E.g. the CUDA-graph replay check of a toggle matrix: `dsv41` against
+    `dsv41[cuda_graphs=false]` (same kernels, launched without the graph).
+    """
+    def runs_equal(a, b):
+        return all(torch.equal(x, y) for x in a for y in b)
+
+    out = {}
+    for n in tokens:
+        mine = tokens[n]
+        out[n] = {"same_tokens_as": None if not mine else
+                  [m for m in tokens if m != n and tokens[m] and runs_equal(mine, tokens[m]) and runs_equal(mine, mine)],
+                  "same_logits_as": None if digests.get(n) is None else
+                  [m for m in digests if m != n and digests.get(m) == digests[n]]}
+    return out
 
 
 def _fail(e: Exception) -> str:
@@ -761,6 +797,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 row["peak_mem_gb"] = max(x["peak_gb"] for x in runs) if cuda else None
             elif row["note"] is None and not notes_[n]:
                 notes_[n].append("not measured")
+        same = identical_rows({n: [x["out"].tokens for x in outs.get(n) or []] for n in names},
+                              {n: r["backends"][n].get("teacher_forced_logits_sha256") for n in names})
+        for n in names:
+            row = r["backends"][n]
+            row.update(same[n])
             if notes_[n]:
                 row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes_[n])
 
@@ -935,8 +976,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
                 try:
-                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(
-                        teacher_forced_logits(runners[n], prompt, ref.tokens), ref_logits)
+                    tf = teacher_forced_logits(runners[n], prompt, ref.tokens)
+                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, ref_logits)
+                    rows[n]["teacher_forced_logits_sha256"] = tensor_digest(tf)
                 except Exception as e:
                     notes[n].append("teacher forcing " + _fail(e))
                 say(f"{n}: kernels/step {rows[n]['kernels_per_step']}, max rel logit err "

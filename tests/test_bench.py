@@ -408,3 +408,44 @@ def test_compile_phases_row_is_the_delta_over_the_cold_run(monkeypatch):
     r = bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=2, repeats=1, device="cpu", warm_compile=False)
     assert r["backends"]["eager"]["compile_phases_s"] == {"bytecode_tracing": 2.5}
     assert bench._phase_deltas({"a": 1.0}, {"a": 1.0, "b": 0.25}) == {"b": 0.25}
+
+
+def test_identical_rows_names_rows_with_the_same_tokens_and_bit_identical_logits():
+    """Hand-made rows: `a` and `b` agree on every run, `c` differs in one token of its second run; digests of
+    equal tensors match, of a tensor one ulp off do not."""
+    t = torch.tensor([[5, 6, 7]])
+    u = torch.tensor([[5, 6, 8]])
+    x = torch.linspace(-1, 1, 11)
+    y = x.clone()
+    y[3] = torch.nextafter(y[3], torch.tensor(2.0))
+    assert bench.tensor_digest(x) == bench.tensor_digest(x.clone()) != bench.tensor_digest(y)
+    assert bench.tensor_digest(x) != bench.tensor_digest(x.view(1, 11))  # shape is part of it
+    same = bench.identical_rows({"a": [t, t], "b": [t.clone()], "c": [t, u], "d": []},
+                                {"a": bench.tensor_digest(x), "b": bench.tensor_digest(x.clone()),
+                                 "c": bench.tensor_digest(y), "d": None})
+    assert same["a"] == {"same_tokens_as": ["b"], "same_logits_as": ["b"]}
+    assert same["b"] == {"same_tokens_as": ["a"], "same_logits_as": ["a"]}
+    assert same["c"] == {"same_tokens_as": [], "same_logits_as": []}
+    assert same["d"] == {"same_tokens_as": None, "same_logits_as": None}
+
+
+def test_a_run_reports_which_rows_computed_the_same(monkeypatch):
+    """In a real CPU run, a row whose runner is the eager model is named as identical to eager; one whose runner
+    nudges the logits by one part in 1e6 is not (its tokens may still agree)."""
+    class Nudged(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, *a, **k):
+            return self._orig_mod(*a, **k) * (1 + 1e-6)
+
+    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+                        model if name in ("eager", "dsv41[pdl=false]") else Nudged(model))
+    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false]", prompt_len=8, new_tokens=3,
+                            repeats=1, device="cpu", warm_compile=False)
+    rows = r["backends"]
+    assert rows["eager"]["same_logits_as"] == ["dsv41[pdl=false]"]
+    assert rows["dsv41[pdl=false]"]["same_tokens_as"][0] == "eager"
+    assert rows["dsv41[streams=false]"]["same_logits_as"] == []
+    assert rows["dsv41[streams=false]"]["max_rel_logit_err"] > 0
