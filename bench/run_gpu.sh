@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate tp e2e ctx diag compile
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -102,7 +102,7 @@ for s in $sections; do
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
-    toggles|ablate)
+    toggles|ablate|dspark)
       # Issue 6 (toggles: CUDA graphs, PDL, side streams each flipped alone, and inductor reduce-overhead) and issue 4
       # (ablate: dsv41 with each family off in turn). A cold `small` compile is ~180 s of one Python thread, so rows
       # compiled one after another do not fit a call: PRECOMPILE workers (default 6) compile the rows in parallel
@@ -112,7 +112,12 @@ for s in $sections; do
       # benchmark process builds no model in call 1 and the workers share one tensor per weight name and shape
       # across layers (8.2 GB each, dsv41/precompile.py); 2026-11-30: 5 rows precompiled in 387 s, and each row of
       # call 2 compiled from its cache in ~25 s (11 FX-graph hits, 0 misses).
-      if [ $s = toggles ]; then rows=${TOGGLE_BACKENDS:-dsv41,toggles,inductor-cudagraphs}; else rows=${ABL_BACKENDS:-dsv41,ablations}; fi
+      # dspark (issue 8): DSpark off and on (simulated acceptance 5.5) for eager, inductor and dsv41 in one run.
+      case $s in
+        toggles) rows=${TOGGLE_BACKENDS:-dsv41,toggles,inductor-cudagraphs} ;;
+        ablate) rows=${ABL_BACKENDS:-dsv41,ablations} ;;
+        dspark) rows=${DSPARK_BACKENDS:-eager,eager+dspark,inductor,inductor+dspark,dsv41,dsv41+dspark} ;;
+      esac
       only=""; [ "${PRECOMPILE_ONLY:-0}" = 1 ] && only="--precompile-only"
       timeout ${BENCH_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional --backends "$rows" \
         --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile \

@@ -83,6 +83,10 @@ __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternati
 #: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
 CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
 _ABLATION = "dsv41-no-"
+#: Row-name suffix of a DSpark speculative row (`dsv41+dspark`): the backend before it, decoding speculatively.
+DSPARK = "+dspark"
+#: Simulated mean acceptance of `+dspark` rows when `speculative` is not given (BENCHMARK.md "match-expected").
+DSPARK_ACCEPTANCE = 5.5
 _GB = 1e9
 
 DEFINITIONS = {
@@ -271,12 +275,30 @@ def variant_options(name: str) -> dict | None:
     return opts
 
 
+def base_backend(name: str) -> str:
+    """The backend of row `name` without its `+dspark` suffix."""
+    return name[:-len(DSPARK)] if name.endswith(DSPARK) else name
+
+
+def row_speculation(names: Sequence[str], speculative: float | None) -> dict:
+    """{row: simulated acceptance E of its DSpark speculative runs, or None for plain decode}.
+
+    With `+dspark` rows: those rows at `speculative` (default `DSPARK_ACCEPTANCE`), the others plain, so DSpark
+    off and on sit side by side in one run. Without: every row at `speculative` (None: all plain).
+    """
+    if any(n.endswith(DSPARK) for n in names):
+        e = DSPARK_ACCEPTANCE if speculative is None else speculative
+        return {n: e if n.endswith(DSPARK) else None for n in names}
+    return {n: speculative for n in names}
+
+
 def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
     """Backend names from a comma-separated string or a list.
 
     `all` = `CORE_BACKENDS` with one `dsv41-no-<family>` per family right after `dsv41`; `ablations` = the
     ablations alone; `toggles` = `TOGGLES`; `dsv41[key=value;...]` = dsv41 with those options over the run's
-    `--option`s (e.g. `dsv41[cuda_graphs=false]`). Duplicates are dropped, order kept.
+    `--option`s (e.g. `dsv41[cuda_graphs=false]`); `<row>+dspark` = that row decoding with DSpark speculation
+    (`row_speculation`). Duplicates are dropped, order kept.
     Raises: ValueError for an unknown name, an ablation of a family not in `families` (when it is non-empty), or
     a `dsv41[...]` row with options the backend rejects.
     """
@@ -284,7 +306,14 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
     ablations = [_ABLATION + f for f in families]
     out: list = []
     for n in names:
-        if n == "all":
+        if n.endswith(DSPARK):
+            b = base_backend(n)
+            if b in ("all", "ablations", "toggles", "torch_tensorrt") or not b or b.endswith(DSPARK):
+                raise ValueError(f"unknown backend {n!r}: +dspark follows one backend row (e.g. dsv41+dspark), "
+                                 "not a group, torch_tensorrt or another +dspark")
+            expand_backends([b], families)  # raises for an unknown row
+            group = [n]
+        elif n == "all":
             group = list(CORE_BACKENDS)
             group[group.index("dsv41") + 1:group.index("dsv41") + 1] = ablations
         elif n == "ablations":
@@ -302,7 +331,7 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
         else:
             raise ValueError(f"unknown backend {n!r}; expected one of {', '.join(CORE_BACKENDS)}, "
                              f"dsv41-no-<family> (families: {', '.join(families) or 'unavailable'}), "
-                             "dsv41[key=value;...], 'ablations', 'toggles' or 'all'")
+                             "dsv41[key=value;...], <row>+dspark, 'ablations', 'toggles' or 'all'")
         out += [g for g in group if g not in out]
     if not out:
         raise ValueError("no backends given")
@@ -311,7 +340,8 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
 
 def _backend_options(name: str, options: dict | None) -> dict | None:
     """dsv41 options of a dsv41 row: `options` for `dsv41`, plus the disabled family for an ablation, plus the
-    overrides of a `dsv41[...]` row."""
+    overrides of a `dsv41[...]` row (a `+dspark` row: those of its backend)."""
+    name = base_backend(name)
     if name == "dsv41":
         return dict(options or {})
     if name.startswith(_ABLATION):
@@ -335,8 +365,10 @@ def _tensorrt_import_error() -> str | None:
 
 def _make_runner(model, name: str, options: dict | None, regional: bool = False):
     """A fresh `torch.compile` wrapper (or the model itself for eager) for backend `name`; with `regional`, a
-    `RegionalModel` (embedding, layers and head compiled as separate regions) for the compiled backends."""
+    `RegionalModel` (embedding, layers and head compiled as separate regions) for the compiled backends. A
+    `+dspark` row gets its backend's runner (the regional one drafts through its compiled DSpark region)."""
     from .cli import compile_model
+    name = base_backend(name)
     if name == "torch_tensorrt":
         return torch.compile(model, backend="torch_tensorrt")
     if name.startswith("dsv41"):
@@ -665,6 +697,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             rows then carry `mean_acceptance` (measured, median over runs) and `mean_natural_acceptance` (greedy
             agreement of the drafts), and `tokens_match_eager` is null (simulated rounds emit drafts the target
             did not choose). The eager reference, teacher-forced logits and kernel counts stay plain M = 1 decode.
+            With `<row>+dspark` rows in `backends`, only those rows decode speculatively (at E, default
+            `DSPARK_ACCEPTANCE`) and the others plainly, in the same run (`row_speculation`).
         shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
             Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
             compile (result `shared_cache: true`).
@@ -708,6 +742,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                          f"{new_tokens}, {repeats}")
     families, ablation_note = ablation_families()
     names = expand_backends(backends, families)
+    spec_of = row_speculation(names, speculative)
+    if speculative is not None and speculative <= 0:
+        raise ValueError(f"speculative must be a positive mean acceptance length, got {speculative}")
+    if tp is not None and any(spec_of.values()):
+        raise ValueError("DSpark speculative rows are not supported with tensor parallelism")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
 
@@ -752,7 +791,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "shared_cache": shared_cache,
-           "speculative": None if speculative is None else {"simulated_acceptance": speculative,
+           "speculative": None if not any(spec_of.values()) else {
+               "simulated_acceptance": next(e for e in spec_of.values() if e),
+               "rows": [n for n in names if spec_of[n]],
                                                             "block_size": cfg.dspark_block_size},
            "params": {"backbone": b.backbone_params, "engram": b.engram_params, "total": b.total_params,
                       "active_decode": b.active_params_decode},
@@ -782,17 +823,17 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         for n in names:
             row, runs = r["backends"][n], outs.get(n) or []
             if runs:
-                row.update(summarize_runs([x["out"] for x in runs], None if speculative is not None else ref.tokens,
+                row.update(summarize_runs([x["out"] for x in runs], None if spec_of[n] else ref.tokens,
                                           r["roofline_tok_s"]))
-                if speculative is not None:
+                if spec_of[n]:
                     row["mean_acceptance"] = statistics.median(x["out"].mean_acceptance for x in runs)
                     row["mean_natural_acceptance"] = statistics.median(x["out"].mean_natural_acceptance for x in runs)
-                    notes_[n].append(f"DSpark, simulated acceptance {speculative}: measured mean "
+                    notes_[n].append(f"DSpark, simulated acceptance {spec_of[n]}: measured mean "
                                      f"{row['mean_acceptance']:.3f} tokens/round; tokens not compared with eager")
                 walls = statistics.median(x["wall_s"] for x in runs)
-                if n != "eager" and n in cold_wall:
+                if base_backend(n) != "eager" and n in cold_wall:
                     row["compile_s"] = max(0.0, cold_wall[n] - walls)
-                if n != "eager" and n in warm_wall:
+                if base_backend(n) != "eager" and n in warm_wall:
                     row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
                 row["peak_mem_gb"] = max(x["peak_gb"] for x in runs) if cuda else None
             elif row["note"] is None and not notes_[n]:
@@ -814,7 +855,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         """Inductor cache dir of row `n`: `<cache_root>/<n>`, or `<cache_root>/shared` with shared_cache."""
         return os.path.join(cache_root, "shared" if shared_cache else n)
 
-    compiled_rows = [n for n in names if n not in ("eager", "torch_tensorrt")]
+    compiled_rows = [n for n in names if base_backend(n) not in ("eager", "torch_tensorrt")]
     precompiler, pre_ok = None, {}
     if precompile_only and not compiled_rows:
         for n in names:
@@ -825,6 +866,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         precompiler = Precompiler(
             {"preset": preset, "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_mode": weight_mode,
              "device": device, "options": options, "dtype": dtype, "speculative": speculative,
+             "speculative_rows": spec_of,
              "contexts": list(contexts) if contexts else None, "context_tokens": context_tokens,
              "regional": regional, "share_weights": regional}, compiled_rows, row_cache, precompile).start()
         if precompile_only:
@@ -895,7 +937,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         continue
                 if not cuda:
                     notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
-                if n == "eager":
+                if base_backend(n) == "eager":
                     notes[n].append("eager does not compile")
                 try:
                     if warm_compile:
@@ -906,7 +948,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     runner = runners[n] = _make_runner(model, n, options, regional)
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
-                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, speculative)["wall_s"]
+                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, spec_of[n])["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
                     rows[n]["compile_cache_misses"] = _cache_misses() - misses
@@ -945,9 +987,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
                         runners[n] = _make_runner(model, n, options, regional)
-                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, speculative)["wall_s"]
+                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, spec_of[n])["wall_s"]
                     else:
-                        _timed_run(runners[n], prompt, new_tokens, cuda, speculative)
+                        _timed_run(runners[n], prompt, new_tokens, cuda, spec_of[n])
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -987,7 +1029,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n]: _timed_run(r, prompt, new_tokens, cuda, speculative)) for n in runnable}
+            fns = {n: (lambda r=runners[n], e=spec_of[n]: _timed_run(r, prompt, new_tokens, cuda, e))
+                   for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():
                 notes[n].append("measured run failed: " + err)
@@ -1125,7 +1168,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
                    help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
     p.add_argument("--speculative", type=float, default=None, metavar="E",
-                   help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5)")
+                   help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5): every "
+                        "row, or only the <row>+dspark rows when there are any (their default E: 5.5)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=false")
     p.add_argument("--shared-cache", action="store_true",

@@ -102,14 +102,15 @@ def blocks_sharing_weights():
 def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_mode: str, device: str,
                options: Mapping | None = None, dtype: str | None = None, speculative: float | None = None,
                contexts: Sequence[int] | None = None, context_tokens: int = 32, regional: bool = False,
-               seed: int = 0, share_weights: bool = False) -> dict:
+               seed: int = 0, share_weights: bool = False, speculative_rows: Mapping | None = None) -> dict:
     """Compile benchmark row `name` as `bench.run_benchmark` would and run its cold step once.
 
     Builds the model with `bench.bench_model` (same preset, weights, dtype and cache allocation; with
-    `share_weights`, only for `regional`, layers of equal weight shapes share one set: module docstring), compiles it with
+    `share_weights`, only for `regional`, layers share their weights: module docstring), compiles it with
     `bench._make_runner` (same backend options) and runs `bench._timed_run` (the benchmark's cold compile + first
     run: prefill, decode steps, and DSpark rounds when `speculative`), then the teacher-forced decode the row's logit
     error comes from. Inductor writes to `TORCHINDUCTOR_CACHE_DIR` of this process.
+    `speculative_rows` ({row: E or None}, `bench.row_speculation`), when given, sets this row's `speculative`.
     Returns: {"name", "wall_s" (compile + first run), "teacher_forced_s", "tokens" (list)}.
     Raises: ValueError for `share_weights` without `regional`; whatever the compile or the run raises (the caller
     records it).
@@ -118,6 +119,8 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
 
     from .bench import _make_runner, _timed_run, bench_model, teacher_forced_logits
 
+    if speculative_rows is not None:  # the run's per-row DSpark setting (`bench.row_speculation`)
+        speculative = speculative_rows.get(name)
     if share_weights and not regional:
         raise ValueError("share_weights is for regional rows only: a whole-model graph would see one weight set as "
                          "one input of several layers, a different graph")

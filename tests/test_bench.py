@@ -449,3 +449,40 @@ def test_a_run_reports_which_rows_computed_the_same(monkeypatch):
     assert rows["dsv41[pdl=false]"]["same_tokens_as"][0] == "eager"
     assert rows["dsv41[streams=false]"]["same_logits_as"] == []
     assert rows["dsv41[streams=false]"]["max_rel_logit_err"] > 0
+
+
+def test_dspark_rows_are_a_backend_row_with_a_suffix():
+    fams = ("mhc", "moe")
+    got = bench.expand_backends("eager,eager+dspark,dsv41+dspark,dsv41[pdl=false]+dspark,dsv41-no-moe+dspark", fams)
+    assert got == ["eager", "eager+dspark", "dsv41+dspark", "dsv41[pdl=false]+dspark", "dsv41-no-moe+dspark"]
+    for bad in ("all+dspark", "toggles+dspark", "nope+dspark", "torch_tensorrt+dspark", "dsv41-no-x+dspark",
+                "+dspark"):
+        with pytest.raises(ValueError, match="unknown"):
+            bench.expand_backends(bad, fams)
+    assert bench.base_backend("dsv41[pdl=false]+dspark") == "dsv41[pdl=false]"
+    assert bench._backend_options("dsv41-no-moe+dspark", {"pdl": True}) == {"pdl": True, "disable": ["moe"]}
+    assert bench._backend_options("eager+dspark", None) is None
+
+
+def test_row_speculation_puts_dspark_off_and_on_side_by_side():
+    names = ["eager", "eager+dspark", "dsv41", "dsv41+dspark"]
+    assert bench.row_speculation(names, None) == {"eager": None, "eager+dspark": 5.5, "dsv41": None,
+                                                  "dsv41+dspark": 5.5}
+    assert bench.row_speculation(names, 3.0)["dsv41+dspark"] == 3.0 and bench.row_speculation(names, 3.0)["dsv41"] is None
+    assert bench.row_speculation(["eager", "dsv41"], 4.0) == {"eager": 4.0, "dsv41": 4.0}  # --speculative alone
+    assert bench.row_speculation(["eager", "dsv41"], None) == {"eager": None, "dsv41": None}
+
+
+def test_a_run_with_dspark_rows_measures_plain_and_speculative_rows_together():
+    """`eager` decodes plainly (tokens equal the reference), `eager+dspark` speculatively at a simulated 3.0 (tiny
+    drafts blocks of 3: at most 4 tokens a round) with the measured acceptance reported, tokens not compared
+    (simulated rounds keep drafts the target did not pick)."""
+    r = bench.run_benchmark("tiny", "eager,eager+dspark", prompt_len=8, new_tokens=24, repeats=1, device="cpu",
+                            warm_compile=False, speculative=3.0)
+    plain, spec = r["backends"]["eager"], r["backends"]["eager+dspark"]
+    assert r["speculative"]["rows"] == ["eager+dspark"] and r["speculative"]["simulated_acceptance"] == 3.0
+    assert plain["tokens_match_eager"] is True and "mean_acceptance" not in plain
+    assert spec["tokens_match_eager"] is None and 2.0 < spec["mean_acceptance"] <= 4.0
+    assert spec["decode_tok_s"]["median"] > 0 and "simulated acceptance 3.0" in spec["note"]
+    with pytest.raises(ValueError, match="positive"):
+        bench.run_benchmark("tiny", "eager+dspark", prompt_len=8, new_tokens=4, device="cpu", speculative=0)

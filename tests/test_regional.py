@@ -127,3 +127,34 @@ def test_launches_per_layer_come_from_the_graphs_each_region_ran(regional_run):
     by_role = rep.to_dict()["kernels_by_role"]
     assert sum(v for k, v in by_role.items() if k != "per_layer") == kl["total"]
     assert set(by_role["per_layer"]) == set(model.config.roles)
+
+
+def test_speculative_decoding_drafts_through_the_compiled_dspark_region(regional_run):
+    """`generate(..., speculative=True)` on the regional wrapper verifies through the compiled regions and drafts
+    through its compiled DSpark region (`RegionalModel.draft`), and greedy speculative output equals plain greedy
+    output (eager's)."""
+    from dsv41.model import benchmark_prompt, generate
+
+    r = regional_run
+    rm, model = r["rm"], r["model"]
+    prompt = benchmark_prompt(model.config, 40)
+    ref = generate(model, prompt, 24)
+    calls = []
+    real = rm._draft
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return real(*a)
+
+    rm._draft = counted
+    try:
+        out = generate(rm, prompt, 24, speculative=True)
+    finally:
+        rm._draft = real
+    assert torch.equal(out.tokens, ref.tokens)
+    assert len(calls) == len(out.acceptance) >= 2  # one draft per verify round (the first after the prefill)
+    with pytest.raises(ValueError, match="no DSpark stages"):
+        from dsv41.compiler.regional import RegionalModel
+        bare = RegionalModel(model, lambda fn: fn, "eager")
+        bare._draft = None
+        bare.draft(*([torch.zeros(1)] * 7))

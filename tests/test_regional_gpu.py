@@ -49,3 +49,21 @@ def test_regional_without_cuda_graphs_never_captures(tiny_cuda):
     rm = compile_regional(model, "dsv41", {"cuda_graphs": False})
     out = generate(rm, prompt, 6)
     assert torch.equal(out.tokens, ref[:, :6]) and rm.captures == 0 and rm.replays == 0
+
+
+def test_regional_speculative_decoding_replays_the_verify_and_draft_graphs(tiny_cuda):
+    """DSpark speculative decoding through the regional wrapper: verify rows (block + 1) and the compiled DSpark
+    region each get one CUDA graph, captured on their second call and replayed after; greedy speculative output
+    equals eager plain greedy output."""
+    from dsv41.compiler.regional import compile_regional
+    from dsv41.model import generate
+
+    model, prompt, ref = tiny_cuda
+    torch._dynamo.reset()
+    rm = compile_regional(model, "dsv41")
+    out = generate(rm, prompt, N, speculative=True)
+    assert torch.equal(out.tokens, ref)
+    captured = sorted(k[0][0] for k, v in rm._graphs.items() if v)
+    assert captured == ["draft", "step"] and rm.captures == 2
+    rounds = len(out.acceptance)
+    assert rm.replays == 2 * rounds - 2  # each kind: 1 uncaptured call, then capture + replay, then replays

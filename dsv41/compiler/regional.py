@@ -79,6 +79,8 @@ class RegionalModel(nn.Module):
         self._embed = compile_fn(model.embed_inputs)
         self._layers = [compile_fn(layer) for layer in model.layers]
         self._logits = compile_fn(model.final_logits)
+        # the bound forward, like the other regions, so the compiled drafter is not registered as a child module
+        self._draft = compile_fn(model.mtp.forward) if getattr(model, "mtp", None) is not None else None
         # signature -> None (seen once, uncaptured) or (graph, static input_ids, static positions, static outputs)
         self._graphs: dict = {}
         self._pool = None
@@ -126,45 +128,81 @@ class RegionalModel(nn.Module):
         if m.max_seq_len == 0:
             raise RuntimeError("call setup_cache(batch_size, max_seq_len) before the forward")
         m._check_inputs(input_ids, positions, values=False)
+
+        def run(ids, pos):
+            """The regions over one input (captured or not)."""
+            return self._run(ids, pos, last_only, return_features)
+
         if not (self.cuda_graphs and input_ids.is_cuda):
-            logits, feats = self._run(input_ids, positions, last_only, return_features)
-            return (logits, feats) if return_features else logits
+            logits, feats = run(input_ids, positions)
+        else:
+            sig = ("step", tuple(input_ids.shape), input_ids.dtype, bool(last_only), bool(return_features))
+            logits, feats = self._graphed(sig, run, (input_ids, positions))
+        return (logits, feats) if return_features else logits
+
+    def draft(self, features: torch.Tensor, feature_positions: torch.Tensor, feature_valid: torch.Tensor,
+              last_token: torch.Tensor, start: torch.Tensor, embed_weight: torch.Tensor,
+              head_weight: torch.Tensor):
+        """One DSpark draft round through the compiled `mtp` region: arguments and results of `DSpark.forward`
+        (drafts int64 [B, K], confidence logits FP32 [B, K]); the drafter `generate(..., speculative=True)` uses
+        for this wrapper. With `cuda_graphs` on CUDA it replays a CUDA graph per signature, as `forward`; the
+        embedding and head weights are read in place (their addresses are part of the signature).
+        Raises: ValueError when the model has no DSpark stages; RuntimeError before `setup_cache`."""
+        m = self._orig_mod
+        if self._draft is None:
+            raise ValueError("this model has no DSpark stages (num_dspark_stages = 0): nothing to draft with")
+        if m.max_seq_len == 0:
+            raise RuntimeError("call setup_cache(batch_size, max_seq_len) before drafting")
+        args = (features, feature_positions, feature_valid, last_token, start, embed_weight, head_weight)
+
+        def run(*a):
+            """The compiled DSpark region (captured or not)."""
+            with torch._dynamo.config.patch(**_limit_patch()):
+                return self._draft(*a)
+
+        if not (self.cuda_graphs and features.is_cuda):
+            return run(*args)
+        sig = ("draft",) + tuple((tuple(a.shape), a.dtype) for a in args[:5]) \
+            + tuple((tuple(w.shape), w.dtype, w.data_ptr()) for w in args[5:])
+        return self._graphed(sig, run, args, in_place=(5, 6))
+
+    def _graphed(self, sig, run, args: tuple, in_place=()):
+        """`run(*args)` through the CUDA graph of (`sig`, the cache allocation): the first call of a key runs
+        uncaptured, the second captures (copies of `args`, except the indices `in_place`, become its static inputs)
+        and replays, later calls copy `args` in and replay. Returns fresh copies of the graph's output tensors."""
+        from torch.utils._pytree import tree_map
+
+        m = self._orig_mod
         # A new cache allocation (setup_cache) moves every buffer: graphs captured on the old one are dropped.
-        key = (tuple(input_ids.shape), input_ids.dtype, bool(last_only), bool(return_features), m.batch_size,
-               m.max_seq_len, m.layers[0].attn.ring_codes.data_ptr())
+        alloc = (m.batch_size, m.max_seq_len, m.layers[0].attn.ring_codes.data_ptr())
+        key = (sig, alloc)
         entry = self._graphs.get(key, ())
         if entry == ():
-            self._graphs = {k: v for k, v in self._graphs.items() if k[4:] == key[4:]}
+            self._graphs = {k: v for k, v in self._graphs.items() if k[1] == alloc}
             if not any(self._graphs.values()):
                 # The memory pool dies with the last graph captured into it: the next capture starts a new one
                 # (capturing into the stale handle trips the caching allocator's use-count assertion).
                 self._pool = None
             self._graphs[key] = None
-            logits, feats = self._run(input_ids, positions, last_only, return_features)
-            return (logits, feats) if return_features else logits
+            return run(*args)
         if entry is None:
-            entry = self._capture(key, input_ids, positions, last_only, return_features)
-        graph, ids, pos, (logits, feats) = entry
-        ids.copy_(input_ids)
-        pos.copy_(positions)
+            static = tuple(a if i in in_place else a.clone() for i, a in enumerate(args))
+            graph = torch.cuda.CUDAGraph()
+            # Nothing runs during capture, so the caches see this call once (at the replay that follows). Later
+            # signatures share the first graph's pool (its handle lives as long as a graph captured into it does).
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = run(*static)
+            if self._pool is None:
+                self._pool = graph.pool()
+            entry = self._graphs[key] = (graph, static, out)
+            self.captures += 1
+        graph, static, out = entry
+        for i, (s, a) in enumerate(zip(static, args)):
+            if i not in in_place:
+                s.copy_(a)
         graph.replay()
         self.replays += 1
-        logits = logits.clone()
-        return (logits, feats.clone()) if return_features else logits
-
-    def _capture(self, key, input_ids, positions, last_only, return_features):
-        ids, pos = input_ids.clone(), positions.clone()
-        graph = torch.cuda.CUDAGraph()
-        # Nothing runs during capture, so the caches see this step once (at the replay that follows). Later
-        # signatures share the first graph's pool (its handle lives as long as a graph captured into it does).
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._run(ids, pos, last_only, return_features)
-        if self._pool is None:
-            self._pool = graph.pool()
-        entry = (graph, ids, pos, out)
-        self._graphs[key] = entry
-        self.captures += 1
-        return entry
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _limit_patch() -> dict:

@@ -147,7 +147,8 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
         prompt_ids: int64 [P] or [B, P]. max_new_tokens: tokens to produce (>= 1).
         simulate_acceptance: None for greedy acceptance, else the "match-expected" mean length (e.g. 5.5).
         drafter: callable with the signature of `DSpark.forward` (e.g. `torch.compile(model.mtp)`); default the
-            eager `model.mtp`. seed: of the simulated-acceptance draws.
+            wrapper's `draft` where it has one (`RegionalModel.draft`, the compiled DSpark region), else the eager
+            `model.mtp`. seed: of the simulated-acceptance draws.
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens], timestamps (the tokens of one round share its time),
         `acceptance` (tokens per round per sequence), `natural_acceptance` (greedy, measured in every mode) and
@@ -176,7 +177,10 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
     else:
         base.setup_cache(b, need)
     dev = base.embed.weight.device
-    drafter = drafter if drafter is not None else base.mtp
+    if drafter is None:
+        # A wrapper that compiles the drafter too (`RegionalModel.draft`) drafts through it; else the eager stages.
+        drafter = getattr(model, "draft", None) if model is not base else None
+        drafter = drafter if callable(drafter) else base.mtp
     embed_w, head_w = base.embed.weight, base.head.weight
     clock = _Clock(dev)
 
