@@ -142,9 +142,12 @@ def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monk
 
     monkeypatch.setattr(bench, "bench_model", no_model)
     monkeypatch.setattr(precompile, "Precompiler", Recording)
-    res = run_benchmark("tiny", "eager,dsv41,inductor", 8, 2, repeats=1, device="cpu", precompile=2,
-                        cache_dir=str(tmp_path / "c"), precompile_only=True, regional=True)
-    assert seen["names"] == ["dsv41", "inductor"] and seen["spec"]["share_weights"] is True
+    res = run_benchmark("tiny", "eager,dsv41,inductor,eager+dspark,dsv41+dspark", 8, 2, repeats=1, device="cpu",
+                        precompile=2, cache_dir=str(tmp_path / "c"), precompile_only=True, regional=True,
+                        speculative=3.0)
+    assert seen["names"] == ["dsv41", "inductor", "dsv41+dspark"] and seen["spec"]["share_weights"] is True
+    assert seen["spec"]["speculative_rows"] == {"eager": None, "dsv41": None, "inductor": None,
+                                                "eager+dspark": 3.0, "dsv41+dspark": 3.0}
     assert res["dtype"] == "float32" and res["preset"] == "tiny"
     assert res["backends"]["dsv41"]["precompiled"] is True and res["backends"]["dsv41"]["decode_tok_s"] is None
     with pytest.raises(ValueError, match="unknown dtype"):
