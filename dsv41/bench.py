@@ -486,14 +486,18 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
 
 
 def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, prompt_len: int, new_tokens: int,
-                contexts: Sequence[int] | None = None, context_tokens: int = 32, seed: int = 0, model=None):
+                contexts: Sequence[int] | None = None, context_tokens: int = 32, seed: int = 0, model=None,
+                speculative: bool = False):
     """The benchmark's model and prompt: `cli.build_model` (seeded weights), caches allocated once for the longest
-    context when `contexts` are given, and `benchmark_prompt` of `prompt_len` ids. Every compiled row and every
-    precompile worker (`dsv41.precompile`) starts from this, so they compile the same graphs.
+    run of the benchmark (prompt + new tokens, + one verify block when any row decodes speculatively, or the
+    longest context of `contexts`), and `benchmark_prompt` of `prompt_len` ids. Every compiled row and every
+    precompile worker (`dsv41.precompile`) starts from this, so they compile the same graphs: the caches' sizes
+    are static shapes of every compiled step, and `generate` reuses a cache that is big enough.
 
-    Args: as `run_benchmark`; `model`: an already built (e.g. TP-sharded) model to allocate the caches of.
+    Args: as `run_benchmark`; `model`: an already built (e.g. TP-sharded) model to allocate the caches of;
+        `speculative`: some row of the run decodes with DSpark.
     Returns: (model, prompt ids int64 [1, prompt_len] on `device`).
-    Raises: ValueError when a context plus `context_tokens` exceeds the preset's max_position_embeddings.
+    Raises: ValueError when the longest run exceeds the preset's max_position_embeddings.
     """
     from .cli import build_model
     from .model import benchmark_prompt
@@ -501,12 +505,15 @@ def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, p
     if model is None:
         model = build_model(preset, device, weight_mode, dtype, seed=seed)
     cfg = model.config
+    need = prompt_len + new_tokens + (cfg.dspark_block_size + 1 if speculative else 0)
     if contexts:
-        need = max(prompt_len + new_tokens, max(contexts) + context_tokens)
-        if need > cfg.max_position_embeddings:
-            raise ValueError(f"context {max(contexts)} + {context_tokens} tokens exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings} of preset {preset!r}")
-        model.setup_cache(1, need)  # generate() reuses a cache that is big enough
+        need = max(need, max(contexts) + context_tokens)
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"the benchmark needs {need} cache positions (prompt {prompt_len} + {new_tokens} tokens"
+                         + (f", context {max(contexts)} + {context_tokens}" if contexts else "")
+                         + (", + a verify block" if speculative else "")
+                         + f"), beyond max_position_embeddings={cfg.max_position_embeddings} of preset {preset!r}")
+    model.setup_cache(1, need)
     return model, benchmark_prompt(cfg, prompt_len, device=device)
 
 
@@ -771,7 +778,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         tp_info = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "moe_mode": plan.moe_mode,
                    "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
-                                    context_tokens, model=model)
+                                    context_tokens, model=model, speculative=any(spec_of.values()))
     elif precompile_only:
         # Only the workers build models: a preset that fits the GPU once (h200, 87 GB) leaves them no room otherwise.
         from .cli import _DTYPES
@@ -782,7 +789,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         cfg = ModelConfig.preset(preset)
     else:
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
-                                    context_tokens)
+                                    context_tokens, speculative=any(spec_of.values()))
     cfg = model.config if model is not None else cfg
     b = budget(cfg, max_seq_len=prompt_len + new_tokens)
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)

@@ -119,6 +119,7 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
 
     from .bench import _make_runner, _timed_run, bench_model, teacher_forced_logits
 
+    any_speculative = speculative is not None if speculative_rows is None else any(speculative_rows.values())
     if speculative_rows is not None:  # the run's per-row DSpark setting (`bench.row_speculation`)
         speculative = speculative_rows.get(name)
     if share_weights and not regional:
@@ -127,7 +128,7 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
     cuda = device.startswith("cuda")
     with blocks_sharing_weights() if share_weights else contextlib.nullcontext():
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
-                                    context_tokens, seed=seed)
+                                    context_tokens, seed=seed, speculative=any_speculative)
     with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)):
         runner = _make_runner(model, name, dict(options) if options else None, regional)
         first = _timed_run(runner, prompt, new_tokens, cuda, speculative)

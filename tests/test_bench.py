@@ -486,3 +486,26 @@ def test_a_run_with_dspark_rows_measures_plain_and_speculative_rows_together():
     assert spec["decode_tok_s"]["median"] > 0 and "simulated acceptance 3.0" in spec["note"]
     with pytest.raises(ValueError, match="positive"):
         bench.run_benchmark("tiny", "eager+dspark", prompt_len=8, new_tokens=4, device="cpu", speculative=0)
+
+
+def test_every_row_runs_on_one_cache_allocation_sized_for_the_longest_run(monkeypatch):
+    """Cache sizes are static shapes of every compiled step, so a row must see the allocation its precompile
+    worker saw: one allocation for the whole run, with room for a verify block when a row speculates (before,
+    a plain row after a `+dspark` row inherited the bigger one and missed its worker's cache)."""
+    seen = []
+    real = bench._timed_run
+
+    def timed(runner, prompt, new_tokens, cuda, speculative=None):
+        seen.append((speculative, bench._base(runner).max_seq_len))
+        return real(runner, prompt, new_tokens, cuda, speculative)
+
+    monkeypatch.setattr(bench, "_timed_run", timed)
+    r = bench.run_benchmark("tiny", "eager,eager+dspark", prompt_len=8, new_tokens=6, repeats=1, device="cpu",
+                            warm_compile=False, speculative=2.0)
+    block = 3 + 1  # tiny: dspark_block_size 3, verify block + 1 rows
+    assert {s for s, _ in seen} == {None, 2.0}
+    assert {m for _, m in seen} == {8 + 6 + block} == {r["cache_max_seq_len"]}
+    model, _ = bench.bench_model("tiny", "cpu", "checkpoint", None, 8, 6)
+    assert model.max_seq_len == 8 + 6  # plain runs: prompt + new tokens, as generate would allocate
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        bench.bench_model("tiny", "cpu", "checkpoint", None, 4090, 3, model=model, speculative=True)  # 4097 > 4096
