@@ -78,7 +78,8 @@ import torch
 __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternating", "copy_bandwidth_tb_s",
            "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
            "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
-           "run_benchmark", "print_table", "main"]
+           "run_benchmark", "print_table", "main", "DSPARK", "DSPARK_ACCEPTANCE", "base_backend", "row_speculation",
+           "tensor_digest", "identical_rows", "bench_model", "cache_positions"]
 
 #: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
 CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
@@ -308,9 +309,9 @@ def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
     for n in names:
         if n.endswith(DSPARK):
             b = base_backend(n)
-            if b in ("all", "ablations", "toggles", "torch_tensorrt") or not b or b.endswith(DSPARK):
-                raise ValueError(f"unknown backend {n!r}: +dspark follows one backend row (e.g. dsv41+dspark), "
-                                 "not a group, torch_tensorrt or another +dspark")
+            if b in ("all", "ablations", "toggles", "torch_tensorrt") or not b or b.endswith(DSPARK) or b != b.strip():
+                raise ValueError(f"unknown backend {n!r}: +dspark follows one backend row directly (e.g. "
+                                 "dsv41+dspark), not a group, torch_tensorrt, a space or another +dspark")
             expand_backends([b], families)  # raises for an unknown row
             group = [n]
         elif n == "all":
@@ -504,7 +505,15 @@ def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, p
 
     if model is None:
         model = build_model(preset, device, weight_mode, dtype, seed=seed)
-    cfg = model.config
+    model.setup_cache(1, cache_positions(model.config, prompt_len, new_tokens, contexts, context_tokens, speculative))
+    return model, benchmark_prompt(model.config, prompt_len, device=device)
+
+
+def cache_positions(cfg, prompt_len: int, new_tokens: int, contexts: Sequence[int] | None = None,
+                    context_tokens: int = 32, speculative: bool = False) -> int:
+    """Cache positions the benchmark's longest run needs (`bench_model`): prompt + new tokens, + one verify block
+    (block + 1 rows) when a row speculates, or the longest context + `context_tokens`.
+    Raises: ValueError beyond the config's max_position_embeddings (the numbers are named)."""
     need = prompt_len + new_tokens + (cfg.dspark_block_size + 1 if speculative else 0)
     if contexts:
         need = max(need, max(contexts) + context_tokens)
@@ -512,9 +521,8 @@ def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, p
         raise ValueError(f"the benchmark needs {need} cache positions (prompt {prompt_len} + {new_tokens} tokens"
                          + (f", context {max(contexts)} + {context_tokens}" if contexts else "")
                          + (", + a verify block" if speculative else "")
-                         + f"), beyond max_position_embeddings={cfg.max_position_embeddings} of preset {preset!r}")
-    model.setup_cache(1, need)
-    return model, benchmark_prompt(cfg, prompt_len, device=device)
+                         + f"), beyond max_position_embeddings={cfg.max_position_embeddings} of {cfg.name!r}")
+    return need
 
 
 def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
@@ -783,10 +791,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         # Only the workers build models: a preset that fits the GPU once (h200, 87 GB) leaves them no room otherwise.
         from .cli import _DTYPES
         from .model import ModelConfig
+        from .model.model import WEIGHT_MODES
+        # What building the model would have checked, so a bad request fails here, not in every worker.
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"unknown weight_mode {weight_mode!r}; expected one of {WEIGHT_MODES}")
         model, prompt = None, None
         cfg = ModelConfig.preset(preset)
+        cache_positions(cfg, prompt_len, new_tokens, contexts, context_tokens, any(spec_of.values()))
     else:
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens, speculative=any(spec_of.values()))

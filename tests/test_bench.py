@@ -456,7 +456,7 @@ def test_dspark_rows_are_a_backend_row_with_a_suffix():
     got = bench.expand_backends("eager,eager+dspark,dsv41+dspark,dsv41[pdl=false]+dspark,dsv41-no-moe+dspark", fams)
     assert got == ["eager", "eager+dspark", "dsv41+dspark", "dsv41[pdl=false]+dspark", "dsv41-no-moe+dspark"]
     for bad in ("all+dspark", "toggles+dspark", "nope+dspark", "torch_tensorrt+dspark", "dsv41-no-x+dspark",
-                "+dspark"):
+                "+dspark", "dsv41 +dspark", "eager+dspark+dspark"):
         with pytest.raises(ValueError, match="unknown"):
             bench.expand_backends(bad, fams)
     assert bench.base_backend("dsv41[pdl=false]+dspark") == "dsv41[pdl=false]"

@@ -216,42 +216,54 @@ def test_dense_path_chunks_tokens_without_changing_results(cfg, monkeypatch):
 def _dense_one_expert_at_a_time(ex, x, weights, indices):
     """The dense path as first written, one expert at a time (dequantise, two GEMMs, SwiGLU, routing weight,
     FP8 re-quantisation, GEMM, FP32 sum in expert order): the reference the grouped path must equal bit for bit."""
-    n = x.shape[0]
+    linear = torch.nn.functional.linear
+    n, chunk = x.shape[0], moe_mod._DENSE_TOKEN_CHUNK
     route = torch.zeros(n, ex.n_experts).scatter(1, indices, weights.float())
     xq = ex._act_quant(x.to(ex.dtype))
     out = torch.zeros(n, ex.dim)
     for e in range(ex.n_experts):
         w1, w2, w3 = (ex.dequantized_weight(name, e) for name in ("w1", "w2", "w3"))
-        h = clamped_swiglu(torch.nn.functional.linear(xq, w1), torch.nn.functional.linear(xq, w3), ex.limit)
-        h = h * route[:, e:e + 1]
-        out = out + torch.nn.functional.linear(ex._act_quant(h.to(ex.dtype)), w2).float()
+        parts = []
+        for start in range(0, n, chunk):  # GEMMs of the same row count as the grouped path's
+            xc = xq[start:start + chunk]
+            h = clamped_swiglu(linear(xc, w1), linear(xc, w3), ex.limit) * route[start:start + chunk, e:e + 1]
+            parts.append(linear(ex._act_quant(h.to(ex.dtype)), w2).float())
+        out = out + torch.cat(parts)
     return out
 
 
 @pytest.mark.parametrize("mode,dtype", [("checkpoint", torch.float32), ("checkpoint", torch.bfloat16),
-                                        ("bf16", torch.bfloat16)])
-@pytest.mark.parametrize("group_bytes", [1, 3, None])  # one expert per group, a ragged last group, all at once
-def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype, group_bytes):
-    """Experts run in groups (elementwise steps batched, GEMMs and the FP32 sum per expert in order): the same
-    bits as one expert at a time, for any group size and with token chunks."""
-    ex = RoutedExperts(cfg, mode, dtype)
+                                        ("bf16", torch.bfloat16), ("bf16", torch.float32)])
+@pytest.mark.parametrize("group", [1, 3, None])  # one expert per group, a ragged last group, all at once
+def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype, group):
+    """Experts run in groups (elementwise steps batched, GEMMs per expert, each row summing the experts in order):
+    the same bits as one expert at a time, for any group size and with token chunks. Top-k 4 of 8, so a row sums
+    four non-zero terms and a different summation order would show. One CPU thread: with more, ATen's vector /
+    scalar `exp` split follows the tensor size (the forward_dense docstring)."""
+    cfg4 = dataclasses.replace(cfg, num_experts_per_tok=4)
+    ex = RoutedExperts(cfg4, mode, dtype)
     ex.init_random(torch.Generator().manual_seed(12))
     gen = torch.Generator().manual_seed(13)
-    n, k = 9, cfg.num_experts_per_tok
-    x = torch.randn(n, cfg.hidden_size, generator=gen) * 3
-    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:k] for _ in range(n)])
+    n, k = 9, cfg4.num_experts_per_tok
+    x = torch.randn(n, cfg4.hidden_size, generator=gen) * 3
+    idx = torch.stack([torch.randperm(cfg4.n_routed_experts, generator=gen)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=gen) + 0.1
-    want = _dense_one_expert_at_a_time(ex, x, w, idx)
-    if group_bytes is not None:
-        per_expert = cfg.hidden_size * cfg.moe_intermediate_size * (3 * dtype.itemsize + 24) \
-            + 6 * n * cfg.moe_intermediate_size * 4
-        monkeypatch.setattr(moe_mod, "_DENSE_GROUP_BYTES", group_bytes * per_expert)
-        assert ex._dense_group(n) == group_bytes
-    else:
-        assert ex._dense_group(n) == cfg.n_routed_experts
-    assert torch.equal(ex.forward_dense(x, w, idx), want)
-    monkeypatch.setattr(moe_mod, "_DENSE_TOKEN_CHUNK", 4)
-    assert torch.equal(ex.forward_dense(x, w, idx), want)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = _dense_one_expert_at_a_time(ex, x, w, idx)
+        if group is not None:
+            per_expert = cfg4.hidden_size * cfg4.moe_intermediate_size * (3 * dtype.itemsize + 40) \
+                + 8 * n * cfg4.moe_intermediate_size * 4
+            monkeypatch.setattr(moe_mod, "_DENSE_GROUP_BYTES", group * per_expert)
+            assert ex._dense_group(n) == group
+        else:
+            assert ex._dense_group(n) == cfg4.n_routed_experts
+        assert torch.equal(ex.forward_dense(x, w, idx), want)
+        monkeypatch.setattr(moe_mod, "_DENSE_TOKEN_CHUNK", 4)
+        assert torch.equal(ex.forward_dense(x, w, idx), _dense_one_expert_at_a_time(ex, x, w, idx))
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------ whole MoE

@@ -150,9 +150,12 @@ def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monk
                                                 "eager+dspark": 3.0, "dsv41+dspark": 3.0}
     assert res["dtype"] == "float32" and res["preset"] == "tiny"
     assert res["backends"]["dsv41"]["precompiled"] is True and res["backends"]["dsv41"]["decode_tok_s"] is None
-    with pytest.raises(ValueError, match="unknown dtype"):
-        run_benchmark("tiny", "dsv41", 8, 2, repeats=1, device="cpu", precompile=1, dtype="fp8",
-                      cache_dir=str(tmp_path / "c"), precompile_only=True)
+    # what building the model would have rejected fails at once, not in every worker
+    for bad, match in (({"dtype": "fp8"}, "unknown dtype"), ({"weight_mode": "bogus"}, "unknown weight_mode"),
+                       ({"contexts": [10 ** 9]}, "max_position_embeddings")):
+        with pytest.raises(ValueError, match=match):
+            run_benchmark("tiny", "dsv41", 8, 2, repeats=1, device="cpu", precompile=1,
+                          cache_dir=str(tmp_path / "c"), precompile_only=True, **bad)
 
 
 def test_a_worker_ends_when_the_benchmark_that_started_it_is_killed(tmp_path):
