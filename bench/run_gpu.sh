@@ -101,6 +101,7 @@ for s in $sections; do
       # captured by the wrapper): a whole-model h200 compile does not fit a 10-minute call.
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
     toggles|ablate|dspark)
       # Issue 6 (toggles: CUDA graphs, PDL, side streams each flipped alone, and inductor reduce-overhead) and issue 4
@@ -124,8 +125,14 @@ for s in $sections; do
         --precompile ${PRECOMPILE:-6} --cache-dir .bench_cache/$s $only ${BENCH_FLAGS:-} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/${s}_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -40 ;;
     backends)
-      python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
+      # PRECOMPILE=N (N workers, .bench_cache/backends; PRECOMPILE_ONLY=1 for a first call, PRECOMPILE=0 for the
+      # timed call served from it), REGIONAL=1 and EAGER_NEW_TOKENS as in the sections above (issue 7: h200 at
+      # 4,096 / 1,024 with eager stopped early).
+      pre=""; [ -n "${PRECOMPILE:-}" ] && pre="--precompile $PRECOMPILE --cache-dir .bench_cache/backends"
+      [ "${PRECOMPILE_ONLY:-0}" = 1 ] && pre="$pre --precompile-only"
+      timeout ${BENCH_TIMEOUT:-3600} python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} $regional $pre \
         ${BENCH_OPTIONS:-} --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
   esac
 done

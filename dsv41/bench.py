@@ -596,9 +596,11 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
     row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
            "tokens_match_eager": None, "matching_prefix_tokens": None,
            "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
-    if ref_tokens is not None:
-        row["tokens_match_eager"] = all(torch.equal(o.tokens, ref_tokens) for o in outs)
-        row["matching_prefix_tokens"] = min(_prefix(o.tokens, ref_tokens) for o in outs)
+    if ref_tokens is not None:  # over the reference's length (`eager_new_tokens` may be shorter than the runs)
+        r = ref_tokens.shape[1]
+        row["tokens_match_eager"] = all(o.tokens.shape[1] >= r and torch.equal(o.tokens[:, :r], ref_tokens)
+                                        for o in outs)
+        row["matching_prefix_tokens"] = min(_prefix(o.tokens[:, :r], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
     return row
 
 
@@ -695,7 +697,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
                   tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False,
                   precompile: int = 0, cache_dir: str | None = None, precompile_only: bool = False,
-                  on_update: Callable[[dict], None] | None = None) -> dict:
+                  on_update: Callable[[dict], None] | None = None, eager_new_tokens: int | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -714,6 +716,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             did not choose). The eager reference, teacher-forced logits and kernel counts stay plain M = 1 decode.
             With `<row>+dspark` rows in `backends`, only those rows decode speculatively (at E, default
             `DSPARK_ACCEPTANCE`) and the others plainly, in the same run (`row_speculation`).
+        eager_new_tokens: R <= new_tokens: the eager reference and the eager rows decode R tokens instead of
+            new_tokens (eager `h200` takes ~0.8 s a token); the other rows' tokens and teacher-forced logits are
+            compared with eager's over those R (result `eager_new_tokens`; None: new_tokens).
         shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
             Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
             compile (result `shared_cache: true`).
@@ -752,12 +757,16 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     from .model import generate
     from .model.budget import budget
 
+    if eager_new_tokens is not None and not 2 <= eager_new_tokens <= new_tokens:
+        raise ValueError(f"eager_new_tokens must lie in [2, new_tokens={new_tokens}], got {eager_new_tokens}")
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
         raise ValueError(f"need prompt_len >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_len}, "
                          f"{new_tokens}, {repeats}")
     families, ablation_note = ablation_families()
     names = expand_backends(backends, families)
     spec_of = row_speculation(names, speculative)
+    # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens` its rows and the reference stop there.
+    tokens_of = {n: (eager_new_tokens or new_tokens) if base_backend(n) == "eager" else new_tokens for n in names}
     if speculative is not None and speculative <= 0:
         raise ValueError(f"speculative must be a positive mean acceptance length, got {speculative}")
     if tp is not None and any(spec_of.values()):
@@ -809,7 +818,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype if model is not None else
                         _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
+           "new_tokens": new_tokens, "eager_new_tokens": eager_new_tokens or new_tokens,
+           "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "shared_cache": shared_cache,
            "speculative": None if not any(spec_of.values()) else {
                "simulated_acceptance": next(e for e in spec_of.values() if e),
@@ -923,7 +933,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
 
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
             t_ref = time.perf_counter()
-            ref = generate(model, prompt, new_tokens)
+            ref = generate(model, prompt, eager_new_tokens or new_tokens)
             ref_logits = teacher_forced_logits(model, prompt, ref.tokens)
             if tp_info is not None:  # replicated head on all-reduced activations: every rank picks the same tokens
                 import torch.distributed as dist
@@ -959,6 +969,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
                 if base_backend(n) == "eager":
                     notes[n].append("eager does not compile")
+                    if tokens_of[n] != new_tokens:
+                        notes[n].append(f"eager runs {tokens_of[n]} new tokens, not {new_tokens} (eager_new_tokens)")
                 try:
                     if warm_compile:
                         # Without a warm recompile the runners compiled here are the measured ones: a reset
@@ -968,7 +980,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     runner = runners[n] = _make_runner(model, n, options, regional)
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
-                    cold_wall[n] = _timed_run(runner, prompt, new_tokens, cuda, spec_of[n])["wall_s"]
+                    cold_wall[n] = _timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
                     rows[n]["compile_cache_misses"] = _cache_misses() - misses
@@ -1007,9 +1019,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
                         runners[n] = _make_runner(model, n, options, regional)
-                        warm_wall[n] = _timed_run(runners[n], prompt, new_tokens, cuda, spec_of[n])["wall_s"]
+                        warm_wall[n] = _timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
                     else:
-                        _timed_run(runners[n], prompt, new_tokens, cuda, spec_of[n])
+                        _timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -1049,7 +1061,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n], e=spec_of[n]: _timed_run(r, prompt, new_tokens, cuda, e))
+            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: _timed_run(r, prompt, t, cuda, e))
                    for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():
@@ -1202,6 +1214,9 @@ def main(argv=None) -> int:
                    help="with --precompile and --cache-dir: only fill the caches (a later run is served from them)")
     p.add_argument("--cache-dir", default=None,
                    help="keep the rows' Inductor caches here (a later run with the same arguments is served from them)")
+    p.add_argument("--eager-new-tokens", type=int, default=None, metavar="R",
+                   help="eager reference and eager rows decode R tokens (<= --new-tokens); the other rows are "
+                        "compared with eager over those R")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
     p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
@@ -1258,7 +1273,7 @@ def _bench_from_args(a) -> int:
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
                         context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache,
                         precompile=a.precompile, cache_dir=a.cache_dir, precompile_only=a.precompile_only,
-                        on_update=write_json)
+                        on_update=write_json, eager_new_tokens=a.eager_new_tokens)
     if rank != 0:
         return 0
     from rich.console import Console

@@ -509,3 +509,40 @@ def test_every_row_runs_on_one_cache_allocation_sized_for_the_longest_run(monkey
     assert model.max_seq_len == 8 + 6  # plain runs: prompt + new tokens, as generate would allocate
     with pytest.raises(ValueError, match="max_position_embeddings"):
         bench.bench_model("tiny", "cpu", "checkpoint", None, 4090, 3, model=model, speculative=True)  # 4097 > 4096
+
+
+class _Wrapped(torch.nn.Module):
+    """A stand-in compiled wrapper: calls the model (optionally scaling its logits), exposes it as `_orig_mod`."""
+
+    def __init__(self, model, scale: float = 1.0):
+        super().__init__()
+        self._orig_mod, self.scale = model, scale
+
+    def forward(self, *a, **k):
+        return self._orig_mod(*a, **k) * self.scale
+
+
+def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(monkeypatch):
+    """Eager `h200` cannot decode 1,024 tokens in a call: with eager_new_tokens R the reference and the eager row
+    decode R tokens, the other rows their full length, compared with eager over the first R."""
+    lengths = {}
+    real = bench._timed_run
+
+    def timed(runner, prompt, new_tokens, cuda, speculative=None):
+        out = real(runner, prompt, new_tokens, cuda, speculative)
+        lengths.setdefault(type(runner).__name__, set()).add(out["out"].tokens.shape[1])
+        return out
+
+    monkeypatch.setattr(bench, "_timed_run", timed)
+    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+                        model if name == "eager" else _Wrapped(model))
+    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=7, repeats=1, device="cpu",
+                            warm_compile=False, eager_new_tokens=3)
+    assert r["eager_new_tokens"] == 3 and len(r["reference_tokens"][0]) == 3
+    assert lengths == {"DeepseekV41Flash": {3}, "_Wrapped": {7}}
+    other = r["backends"]["dsv41[pdl=false]"]
+    assert other["tokens_match_eager"] is True and other["matching_prefix_tokens"] == 3
+    assert "eager runs 3 new tokens, not 7" in r["backends"]["eager"]["note"]
+    for bad in (1, 8):
+        with pytest.raises(ValueError, match="eager_new_tokens"):
+            bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=7, device="cpu", eager_new_tokens=bad)
