@@ -173,15 +173,21 @@ def test_shared_expert_clamps_projections_beyond_limit(cfg):
 
 
 # ------------------------------------------------------------------------------------------ routed paths
+def _routed_case(cfg, mode, dtype, seed: int, n: int, x_scale: float):
+    """Seeded RoutedExperts and n tokens routed to k distinct experts each: (experts, x [n, d], weights, indices)."""
+    ex = RoutedExperts(cfg, mode, dtype)
+    ex.init_random(torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = cfg.num_experts_per_tok
+    x = torch.randn(n, cfg.hidden_size, generator=gen) * x_scale
+    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:k] for _ in range(n)])
+    return ex, x, torch.rand(n, k, generator=gen) + 0.1, idx
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "bf16"])
 def test_gather_path_equals_dense_path(cfg, mode):
-    ex = RoutedExperts(cfg, mode, torch.float32)
-    ex.init_random(torch.Generator().manual_seed(7))
-    gen = torch.Generator().manual_seed(8)
-    n, k = 5, cfg.num_experts_per_tok
-    x = torch.randn(n, cfg.hidden_size, generator=gen) * 4
-    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:k] for _ in range(n)])
-    w = torch.rand(n, k, generator=gen) + 0.1
+    n = 5
+    ex, x, w, idx = _routed_case(cfg, mode, torch.float32, 7, n, 4.0)
     g = ex.forward_gather(x, w, idx)
     d = ex.forward_dense(x, w, idx)
     assert g.dtype == d.dtype == torch.float32 and g.shape == d.shape == (n, cfg.hidden_size)
@@ -241,13 +247,8 @@ def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype
     four non-zero terms and a different summation order would show. One CPU thread: with more, ATen's vector /
     scalar `exp` split follows the tensor size (the forward_dense docstring)."""
     cfg4 = dataclasses.replace(cfg, num_experts_per_tok=4)
-    ex = RoutedExperts(cfg4, mode, dtype)
-    ex.init_random(torch.Generator().manual_seed(12))
-    gen = torch.Generator().manual_seed(13)
-    n, k = 9, cfg4.num_experts_per_tok
-    x = torch.randn(n, cfg4.hidden_size, generator=gen) * 3
-    idx = torch.stack([torch.randperm(cfg4.n_routed_experts, generator=gen)[:k] for _ in range(n)])
-    w = torch.rand(n, k, generator=gen) + 0.1
+    n = 9
+    ex, x, w, idx = _routed_case(cfg4, mode, dtype, 12, n, 3.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
