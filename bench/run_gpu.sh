@@ -123,6 +123,7 @@ for s in $sections; do
       timeout ${BENCH_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional --backends "$rows" \
         --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile \
         --precompile ${PRECOMPILE:-6} --cache-dir .bench_cache/$s $only ${BENCH_FLAGS:-} \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/${s}_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -40 ;;
     backends)
       # PRECOMPILE=N (N workers, .bench_cache/backends; PRECOMPILE_ONLY=1 for a first call, PRECOMPILE=0 for the
