@@ -113,6 +113,27 @@ def test_parse_finds_every_launch_in_program_order_and_nothing_else():
                    ("copy_", "buffer"), ("zero_", "buffer")]
 
 
+_STREAM_WRAPPER = '''
+def call(args):
+    arg0_1, = args
+    buf0 = torch.ops.dsv41.stream_fork.default([arg0_1], 0)
+    buf1 = torch.ops.dsv41.mhc_expand.default(arg0_1)
+    # [Provenance debug handles] torch.ops.dsv41.stream_launch.default:7
+    buf2 = torch.ops.dsv41.stream_launch.default(buf0, [arg0_1], '{"steps": [{"op": "dsv41::mhc_mixes.default", "args": [], "kwargs": {}}, {"op": "aten::view.default", "args": [], "kwargs": {}}, {"op": "aten::mm.default", "args": [], "kwargs": {}}], "outputs": [[0, -1]]}', 0)
+    buf3 = torch.ops.dsv41.stream_join.default(buf2, [arg0_1], '{"steps": [], "outputs": []}', 0)
+    return (buf1, buf3)
+'''
+
+
+def test_side_stream_ops_count_the_kernels_their_program_launches():
+    """Fork and join launch nothing; a launch launches each op of its program except views: the static count of a
+    graph with side streams equals that of the same kernels on one stream (2026-11-30, h200: the report counted
+    Reuse layers at 49 launches with streams and 41 without, the profiler 1,815 per step either way)."""
+    got = [(x.kernel, x.handle) for x in kc.parse_launches(_STREAM_WRAPPER, None)]
+    launch = "torch.ops.dsv41.stream_launch.default"
+    assert got == [("torch.ops.dsv41.mhc_expand.default", None), (launch, f"{launch}:7"), (launch, f"{launch}:7")]
+
+
 def test_parse_reads_provenance_handles_and_source_node_comments():
     by_kernel = {x.kernel: x for x in kc.parse_launches(_WRAPPER, _PROVENANCE)}
     assert by_kernel["triton_poi_fused_mul_1"].handle == "triton_poi_fused_mul_1:2"  # across the stream line

@@ -343,6 +343,8 @@ def test_auto_on_cpu_plans_the_same_schedule_without_applying(zoo_streams):
     assert s["applied"] is False and s["streams"] == 1 and "CPU" in s["reason"]
     assert [r["op"] for r in s["regions"]] == [r["op"] for r in zoo_streams[2]["schedule"]["regions"]]
     assert "stream_fork" not in d["graphs"][0]["graph_after"]
+    # the same kernels on one stream or two: the static launch count does not count fork / join as launches
+    assert d["graphs"][0]["layer_kernels"]["total"] == zoo_streams[2]["graphs"][0]["layer_kernels"]["total"] > 0
 
 
 # ------------------------------------------------------------------------------------------- tiny

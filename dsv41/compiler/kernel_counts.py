@@ -53,6 +53,10 @@ _SOURCE_NODES = re.compile(r"Source Nodes: \[([^\]]*)\]")
 _NOT_LAUNCH_OPS = re.compile(r"(^|\.)(_alloc_from_pool|_assert_\w*|wait_tensor|sym_\w+|as_strided|view|"
                              r"_reinterpret_tensor|record_stream|empty\w*|resize_\w*)(\.|$)")
 _BUFFER_METHODS = {"copy_", "zero_", "fill_", "index_put_", "scatter_", "scatter_add_", "index_copy_"}
+#: dsv41's side-stream ops (`dsv41/kernels/streams.py`): fork and join record / wait on events and launch nothing;
+#: a launch runs its program's steps, each op of which launches as it would on the main stream.
+_STREAM_EVENT_OPS = re.compile(r"^torch\.ops\.dsv41\.stream_(fork|join)(\.|$)")
+_STREAM_LAUNCH_OP = re.compile(r"^torch\.ops\.dsv41\.stream_launch(\.|$)")
 _NOT_LAUNCH_FUNCS = {"get_args", "benchmark_compiled_module"}
 _PATH_NORMALISE = re.compile(r"\._modules\[|\[|\]|'|\"")
 _DOTTED_LAYER = re.compile(r"(?:^|\.)[A-Za-z_]\w*\.(\d+)(?:\.|$)")
@@ -273,12 +277,27 @@ def _kernel_defs(tree: ast.Module) -> dict:
     return out
 
 
+def _program_launches(call: ast.Call) -> int:
+    """Launches of a `stream_launch` call: the steps of its program (the JSON string literal among its arguments)
+    whose op launches work; 1 when the program is not a literal the wrapper spells out."""
+    import json
+    for arg in call.args:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.lstrip().startswith("{"):
+            try:
+                steps = json.loads(arg.value)["steps"]
+            except (ValueError, KeyError, TypeError):
+                return 1
+            return sum(1 for st in steps if not _NOT_LAUNCH_OPS.search(str(st.get("op", "")).replace("::", ".")))
+    return 1
+
+
 def _classify(call: ast.Call, kernels: Mapping[str, str]) -> tuple[str, str] | None:
-    """(kernel, kind) when `call` launches work, else None."""
+    """(kernel, kind) when `call` launches work, else None (`parse_launches` counts a `stream_launch` as the
+    launches of its program)."""
     if isinstance(call.func, ast.Attribute) and call.func.attr in _BUFFER_METHODS:
         return call.func.attr, "buffer"  # e.g. buf3.copy_(buf1), reinterpret_tensor(...).zero_()
     fn = _dotted(call.func)
-    if fn is None:
+    if fn is None or _STREAM_EVENT_OPS.search(fn):
         return None
     head, _, last = fn.rpartition(".")
     if fn in kernels:
@@ -318,7 +337,8 @@ def parse_launches(source: str, provenance: str | Mapping | None = None) -> list
         source: `CompiledFxGraph.source_code` (a Python module).
         provenance: `CompiledFxGraph.inductor_provenance_mapping_str` (JSON) or its parsed dict, or None.
     Returns: one `Launch` per call in the wrapper's functions (`call`, graph partitions, subgraphs) that runs a
-        kernel; the code of `get_args` / `benchmark_compiled_module` is skipped.
+        kernel; the code of `get_args` / `benchmark_compiled_module` is skipped. dsv41's side-stream fork / join
+        launch nothing; a `stream_launch` gives one `Launch` per launching step of its program (same site).
     Raises: SyntaxError when `source` is not Python (e.g. a C++ wrapper).
     """
     tree = ast.parse(source)
@@ -328,25 +348,27 @@ def parse_launches(source: str, provenance: str | Mapping | None = None) -> list
     found = []
 
     def visit(fn: ast.AST) -> None:
-        """Collect (line, column, kernel) for every launch call inside `fn`."""
+        """Collect (line, column, kernel, launches) for every launch call inside `fn`."""
         for node in ast.walk(fn):
             if isinstance(node, ast.Call):
                 hit = _classify(node, kernels)
                 if hit is not None:
-                    found.append((node.lineno, node.col_offset, hit))
+                    times = _program_launches(node) if _STREAM_LAUNCH_OP.search(hit[0]) else 1
+                    found.append((node.lineno, node.col_offset, hit, times))
 
     for top in tree.body:
         for fn in _outer_functions(top):
             visit(fn)
     out = []
     previous = 0
-    for lineno, _, (kernel, kind) in sorted(set(found)):
+    for lineno, _, (kernel, kind), times in sorted(set(found)):
         handle, names = _comments_before(lines, lineno, previous, kernel)
         previous = lineno
         if handle is not None and handle in mapping:
-            out.append(Launch(kernel, kind, lineno, handle, tuple(mapping[handle]), True))
+            launch = Launch(kernel, kind, lineno, handle, tuple(mapping[handle]), True)
         else:
-            out.append(Launch(kernel, kind, lineno, handle, names, False))
+            launch = Launch(kernel, kind, lineno, handle, names, False)
+        out += [launch] * times
     return out
 
 
