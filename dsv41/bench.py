@@ -680,7 +680,8 @@ def identical_rows(tokens: Mapping[str, Sequence[torch.Tensor]], digests: Mappin
     for n in tokens:
         mine = tokens[n]
         out[n] = {"same_tokens_as": None if not mine else
-                  [m for m in tokens if m != n and tokens[m] and runs_equal(mine, tokens[m]) and runs_equal(mine, mine)],
+                  [m for m in tokens
+                   if m != n and tokens[m] and runs_equal(mine, tokens[m]) and runs_equal(mine, mine)],
                   "same_logits_as": None if digests.get(n) is None else
                   [m for m in digests if m != n and digests.get(m) == digests[n]]}
     return out
@@ -765,7 +766,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     families, ablation_note = ablation_families()
     names = expand_backends(backends, families)
     spec_of = row_speculation(names, speculative)
-    # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens` its rows and the reference stop there.
+    # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens`, its rows and the reference
+    # stop earlier.
     tokens_of = {n: (eager_new_tokens or new_tokens) if base_backend(n) == "eager" else new_tokens for n in names}
     if speculative is not None and speculative <= 0:
         raise ValueError(f"speculative must be a positive mean acceptance length, got {speculative}")
@@ -817,7 +819,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
     res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype if model is not None else
-                        _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""), "device": device, "prompt_len": prompt_len,
+                        _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""),
+           "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "eager_new_tokens": eager_new_tokens or new_tokens,
            "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "shared_cache": shared_cache,

@@ -21,10 +21,10 @@ Regional rows (`share_weights`). The `h200` preset holds 86.7 GB of weights, so 
 does not fit the GPU and its rows compiled one at a time (about 150 s each). A regional compile traces each layer as
 its own graph, whose weights are graph inputs: their shapes, not their values, are in the graph and in Inductor's
 cache key. So a worker of a regional row builds the model with every layer taking the weights of the first layer
-with a weight of the same name, shape and dtype (`blocks_sharing_weights`; `h200`: one layer's worth of each weight
-shared by 40 layers), and compiles the same graphs the full model compiles; the caches and buffers (KV rings, banks, states)
-stay per layer. The numbers it computes differ, which a compile does not see. Not for whole-model compiles: there
-shared weights would be one graph input used for several layers, a different graph.
+with a weight of the same name, shape and dtype (`blocks_sharing_weights`; `h200`: one layer's worth of each
+weight, shared by 40 layers: 8.2 GB), and compiles the same graphs the full model compiles; the caches and buffers
+(KV rings, banks, states) stay per layer. The numbers it computes differ, which a compile does not see. Not for
+whole-model compiles: there shared weights would be one graph input used for several layers, a different graph.
 
 Worker: `python -m dsv41.precompile SPEC.json RESULT.json`, SPEC the keyword arguments of `run_worker`.
 """

@@ -468,7 +468,8 @@ def test_row_speculation_puts_dspark_off_and_on_side_by_side():
     names = ["eager", "eager+dspark", "dsv41", "dsv41+dspark"]
     assert bench.row_speculation(names, None) == {"eager": None, "eager+dspark": 5.5, "dsv41": None,
                                                   "dsv41+dspark": 5.5}
-    assert bench.row_speculation(names, 3.0)["dsv41+dspark"] == 3.0 and bench.row_speculation(names, 3.0)["dsv41"] is None
+    at3 = bench.row_speculation(names, 3.0)
+    assert at3["dsv41+dspark"] == 3.0 and at3["dsv41"] is None
     assert bench.row_speculation(["eager", "dsv41"], 4.0) == {"eager": 4.0, "dsv41": 4.0}  # --speculative alone
     assert bench.row_speculation(["eager", "dsv41"], None) == {"eager": None, "dsv41": None}
 
