@@ -674,6 +674,7 @@ def identical_rows(tokens: Mapping[str, Sequence[torch.Tensor]], digests: Mappin
     `dsv41[cuda_graphs=false]` (same kernels, launched without the graph).
     """
     def runs_equal(a, b):
+        """Whether every run of `a` gave exactly the tokens of every run of `b` (lists of int64 [B, N])."""
         return all(torch.equal(x, y) for x in a for y in b)
 
     out = {}
