@@ -238,6 +238,15 @@ def test_teacher_forcing_eager_reproduces_generate_logits(tiny_model, tiny_promp
     logits = bench.teacher_forced_logits(tiny_model, prompt, out.tokens)
     assert logits.shape == (1, 3, tiny_model.config.vocab_size)
     assert torch.equal(logits.argmax(-1), out.tokens[:, 1:])
+    # the bench's eager reference takes these logits from the greedy run itself (return_logits), not a second pass
+    kept = generate(tiny_model, prompt, 4, return_logits=True)
+    assert torch.equal(kept.tokens, out.tokens)
+    assert kept.logits.dtype == torch.float32 and torch.equal(kept.logits, logits)
+    assert generate(tiny_model, prompt, 4).logits is None
+    with pytest.raises(ValueError, match="return_logits"):
+        generate(tiny_model, prompt, 1, return_logits=True)
+    with pytest.raises(ValueError, match="return_logits"):
+        generate(tiny_model, prompt, 4, speculative=True, return_logits=True)
 
 
 def test_run_benchmark_rejects_bad_sizes_before_building():

@@ -42,6 +42,8 @@ class GenerateResult:
     Speculative runs only (empty / None otherwise): acceptance: tokens emitted per verify round (accepted drafts
     + the bonus token), one list of B per round; natural_acceptance: the same under greedy acceptance (equal to
     `acceptance` unless simulated); simulated_acceptance: the "match-expected" mean length, or None.
+    logits (`return_logits=True` only): float32 [B, N-1, V] on the CPU, the logits of decode steps 1..N-1 (step i
+    was fed token i-1), i.e. what `dsv41.bench.teacher_forced_logits` computes for these tokens, without a second run.
     """
 
     tokens: torch.Tensor
@@ -50,6 +52,7 @@ class GenerateResult:
     acceptance: List[List[int]] = field(default_factory=list)
     natural_acceptance: List[List[int]] = field(default_factory=list)
     simulated_acceptance: Optional[float] = None
+    logits: Optional[torch.Tensor] = None
 
     @property
     def mean_acceptance(self) -> float:
@@ -114,7 +117,8 @@ class _Clock:
 
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
-             speculative: bool = False, simulate_acceptance: float | None = None, drafter=None) -> GenerateResult:
+             speculative: bool = False, simulate_acceptance: float | None = None, drafter=None,
+             return_logits: bool = False) -> GenerateResult:
     """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
 
     With `speculative=True`: DSpark speculative decoding instead (`speculative.generate_speculative`): each round
@@ -130,12 +134,17 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
             Caches are reset in place when big enough, else (re)allocated with `setup_cache`.
         prompt_ids: int64 [P] or [B, P].
         max_new_tokens: tokens to produce (>= 1). EOS is ignored.
+        return_logits: also keep each decode step's last-position logits (float32, cloned, since a CUDA-graph
+            output is overwritten by the next replay); costs a copy per step, so benchmarks leave it off.
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:
         ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings;
-        `simulate_acceptance` or `drafter` without `speculative`.
+        `simulate_acceptance` or `drafter` without `speculative`; `return_logits` with `speculative` or with
+        max_new_tokens < 2 (no decode step).
     """
+    if return_logits and (speculative or max_new_tokens < 2):
+        raise ValueError("return_logits needs plain decoding (speculative=False) and max_new_tokens >= 2")
     if speculative:
         from .speculative import generate_speculative
         return generate_speculative(model, prompt_ids, max_new_tokens, compiled_prefill=compiled_prefill,
@@ -165,10 +174,14 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
     out[:, 0] = tok
     mark()
     pos = torch.full((b, 1), p, dtype=torch.int64, device=dev)
+    kept = []
     for i in range(1, max_new_tokens):
         logits = model(tok[:, None], pos)
+        if return_logits:
+            kept.append(logits[:, -1].float().clone())
         tok = logits[:, -1].argmax(-1)
         out[:, i] = tok
         pos += 1
         mark()
-    return GenerateResult(tokens=out.cpu(), timestamps=clock.seconds(), prompt_len=p)
+    return GenerateResult(tokens=out.cpu(), timestamps=clock.seconds(), prompt_len=p,
+                          logits=torch.stack(kept, 1).cpu() if return_logits else None)
