@@ -11,16 +11,18 @@ those options over the run's `--option`s, and `toggles` expands to `TOGGLES` (CU
 off: each toggled alone from the default, issue 6).
 
 Protocol, in this order (every backend gets the same prompt, seed 42, and the same eager module underneath):
-1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps
-   with those tokens teacher-forced.
+1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps, kept
+   from that run (`return_logits=True`: the same logits as teacher-forcing those tokens, without a second run).
 2. cold compile: per backend, `torch.compiler.reset()` and an empty TORCHINDUCTOR_CACHE_DIR of its own, then
    the first `generate` run (capture + compile + one run of the workload). `compile_s` = that run's wall time
    minus the median wall time of the backend's measured runs.
 3. warm compile: one `torch.compiler.reset()`, then per backend a fresh `torch.compile` wrapper over the same
    cache directory and one `generate` run (Inductor's FX-graph cache hits): `compile_warm_s`, computed as
-   above. This run is also BENCHMARK.md's discarded warm-up run.
+   above. This run is also BENCHMARK.md's discarded warm-up run; eager rows, which compile nothing, skip it
+   (their first run warmed them).
 4. per backend: kernels of ONE decode step under torch.profiler (CUDA only), and the teacher-forced logits
-   against eager's (`max_rel_logit_err`).
+   against eager's (`max_rel_logit_err`; eager rows run the reference's module and step, so their logits are
+   the reference's, not recomputed).
 5. `repeats` measured runs per backend in the order A B C A B C ...; caches are reset in place by `generate`.
 
 `kernels_per_step`: GPU kernel activities torch.profiler records while one warmed-up decode step runs (CUDA
@@ -1021,6 +1023,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             task = prog.add_task(what, total=len(runnable))
             for n in list(runnable):
                 prog.update(task, description=f"{what}: {n}")
+                if base_backend(n) == "eager":  # compiles nothing: its first run above was its warm-up
+                    say(f"{n}: no warm-up run (eager: the first run warmed it)")
+                    update()
+                    prog.advance(task)
+                    continue
                 try:
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
@@ -1056,7 +1063,13 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
                 try:
-                    tf = teacher_forced_logits(runners[n], prompt, ref.tokens)
+                    if base_backend(n) == "eager":
+                        # The same module and decode step as the reference: its teacher-forced logits are the
+                        # reference's (an eager `h200` step takes ~0.7 s, so they are not recomputed).
+                        tf = ref_logits
+                        notes[n].append("teacher-forced logits: the eager reference's own (same module and step)")
+                    else:
+                        tf = teacher_forced_logits(runners[n], prompt, ref.tokens)
                     rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, ref_logits)
                     rows[n]["teacher_forced_logits_sha256"] = tensor_digest(tf)
                 except Exception as e:

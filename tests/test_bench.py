@@ -556,3 +556,31 @@ def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(
     for bad in (1, 8):
         with pytest.raises(ValueError, match="eager_new_tokens"):
             bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=7, device="cpu", eager_new_tokens=bad)
+
+
+def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):
+    """Eager compiles nothing: its first run is its warm-up, and its decode step is the reference's, whose logits
+    the greedy run kept. A compiled row (here a stand-in wrapper) still gets both."""
+    runs, forced = [], []
+    real_run, real_tf = bench._timed_run, bench.teacher_forced_logits
+    monkeypatch.setattr(bench, "_timed_run", lambda runner, *a, **k: runs.append(runner) or real_run(runner, *a, **k))
+    monkeypatch.setattr(bench, "teacher_forced_logits", lambda runner, *a: forced.append(runner) or real_tf(runner, *a))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, *a, **k):
+            return self._orig_mod(*a, **k)
+
+    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+                        model if name == "eager" else Wrapped(model))
+    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=3, repeats=2, device="cpu",
+                            warm_compile=False)
+    kinds = ["eager" if not isinstance(x, Wrapped) else "wrapped" for x in runs]
+    assert kinds.count("eager") == 1 + 2 and kinds.count("wrapped") == 1 + 1 + 2  # cold (+ warm-up) + measured
+    assert len(forced) == 1 and isinstance(forced[0], Wrapped)
+    e = r["backends"]["eager"]
+    assert e["max_rel_logit_err"] == 0.0 and "the eager reference's own" in e["note"]
+    assert r["backends"]["dsv41[pdl=false]"]["same_logits_as"] == ["eager"]

@@ -100,3 +100,20 @@ def test_fp8_activation_fake_quant_uses_ue8m0_per_32():
             scale = 2.0 ** math.ceil(math.log2(blk.abs().max().item() / 448))
             ref = (blk / scale).to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64) * scale
             assert torch.equal(y[r, 32 * b:32 * (b + 1)], ref)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                                        (torch.float32, torch.int32)])
+def test_byte_table_dequantisation_has_the_bits_of_the_arithmetic_form(dtype, bits):
+    """The dense prefill MoE decodes FP4 through a byte table: every byte under every UE8M0 exponent must give the
+    bits of `dequantize_fp4_1x32` (-0.0 and the zero scale included), and the values of the plain-Python table."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 16)             # [256, 4096]: each row every byte
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 256)    # row r: exponent r everywhere
+    got = F.dequantize_fp4_1x32_table(packed, scale.contiguous(), dtype)
+    want = F.dequantize_fp4_1x32(packed, scale.contiguous(), dtype)
+    assert got.dtype == dtype and got.shape == (256, 8192)
+    assert torch.equal(got.view(bits), want.view(bits))
+    lo = [E2M1[b & 7] * (-1 if b & 8 else 1) for b in range(16)]
+    row = [v for b in range(256) for v in (lo[b & 15], lo[b >> 4])]
+    assert got[127, :512].tolist() == row                                     # exponent 127: scale 1
+    assert math.copysign(1.0, got[127, 16].item()) == -1.0                    # byte 8, low nibble: -0.0

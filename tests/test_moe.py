@@ -254,7 +254,8 @@ def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype
     try:
         want = _dense_one_expert_at_a_time(ex, x, w, idx)
         if group is not None:
-            per_expert = cfg4.hidden_size * cfg4.moe_intermediate_size * (3 * dtype.itemsize + 40) \
+            per_expert = cfg4.hidden_size * cfg4.moe_intermediate_size * (3 * dtype.itemsize
+                                                                          + moe_mod._DENSE_DEQUANT_TEMP_BYTES) \
                 + 8 * n * cfg4.moe_intermediate_size * 4
             monkeypatch.setattr(moe_mod, "_DENSE_GROUP_BYTES", group * per_expert)
             assert ex._dense_group(n) == group

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .formats import dequantize_fp4_1x32, fake_quant_fp8_1x32, quantize_fp4_1x32
+from .formats import dequantize_fp4_1x32, dequantize_fp4_1x32_table, fake_quant_fp8_1x32, quantize_fp4_1x32
 from .linear import Linear
 
 __all__ = ["WEIGHT_MODES", "clamped_swiglu", "Gate", "Expert", "RoutedExperts", "MoE"]
@@ -41,6 +41,10 @@ _DENSE_TOKEN_CHUNK = 4096
 
 #: Bytes of dense expert weights and intermediates one group of the dense path may hold (`_dense_group`).
 _DENSE_GROUP_BYTES = 4 << 30
+
+#: Temporary bytes per weight element while the dense path dequantises one matrix of a group: the int32 index per
+#: byte (2), the table's output and the scaled result (one element each in the model dtype, at most 4 + 4), rounded up.
+_DENSE_DEQUANT_TEMP_BYTES = 12
 
 
 def _check_weight_mode(weight_mode: str) -> None:
@@ -299,8 +303,10 @@ class RoutedExperts(nn.Module):
         Experts run in groups (`_dense_group`) and tokens in chunks of `_DENSE_TOKEN_CHUNK`, to bound the
         intermediates. Per expert the GEMMs are `F.linear` on that expert's weight, and every output row adds the
         experts' FP32 contributions in expert order; the elementwise steps (dequantisation, SwiGLU, routing
-        weight, FP8 re-quantisation) run on a whole group at once. Each element's arithmetic is that of one
-        expert at a time, with ~3.6x fewer kernel launches for `h200` (3,840 experts per prefill). One caveat: on
+        weight, FP8 re-quantisation) run on a whole group at once, and FP4 weights are decoded through a byte
+        table (`formats.dequantize_fp4_1x32_table`, the same bits as `dequantized_weight`). Each element's
+        arithmetic is that of one expert at a time, with ~3.6x fewer kernel launches for `h200` (3,840 experts per
+        prefill). One caveat: on
         CPU with more than two threads, ATen evaluates `exp` in vector or scalar code depending on where a
         thread's slice of the tensor ends, so SwiGLU's last bit can differ from a one-expert-at-a-time run.
         """
@@ -313,8 +319,7 @@ class RoutedExperts(nn.Module):
         group = self._dense_group(min(n, _DENSE_TOKEN_CHUNK))
         for g0 in range(0, self.n_experts, group):
             g1 = min(g0 + group, self.n_experts)
-            experts = torch.arange(g0, g1, device=x.device)
-            w1, w3, w2 = (self.dequantized_weight(name, experts).unbind(0) for name in ("w1", "w3", "w2"))
+            w1, w3, w2 = (self._dense_weights(name, g0, g1).unbind(0) for name in ("w1", "w3", "w2"))
             for start in range(0, n, _DENSE_TOKEN_CHUNK):
                 rows = slice(start, start + _DENSE_TOKEN_CHUNK)
                 xc = xq[rows]
@@ -327,14 +332,22 @@ class RoutedExperts(nn.Module):
                     acc += F.linear(hq[j], w).float()  # in place on `out`, in expert order per row
         return out
 
+    def _dense_weights(self, name: str, g0: int, g1: int) -> torch.Tensor:
+        """Dense `name` weights of experts g0..g1-1, [g1-g0, n, k] in `dtype`: the values of `dequantized_weight`,
+        decoded through the byte table (`formats.dequantize_fp4_1x32_table`: 3 passes instead of ~20; this path runs
+        eager, it is not the decode code the dispatch pass matches)."""
+        w = getattr(self, name)[g0:g1]
+        if self.weight_mode == "checkpoint":
+            return dequantize_fp4_1x32_table(w, getattr(self, name + "_scale")[g0:g1], self.dtype)
+        return w
+
     def _dense_group(self, tokens: int) -> int:
         """Experts per group of `forward_dense` for `tokens` rows per chunk: as many as keep within
         `_DENSE_GROUP_BYTES` the group's dense weights (3 per expert in `dtype`), the dequantisation's temporaries
-        (up to ~40 bytes per element of the group's matrix being dequantised: int32 codes and FP32 partials,
-        measured on CPU) and the chunk's [tokens, inter] FP32 intermediates (a, b, SwiGLU, re-quantisation; at least
-        1)."""
+        (`_DENSE_DEQUANT_TEMP_BYTES` per element of the group's matrix being dequantised) and the chunk's
+        [tokens, inter] FP32 intermediates (a, b, SwiGLU, re-quantisation; at least 1)."""
         d, f = self.dim, self.inter
-        per_expert = d * f * (3 * self.dtype.itemsize + 40) + 8 * tokens * f * 4
+        per_expert = d * f * (3 * self.dtype.itemsize + _DENSE_DEQUANT_TEMP_BYTES) + 8 * tokens * f * 4
         return max(1, min(self.n_experts, _DENSE_GROUP_BYTES // per_expert))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
