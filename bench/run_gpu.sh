@@ -111,8 +111,9 @@ for s in $sections; do
       # there, then times them one after another. PRECOMPILE_ONLY=1 stops after the workers (call 1); the same
       # command with PRECOMPILE=0 instead (call 2) is then served from the cache. h200 (REGIONAL=1 PRESET=h200): the
       # benchmark process builds no model in call 1 and the workers share one tensor per weight name and shape
-      # across layers (8.2 GB each, dsv41/precompile.py); 2026-11-30: 5 rows precompiled in 387 s, and each row of
-      # call 2 compiled from its cache in ~25 s (11 FX-graph hits, 0 misses).
+      # across layers (8.2 GB each, dsv41/precompile.py); 2026-11-30: 5 rows precompiled in 335-387 s, and each row
+      # of call 2 compiled from its cache in 13-28 s (11 FX-graph hits, 0 misses); the whole h200 toggles call 2
+      # took 439 s at NEW_TOKENS=64 REPEATS=2 (bench/results/2026-11-30_h200_s13), before the byte-table prefill.
       # dspark (issue 8): DSpark off and on (simulated acceptance 5.5) for eager, inductor and dsv41 in one run.
       case $s in
         toggles) rows=${TOGGLE_BACKENDS:-dsv41,toggles,inductor-cudagraphs} ;;
