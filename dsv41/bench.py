@@ -721,8 +721,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             With `<row>+dspark` rows in `backends`, only those rows decode speculatively (at E, default
             `DSPARK_ACCEPTANCE`) and the others plainly, in the same run (`row_speculation`).
         eager_new_tokens: R <= new_tokens: the eager reference and the eager rows decode R tokens instead of
-            new_tokens (eager `h200` takes ~0.8 s a token); the other rows' tokens and teacher-forced logits are
-            compared with eager's over those R (result `eager_new_tokens`; None: new_tokens).
+            new_tokens (eager `h200` takes ~0.7 s a token on the H200); the other rows' tokens and teacher-forced
+            logits are compared with eager's over those R (result `eager_new_tokens`; None: new_tokens).
         shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
             Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
             compile (result `shared_cache: true`).
@@ -940,7 +940,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
             t_ref = time.perf_counter()
             # The greedy run's own step logits are eager's teacher-forced logits for its tokens: one eager pass,
-            # not two (an eager `h200` decode step takes ~0.8 s).
+            # not two (an eager `h200` decode step takes ~0.7 s on the H200).
             ref = generate(model, prompt, eager_new_tokens or new_tokens, return_logits=True)
             ref_logits = ref.logits
             if tp_info is not None:  # replicated head on all-reduced activations: every rank picks the same tokens
@@ -1024,6 +1024,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             for n in list(runnable):
                 prog.update(task, description=f"{what}: {n}")
                 if base_backend(n) == "eager":  # compiles nothing: its first run above was its warm-up
+                    notes[n].append("no separate warm-up run: eager compiles nothing, its first run warmed it")
                     say(f"{n}: no warm-up run (eager: the first run warmed it)")
                     update()
                     prog.advance(task)
@@ -1065,7 +1066,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 try:
                     if base_backend(n) == "eager":
                         # The same module and decode step as the reference: its teacher-forced logits are the
-                        # reference's (an eager `h200` step takes ~0.7 s, so they are not recomputed).
+                        # reference's (an eager `h200` step takes ~0.7 s on the H200, so they are not recomputed).
                         tf = ref_logits
                         notes[n].append("teacher-forced logits: the eager reference's own (same module and step)")
                     else:

@@ -583,4 +583,5 @@ def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):
     assert len(forced) == 1 and isinstance(forced[0], Wrapped)
     e = r["backends"]["eager"]
     assert e["max_rel_logit_err"] == 0.0 and "the eager reference's own" in e["note"]
+    assert "no separate warm-up run" in e["note"]
     assert r["backends"]["dsv41[pdl=false]"]["same_logits_as"] == ["eager"]

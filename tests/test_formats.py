@@ -117,3 +117,28 @@ def test_byte_table_dequantisation_has_the_bits_of_the_arithmetic_form(dtype, bi
     row = [v for b in range(256) for v in (lo[b & 15], lo[b >> 4])]
     assert got[127, :512].tolist() == row                                     # exponent 127: scale 1
     assert math.copysign(1.0, got[127, 16].item()) == -1.0                    # byte 8, low nibble: -0.0
+
+
+def test_byte_table_is_never_cached_from_a_fake_tensor_or_a_trace():
+    """A table built from a FakeTensor, or while Dynamo traces, must not be served to later real calls (a fake table
+    breaks them; a cached one under Dynamo adds a dict guard and a recompile); uint8 codes only."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    F._FP4_BYTE_TABLES.clear()
+    packed = torch.randint(0, 256, (4, 16), dtype=torch.uint8)
+    scale = torch.randint(120, 135, (4, 1), dtype=torch.uint8)
+    want = F.dequantize_fp4_1x32(packed, scale, torch.float32)
+    with FakeTensorMode() as mode:
+        F.dequantize_fp4_1x32_table(mode.from_tensor(packed), mode.from_tensor(scale), torch.float32)
+    assert not F._FP4_BYTE_TABLES
+    counter = CompileCounter()
+    fn = torch.compile(lambda p, s: F.dequantize_fp4_1x32_table(p, s, torch.float32), backend=counter,
+                       fullgraph=True)
+    for _ in range(3):
+        assert torch.equal(fn(packed, scale), want)
+    assert counter.frame_count == 1 and not F._FP4_BYTE_TABLES
+    assert torch.equal(F.dequantize_fp4_1x32_table(packed, scale, torch.float32), want)
+    assert len(F._FP4_BYTE_TABLES) == 1
+    with pytest.raises(TypeError, match="uint8"):
+        F.dequantize_fp4_1x32_table(packed.view(torch.int8), scale, torch.float32)

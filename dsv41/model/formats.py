@@ -19,6 +19,7 @@ scale rule, 32x32 block-FP8 weights, 1x32 FP4 expert weights, 1x32 FP8 activatio
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
     "E2M1_VALUES", "FP8_MAX", "FP4_MAX",
@@ -177,6 +178,7 @@ def dequantize_fp4_1x32_table(packed: torch.Tensor, scale: torch.Tensor, dtype: 
     Args: packed `uint8` [..., N, K/2] (two E2M1 codes per byte, low nibble = even element); scale `uint8`
         [..., N, K/32] (UE8M0); dtype of the result.
     Returns: [..., N, K] in `dtype`.
+    Raises: TypeError when `packed` is not uint8.
     Why a second form: `dequantize_fp4_1x32` decodes in ~20 elementwise passes over int32 / FP32 temporaries
     (~160 bytes of traffic per weight element), which is what the eager dense (prefill) MoE path spends its time on
     when it dequantises every expert of `h200` (144 G elements per prefill). This form makes three passes (byte
@@ -184,12 +186,20 @@ def dequantize_fp4_1x32_table(packed: torch.Tensor, scale: torch.Tensor, dtype: 
     same `dtype` product, so the bits are equal. Traced code keeps `dequantize_fp4_1x32`: the dispatch pass
     matches its arithmetic form (`dsv41/passes/dispatch.py`).
     """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed FP4 codes must be uint8, got {packed.dtype}")
+    # Cache real tables only: a table made from a fake / meta tensor, or while Dynamo traces (a dict guard and a
+    # recompile), would serve later real calls. Building it costs 512 elements. `is_compiling` comes first: Dynamo
+    # cannot trace `is_fake` (a graph break).
+    cacheable = not (torch.compiler.is_compiling() or packed.is_meta or is_fake(packed))
     key = (dtype, packed.device)
-    table = _FP4_BYTE_TABLES.get(key)
+    table = _FP4_BYTE_TABLES.get(key) if cacheable else None
     if table is None:
         byte = torch.arange(256, device=packed.device)
         values = e2m1_to_float(torch.arange(16, device=packed.device), dtype)
-        table = _FP4_BYTE_TABLES[key] = torch.stack((values[byte & 15], values[byte >> 4]), dim=-1)
+        table = torch.stack((values[byte & 15], values[byte >> 4]), dim=-1)
+        if cacheable:
+            _FP4_BYTE_TABLES[key] = table
     vals = torch.nn.functional.embedding(packed.to(torch.int32), table).flatten(-2)
     s = ue8m0_to_float(scale).to(dtype)
     shp = vals.shape

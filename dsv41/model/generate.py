@@ -135,7 +135,7 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         prompt_ids: int64 [P] or [B, P].
         max_new_tokens: tokens to produce (>= 1). EOS is ignored.
         return_logits: also keep each decode step's last-position logits (float32, cloned, since a CUDA-graph
-            output is overwritten by the next replay); costs a copy per step, so benchmarks leave it off.
+            output is overwritten by the next replay); costs a copy per step, so timed runs leave it off.
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:

@@ -334,8 +334,10 @@ class RoutedExperts(nn.Module):
 
     def _dense_weights(self, name: str, g0: int, g1: int) -> torch.Tensor:
         """Dense `name` weights of experts g0..g1-1, [g1-g0, n, k] in `dtype`: the values of `dequantized_weight`,
-        decoded through the byte table (`formats.dequantize_fp4_1x32_table`: 3 passes instead of ~20; this path runs
-        eager, it is not the decode code the dispatch pass matches)."""
+        decoded through the byte table (`formats.dequantize_fp4_1x32_table`: 3 passes instead of ~20). The dense path
+        is the prefill path, which the benchmark runs eager; it is also traced where a compiled step routes more
+        rows than experts (e.g. `small`'s DSpark drafter, 5 x top-2 over 8 experts), and the dispatch pass matches
+        neither form there."""
         w = getattr(self, name)[g0:g1]
         if self.weight_mode == "checkpoint":
             return dequantize_fp4_1x32_table(w, getattr(self, name + "_scale")[g0:g1], self.dtype)
