@@ -19,6 +19,13 @@ final norm, head, per-step math outside the blocks) counts as `other`, and so do
 provenance (counted again in `no_provenance`). Where a launch has no handle
 but a `Source Nodes: [...]` comment (names of Dynamo-graph nodes), those names are used.
 
+dsv41 ops (`count_launches`' `op_census`): the wrapper calls a dsv41 op once, but its CUDA host code may launch
+more (the sparse attention's split combine, the indexer's two-stage top-k, layout copies). With the post-grad graph
+at hand, each op call on CUDA tensors counts what the launch census (`dsv41/kernels/census.py`) finds when it runs
+the op's CUDA host code on meta tensors of the call's shapes; a side-stream program counts its steps that way. A
+call it cannot census counts once, said in `note`. On the H200 this closed the gap to the profiler: `h200` decode
+counted 1,763 launches statically against 1,815 profiled, 38 of them the attention combine.
+
 Mapping layers to roles (SWA, Full, Reindex, Reuse) needs the model config, which a torch.compile backend does
 not see: `kernels_by_role(by_layer, roles)` does it for callers that know it (`ModelConfig.roles`).
 Source: issue 4 / issue 7, ARCHITECTURE.md "Pipeline stages" 6; torch/_inductor/debug.py provenance tracking.
@@ -45,7 +52,8 @@ __all__ = ["LayerKernelCounts", "Launch", "WrapperCapture", "provenance_config",
 OTHER = "other"
 STATIC_METHOD = ("static launches per call of the compiled graph: Inductor kernels, extern/fallback op calls and "
                  "buffer copies/fills listed in Inductor's generated wrapper, attributed to decoder layers through "
-                 "Inductor's kernel provenance (post-grad nodes -> nn_module_stack)")
+                 "Inductor's kernel provenance (post-grad nodes -> nn_module_stack); a dsv41 op on CUDA counts the "
+                 "kernels its CUDA host code launches for the call's shapes (launch census, kernels/census.py)")
 
 _HANDLE = re.compile(r"\[Provenance debug handles\]\s+(\S+:\d+)\s*$")
 _SOURCE_NODES = re.compile(r"Source Nodes: \[([^\]]*)\]")
@@ -417,7 +425,8 @@ def _launch_layer(launch: Launch, post: Mapping, dynamo_layers: Mapping) -> int 
 
 
 def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | None = None,
-                   dynamo_layers: Mapping[str, int | None] | None = None) -> LayerKernelCounts:
+                   dynamo_layers: Mapping[str, int | None] | None = None,
+                   op_census: bool | None = None) -> LayerKernelCounts:
     """Launches of one call of a compiled graph, per decoder layer (see the module docstring for the rules).
 
     Args:
@@ -426,6 +435,9 @@ def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | No
         post_grad: the post-grad graph Inductor lowered (node meta: nn_module_stack, from_node), or None (e.g.
             a cache hit, where only the Dynamo graph is known).
         dynamo_layers: {Dynamo graph node name: layer or None}.
+        op_census: count each dsv41 op call (and side-stream program) as the kernels its CUDA host code launches
+            for the call's shapes (`kernels/census.py`; needs `post_grad`) instead of one; None: for calls on CUDA
+            tensors only (a CPU call runs the reference, not kernels), True: also for CPU graphs (as if on CUDA).
     Returns: a `LayerKernelCounts` whose `by_layer` counts plus `other` equal `total`.
     """
     if not source:
@@ -435,6 +447,12 @@ def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | No
     except SyntaxError as e:
         return LayerKernelCounts(0, note=f"wrapper is not Python ({e.msg}): launches not counted")
     dynamo_layers = dynamo_layers or {}
+    notes = []
+    if post_grad is not None and op_census is not False:
+        launches, unknown = _census_sites(launches, post_grad, op_census)
+        if unknown:
+            notes.append(f"{unknown} dsv41 op call(s) could not be censused on meta tensors and count as the "
+                         "wrapper lists them")
     post = node_layers(post_grad, dynamo_layers) if post_grad is not None else {}
     if not post and dynamo_layers:
         # Without the post-grad graph, provenance names resolve through the Dynamo graph (postToPre).
@@ -453,12 +471,92 @@ def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | No
         detail.setdefault(OTHER if layer is None else layer, Counter())[what] += 1
     kinds = Counter(x.kind for x in launches)
     origins = kernel_origins(launches, post_grad) if post_grad is not None else ()
-    notes = []
     if launches and not any(x.handle for x in launches):
         notes.append("Inductor wrote no provenance handles: only launches with a Source Nodes comment are "
                      "attributed to layers")
     return LayerKernelCounts(len(launches), tuple(sorted(layers.items())), other, no_prov,
                              tuple(sorted(kinds.items())), STATIC_METHOD, "; ".join(notes), _detail(detail), origins)
+
+
+def _op_node(launch: Launch, by_name: Mapping[str, fx.Node]) -> fx.Node | None:
+    """The post-grad node a dsv41 op launch calls: among the nodes its provenance handle names, the one whose
+    target is the called op (None without post-grad provenance)."""
+    if not launch.sources_are_post_grad:
+        return None
+    want = launch.kernel[len("torch.ops."):]
+    for name in launch.sources:
+        node = by_name.get(name)
+        if node is not None and node.op == "call_function" and str(node.target) == want:
+            return node
+    return None
+
+
+def _node_value(a):
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_node_value(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _node_value(v) for k, v in a.items()}
+    return a
+
+
+def _on_cuda(values) -> bool:
+    from torch.utils._pytree import tree_leaves
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in tree_leaves(values))
+
+
+def _census_sites(launches: list[Launch], post_grad: fx.Graph, op_census: bool | None) -> tuple[list, int]:
+    """`launches` with each dsv41 op site repeated as many times as the launch census counts for its call
+    (`count_launches`' `op_census`), and the number of op sites that could not be censused (left as listed).
+
+    A site's call is the post-grad node its provenance names (`_op_node`). Inductor sometimes names only a view
+    next to the op (a fallback kernel's origins): then every call of that op in the graph is censused, and their
+    count is used when they all agree."""
+    from ..kernels.census import op_launches
+    by_name = {n.name: n for n in post_grad.nodes}
+    memo: dict = {}
+
+    def applies(node: fx.Node) -> bool:
+        return bool(op_census) or _on_cuda((_node_value(node.args), _node_value(node.kwargs)))
+
+    def count(node: fx.Node) -> int | None:
+        """Census of one op call, None when it fails."""
+        if node not in memo:
+            try:
+                memo[node] = op_launches(node.target, _node_value(node.args), _node_value(node.kwargs))
+            except Exception:  # diagnostic count: any failure leaves the wrapper's count
+                memo[node] = None
+        return memo[node]
+
+    out: list = []
+    unknown = i = 0
+    while i < len(launches):
+        launch = launches[i]
+        j = i + 1
+        while j < len(launches) and launches[j] is launch:  # one site (a side-stream program's steps)
+            j += 1
+        site = launches[i:j]
+        i = j
+        if launch.kind != "op" or not launch.kernel.startswith("torch.ops.dsv41."):
+            out += site
+            continue
+        node = _op_node(launch, by_name)
+        if node is not None:
+            calls = [node]
+        else:
+            want = launch.kernel[len("torch.ops."):]
+            calls = [x for x in post_grad.nodes if x.op == "call_function" and str(x.target) == want]
+        if calls and not applies(calls[0]):
+            out += site
+            continue
+        found = {count(x) for x in calls}
+        if len(found) == 1 and None not in found:
+            site = [launch] * found.pop()
+        else:
+            unknown += 1
+        out += site
+    return out, unknown
 
 
 #: Origins kept per kernel: source lines, then ATen op names.
@@ -564,16 +662,22 @@ def count_captured(capture: WrapperCapture, from_cache: bool = False) -> LayerKe
 
 # ------------------------------------------------------------------------------------------------ store
 def _kept_path(directory: str, key: str) -> str:
-    # The rules of this module are part of what a kept count means: a changed module never reads an old count.
+    # The rules of this module and the kernels' host code (what the launch census runs) are part of what a kept
+    # count means: a changed module never reads an old count.
+    import glob
     import hashlib
-    with open(__file__, "rb") as f:
-        rules = hashlib.sha256(f.read()).hexdigest()[:12]
+    h = hashlib.sha256()
+    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    for path in [__file__, *sorted(glob.glob(os.path.join(kernels, "*.py")))]:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    rules = h.hexdigest()[:12]
     return os.path.join(directory, f"{key}.kernels.{rules}.json")
 
 
 def save_counts(directory: str, key: str, counts: LayerKernelCounts) -> None:
     """Keep `counts` next to dsv41's pass records (`<directory>/<key>.kernels.<rules>.json`, `<rules>` a hash of
-    this module) for a later compile that Inductor serves from its caches."""
+    this module and of the kernels' host code) for a later compile that Inductor serves from its caches."""
     path = _kept_path(directory, key)
     try:
         os.makedirs(directory, exist_ok=True)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable
+import threading
+from typing import Callable, Iterable
 
 import torch
 import triton
@@ -35,8 +36,35 @@ __all__ = [
     "set_pdl", "pdl_enabled", "launch_pdl_supported", "is_interpreted", "use_pdl_for", "require_launchable",
     "check_tensor", "check_same_device", "next_power_of_2", "split_k_counters", "prepare_device", "COUNTER_SLOTS",
     "round_bf16", "round_to", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
-    "e2m1_value_scaled_down", "E2M1_HALF_SCALE", "fp4_block_scale", "e2m1_code",
+    "e2m1_value_scaled_down", "E2M1_HALF_SCALE", "fp4_block_scale", "e2m1_code", "register_cuda", "CUDA_HOSTS",
+    "census_active",
 ]
+
+#: "dsv41::<op>" -> the Python function its CUDA kernel registration runs (`register_cuda`). The launch census
+#: (`census.py`) runs these on meta tensors to count the kernels one call launches.
+CUDA_HOSTS: dict[str, Callable] = {}
+_CENSUS = threading.local()
+
+
+def register_cuda(op_def, name: str) -> Callable:
+    """Decorator: register `fn` as the CUDA kernel of the custom op `op_def` (`op_def.register_kernel("cuda")`)
+    and keep it in `CUDA_HOSTS[name]` for the launch census. `name` is the op's qualified name, "dsv41::<op>".
+    Raises ValueError when `name` is not a registered op of that name."""
+    ns, _, op = name.partition("::")
+    if not (ns and op and hasattr(getattr(torch.ops, ns), op)):
+        raise ValueError(f"register_cuda: {name!r} is not a registered torch.library op")
+
+    def deco(fn: Callable) -> Callable:
+        op_def.register_kernel("cuda")(fn)
+        CUDA_HOSTS[name] = fn
+        return fn
+    return deco
+
+
+def census_active() -> bool:
+    """True while `census.py` runs a CUDA host function on meta tensors in this thread (launches are counted,
+    not made; device checks and persistent buffers are skipped)."""
+    return getattr(_CENSUS, "depth", 0) > 0
 
 _PDL = False
 
@@ -89,7 +117,7 @@ def _capability_major(index: int) -> int:
 def require_launchable(kernel, device: torch.device, name: str) -> None:
     """Raise RuntimeError if `kernel` cannot run on `device`: CPU tensors need the interpreter, which needs
     TRITON_INTERPRET=1 in the environment before `triton` is first imported."""
-    if device.type == "cuda" or is_interpreted(kernel):
+    if device.type == "cuda" or is_interpreted(kernel) or census_active():
         return
     raise RuntimeError(f"{name}: Triton kernels run on CUDA tensors; for {device.type} tensors set "
                        "TRITON_INTERPRET=1 in the environment before triton is first imported")
@@ -143,6 +171,8 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     Raises: RuntimeError when a launch needs more counters than the buffer has while a CUDA graph is being
     captured (growing it there would allocate inside the graph).
     """
+    if census_active():  # the buffer persists across launches: no kernel of the call zeroes it
+        return torch.empty(n, dtype=torch.int32, device=device)
     if device.type != "cuda":
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from dsv41.model.norm import rms_norm
 
-from ._common import (check_same_device, check_tensor, e2m1_code, fp4_block_scale, next_power_of_2,
+from ._common import (check_same_device, check_tensor, e2m1_code, fp4_block_scale, next_power_of_2, register_cuda,
                       require_launchable, round_to, use_pdl_for)
 from .rope_fp4 import _check as _check_rope_fp4
 from .rope_fp4 import _check_store, reference_rope_fp4_quant_store
@@ -297,7 +297,7 @@ def c2_norm_rope_fp4_store(x: torch.Tensor, weight: torch.Tensor, eps: float, co
                                             scale_cache, rows)
 
 
-@c2_norm_rope_fp4_store.register_kernel("cuda")
+@register_cuda(c2_norm_rope_fp4_store, "dsv41::c2_norm_rope_fp4_store")
 def _c2_norm_cuda(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows):
     return triton_c2_norm_rope_fp4_store(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache,
                                          scale_cache, rows)
@@ -318,7 +318,7 @@ def c2_pool_norm_rope_fp4_store(k: torch.Tensor, g: torch.Tensor, prev_k: torch.
                                                  e4m3_scale, codes_cache, scale_cache, rows)
 
 
-@c2_pool_norm_rope_fp4_store.register_kernel("cuda")
+@register_cuda(c2_pool_norm_rope_fp4_store, "dsv41::c2_pool_norm_rope_fp4_store")
 def _c2_pool_cuda(k, g, prev_k, prev_g, weight, eps, out_dtype, cos, sin, scale_block, e4m3_scale, codes_cache,
                   scale_cache, rows):
     return triton_c2_pool_norm_rope_fp4_store(k, g, prev_k, prev_g, weight, eps, out_dtype, cos, sin, scale_block,

@@ -50,8 +50,8 @@ import triton.language as tl
 from dsv41.model.engram import engram_row_ids, engram_update
 from dsv41.model.formats import dequantize_fp8_1x32
 
-from ._common import (check_same_device, check_tensor, exp2_int, next_power_of_2, require_launchable, round_to,
-                      use_pdl_for)
+from ._common import (check_same_device, check_tensor, exp2_int, next_power_of_2, register_cuda, require_launchable,
+                      round_to, use_pdl_for)
 
 __all__ = [
     "engram_lookup", "engram_gate",
@@ -350,7 +350,7 @@ def engram_lookup(u: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tens
     return reference_engram_lookup(u, multipliers, primes, offsets, weight, scale, dtype)
 
 
-@engram_lookup.register_kernel("cuda")
+@register_cuda(engram_lookup, "dsv41::engram_lookup")
 def _engram_lookup_cuda(u, multipliers, primes, offsets, weight, scale, dtype):
     return triton_engram_lookup(u, multipliers, primes, offsets, weight, scale, dtype)
 
@@ -367,7 +367,7 @@ def engram_gate(H: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, q_weig
     return reference_engram_gate(H, keys, value, q_weight, k_weight, eps)
 
 
-@engram_gate.register_kernel("cuda")
+@register_cuda(engram_gate, "dsv41::engram_gate")
 def _engram_gate_cuda(H, keys, value, q_weight, k_weight, eps):
     return triton_engram_gate(H, keys, value, q_weight, k_weight, eps)
 

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
 
-from ._common import (check_same_device, check_tensor, is_interpreted, require_launchable, round_bf16,
+from ._common import (check_same_device, check_tensor, is_interpreted, register_cuda, require_launchable, round_bf16,
                       split_k_workspace, use_pdl_for)
 from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words,
                          split_rows_overrides)
@@ -298,7 +298,7 @@ def grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return reference_grouped_linear_fp4(x, weight, scale, indices, act_quant)
 
 
-@grouped_linear_fp4.register_kernel("cuda")
+@register_cuda(grouped_linear_fp4, "dsv41::grouped_linear_fp4")
 def _grouped_linear_fp4_cuda(x, weight, scale, indices, act_quant):
     if indices.numel() <= MAX_TRITON_PAIRS:
         return triton_grouped_linear_fp4(x, weight, scale, indices, act_quant)

@@ -63,7 +63,7 @@ import triton.language as tl
 from dsv41.model.csa import select_topk
 from dsv41.model.formats import dequantize_fp4_ue8m0_1x32
 
-from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2,
+from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, register_cuda,
                       require_launchable, use_pdl_for)
 
 __all__ = [
@@ -602,7 +602,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     return reference_indexer_scores(q, weights, key_codes, key_scales, n_visible, blocks, block_size)
 
 
-@indexer_scores.register_kernel("cuda")
+@register_cuda(indexer_scores, "dsv41::indexer_scores")
 def _indexer_scores_cuda(q, weights, key_codes, key_scales, n_visible, blocks, block_size):
     return triton_indexer_scores(q, weights, key_codes, key_scales, n_visible, blocks, block_size)
 
@@ -621,7 +621,7 @@ def indexer_topk(scores: torch.Tensor, k: int, blocks: torch.Tensor | None, bloc
     return reference_indexer_topk(scores, k, blocks, block_size, offset)
 
 
-@indexer_topk.register_kernel("cuda")
+@register_cuda(indexer_topk, "dsv41::indexer_topk")
 def _indexer_topk_cuda(scores, k, blocks, block_size, offset):
     return triton_indexer_topk(scores, k, blocks, block_size, offset)
 
@@ -638,7 +638,7 @@ def indexer_candidates(scores: torch.Tensor, n_visible: torch.Tensor, block_size
     return reference_indexer_candidates(scores, n_visible, block_size, n_blocks)
 
 
-@indexer_candidates.register_kernel("cuda")
+@register_cuda(indexer_candidates, "dsv41::indexer_candidates")
 def _indexer_candidates_cuda(scores, n_visible, block_size, n_blocks):
     return triton_indexer_candidates(scores, n_visible, block_size, n_blocks)
 

@@ -46,7 +46,7 @@ from dsv41.model.mhc import HC_MULT, mhc_collapse, mhc_expand
 from dsv41.model.mhc import mhc_mixes as _model_mhc_mixes
 from dsv41.model.norm import rms_norm
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_to,
+from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
 
 __all__ = [
@@ -468,7 +468,7 @@ def mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return reference_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
 
 
-@mhc_mixes.register_kernel("cuda")
+@register_cuda(mhc_mixes, "dsv41::mhc_mixes")
 def _mhc_mixes_cuda(H, fn, base, scale, norm_eps, hc_eps, iters):
     return triton_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
 
@@ -486,7 +486,7 @@ def mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tenso
     return reference_mhc_collapse_rmsnorm(H, pre, weight, eps)
 
 
-@mhc_collapse_rmsnorm.register_kernel("cuda")
+@register_cuda(mhc_collapse_rmsnorm, "dsv41::mhc_collapse_rmsnorm")
 def _mhc_collapse_rmsnorm_cuda(H, pre, weight, eps):
     return triton_mhc_collapse_rmsnorm(H, pre, weight, eps)
 
@@ -503,7 +503,7 @@ def mhc_expand_op(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: to
     return reference_mhc_expand(y, H, post, comb)
 
 
-@mhc_expand_op.register_kernel("cuda")
+@register_cuda(mhc_expand_op, "dsv41::mhc_expand")
 def _mhc_expand_cuda(y, H, post, comb):
     return triton_mhc_expand(y, H, post, comb)
 

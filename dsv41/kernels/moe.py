@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, require_launchable, round_to,
+from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
 
 __all__ = [
@@ -405,7 +405,7 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return reference_moe_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
 
 
-@moe_router.register_kernel("cuda")
+@register_cuda(moe_router, "dsv41::moe_router")
 def _moe_router_cuda(x, weight, bias, topk, gate_temp, route_scale, norm_eps):
     return triton_moe_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
 
@@ -423,7 +423,7 @@ def moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | N
     return reference_moe_combine(y, shared, weights, out_dtype)
 
 
-@moe_combine.register_kernel("cuda")
+@register_cuda(moe_combine, "dsv41::moe_combine")
 def _moe_combine_cuda(y, shared, weights, out_dtype):
     return triton_moe_combine(y, shared, weights, out_dtype)
 

@@ -65,7 +65,7 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
 
 from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round, exp2_int,
-                      is_interpreted, next_power_of_2, require_launchable, round_bf16, split_k_workspace,
+                      is_interpreted, next_power_of_2, register_cuda, require_launchable, round_bf16, split_k_workspace,
                       split_k_merge_2d, ue8m0_exponent, use_pdl_for)
 
 __all__ = [
@@ -603,7 +603,7 @@ def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return reference_linear_fp8_block(x, weight, scale, act_quant)
 
 
-@linear_fp8_block.register_kernel("cuda")
+@register_cuda(linear_fp8_block, "dsv41::linear_fp8_block")
 def _linear_fp8_block_cuda(x, weight, scale, act_quant):
     if x.numel() // max(x.shape[-1], 1) <= MAX_TRITON_M:
         return triton_linear_fp8_block(x, weight, scale, act_quant)
@@ -621,7 +621,7 @@ def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_q
     return reference_linear_fp4(x, weight, scale, act_quant)
 
 
-@linear_fp4.register_kernel("cuda")
+@register_cuda(linear_fp4, "dsv41::linear_fp4")
 def _linear_fp4_cuda(x, weight, scale, act_quant):
     if x.numel() // max(x.shape[-1], 1) <= MAX_TRITON_M:
         return triton_linear_fp4(x, weight, scale, act_quant)

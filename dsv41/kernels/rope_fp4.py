@@ -39,7 +39,7 @@ from dsv41.model.formats import (fake_quant_fp4_e4m3_1x16, fake_quant_fp4_ue8m0_
 from dsv41.model.rope import apply_rope
 
 from ._common import (check_same_device, check_tensor, e2m1_code, e2m1_value, fp4_block_scale, next_power_of_2,
-                      require_launchable, round_bf16, use_pdl_for)
+                      register_cuda, require_launchable, round_bf16, use_pdl_for)
 
 __all__ = [
     "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
@@ -349,7 +349,7 @@ def rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale_
     return reference_rope_fp4_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
-@rope_fp4_quant.register_kernel("cuda")
+@register_cuda(rope_fp4_quant, "dsv41::rope_fp4_quant")
 def _rope_fp4_quant_cuda(x, cos, sin, scale_block, e4m3_scale):
     return triton_rope_fp4_quant(x, cos, sin, scale_block, e4m3_scale)
 
@@ -368,7 +368,7 @@ def rope_fp4_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     return reference_rope_fp4_fake_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
-@rope_fp4_fake_quant.register_kernel("cuda")
+@register_cuda(rope_fp4_fake_quant, "dsv41::rope_fp4_fake_quant")
 def _rope_fp4_fake_quant_cuda(x, cos, sin, scale_block, e4m3_scale):
     return triton_rope_fp4_fake_quant(x, cos, sin, scale_block, e4m3_scale)
 
@@ -387,7 +387,7 @@ def rope_fp4_quant_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     reference_rope_fp4_quant_store(x, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
 
 
-@rope_fp4_quant_store.register_kernel("cuda")
+@register_cuda(rope_fp4_quant_store, "dsv41::rope_fp4_quant_store")
 def _rope_fp4_quant_store_cuda(x, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows):
     triton_rope_fp4_quant_store(x, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
 

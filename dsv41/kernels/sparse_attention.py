@@ -68,8 +68,8 @@ import triton.language as tl
 from dsv41.model.formats import dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32
 from dsv41.model.rope import apply_rope
 
-from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, require_launchable,
-                      round_to, use_pdl_for)
+from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, register_cuda,
+                      require_launchable, round_to, use_pdl_for)
 
 __all__ = ["sparse_fp4_attention", "reference_sparse_fp4_attention", "triton_sparse_fp4_attention",
            "attention_plan", "combine_plan", "pv_precision_for", "MAX_HEAD_DIM"]
@@ -479,7 +479,7 @@ def sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_sca
                                           indices, sink, cos, sin, softmax_scale)
 
 
-@sparse_fp4_attention.register_kernel("cuda")
+@register_cuda(sparse_fp4_attention, "dsv41::sparse_fp4_attention")
 def _sparse_fp4_attention_cuda(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
                                cos, sin, softmax_scale):
     return triton_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, require_launchable, split_k_workspace, split_k_merge_2d,
-                      use_pdl_for)
+from ._common import (check_same_device, check_tensor, register_cuda, require_launchable, split_k_workspace,
+                      split_k_merge_2d, use_pdl_for)
 
 __all__ = ["linear_upcast", "reference_linear_upcast", "triton_linear_upcast", "upcast_plan", "MAX_TRITON_M",
            "WEIGHT_DTYPES"]
@@ -184,7 +184,7 @@ def linear_upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return reference_linear_upcast(x, weight)
 
 
-@linear_upcast.register_kernel("cuda")
+@register_cuda(linear_upcast, "dsv41::linear_upcast")
 def _linear_upcast_cuda(x, weight):
     if x.numel() // max(x.shape[-1], 1) <= MAX_TRITON_M:
         return triton_linear_upcast(x, weight)
