@@ -128,6 +128,8 @@ DEFINITIONS = {
     "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds; for "
                        "Inductor's own kernels of dsv41 rows also `origin`: the user source lines and ATen ops of "
                        "the graph nodes the kernel computes (from the compile's kernel provenance)",
+    "kernel_launches_by_name": "every kernel name of the profiled step with its launches (most first): what the "
+                               "profiler counted, to set against the static per-layer count of the report",
     "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
                        "(Inductor's cudagraph_skips counter around the cold compile)",
     "reference_tokens": "(top level) eager's greedy tokens [B][new_tokens], the reference of tokens_match_eager",
@@ -1055,6 +1057,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
                         rows[n]["step_span_us"] = k["span_us"]
                         rows[n]["kernel_time_top"] = _with_origins(k["top_us"], _ORIGINS.get(id(rows[n]), {}))
+                        rows[n]["kernel_launches_by_name"] = {name[:120]: c for name, c in
+                                                              sorted(k["names"].items(), key=lambda kv: -kv[1])}
                         say(f"{n}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us "
                             "span; top: " + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
                                                       + (f" [{t['origin'][0][:70]}]" if t.get("origin") else "")

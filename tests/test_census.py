@@ -116,6 +116,9 @@ def test_aten_kernels_count_but_views_and_allocations_do_not():
         w = y.contiguous()                       # a copy kernel
         torch.zeros(5, device=x.device)          # a fill kernel
         torch.zeros(0, device=x.device)          # empty: nothing
+        v = x.view(2, 4)
+        v.unsqueeze_(0)                          # in-place metadata: nothing
+        x.view(2, 4).t_()
         return w, z
     assert census(host, torch.ones(8)) == 2
 
@@ -144,12 +147,61 @@ def test_a_side_stream_program_counts_each_step_and_its_restride_copies():
             + [args[-1]], "kwargs": {}}
     program = json.dumps({"steps": [step, step], "outputs": [[1, -1]]})
     assert program_launches(tensors, program) == 4
-    # A traced stride the tensor does not have: the program copies q first (one more kernel).
+    # A traced stride the tensor does not have: the program copies q into it first (one kernel), and that layout
+    # (head dim not innermost) makes the attention host copy q again (one more).
     q = tensors[0]
     program = json.dumps({"steps": [step], "outputs": [[0, -1]], "stride": {"0": [q.stride(0), q.stride(1), 1, 64]}})
-    assert program_launches(tensors, program) == 3
-    assert op_launches("dsv41::stream_launch", [None, tensors, program, 0]) == 3
+    assert program_launches(tensors, program) == 4
+    assert op_launches("dsv41::stream_launch", [None, tensors, program, 0]) == 4
     assert op_launches("dsv41::stream_fork", [tensors, 0]) == 0
+
+
+def test_a_layout_copy_inside_a_side_stream_program_is_counted():
+    # Below the autograd key `contiguous` reaches the counting mode whole; its copy must still count.
+    import json
+    args = _attention_args(1, 1, 64, 512, 129, 1024, 512, q_transposed=True)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    step = {"op": "dsv41::sparse_fp4_attention.default", "args": [{"t": i} for i in range(len(tensors))]
+            + [args[-1]], "kwargs": {}}
+    program = json.dumps({"steps": [step], "outputs": [[0, -1]]})
+    assert program_launches(tensors, program) == 3
+    assert census(torch.ops.dsv41.sparse_fp4_attention.default, *args) == 3
+    assert op_launches("dsv41::stream_launch", [], {"token": None, "tensors": tensors, "program": program,
+                                                    "slot": 0}) == 3
+
+
+def test_a_symbolic_size_is_a_census_error_and_adds_no_guard():
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        n = env.create_symintnode(env.create_symbol(5, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC),
+                                  hint=5)
+        x = torch.empty(n, 32)
+    with pytest.raises(CensusError, match="symbolic"):
+        meta_like(x)
+    with pytest.raises(CensusError, match="symbolic"):
+        census(lambda a: a.contiguous(), x)
+    assert not env.guards and not env.replacements  # the graph stays dynamic
+
+
+def test_a_census_inside_a_census_neither_deadlocks_nor_leaks():
+    from triton.runtime import jit
+    before = jit.KernelInterface.__dict__["__getitem__"]
+    args = _attention_args(1, 1, 64, 512, 129, 1024, 512)
+    inner = []
+    outer = census(lambda *a: inner.append(op_launches("dsv41::sparse_fp4_attention", a)), *args)
+    assert inner == [2] and outer == 0  # the inner census launched nothing real
+    assert jit.KernelInterface.__dict__["__getitem__"] is before and not _common.census_active()
+
+
+def test_register_cuda_refuses_a_name_of_another_op():
+    from dsv41.kernels import sparse_attention
+    with pytest.raises(ValueError, match="another op"):
+        _common.register_cuda(sparse_attention.sparse_fp4_attention, "dsv41::linear_fp4")
+    with pytest.raises(ValueError, match="not a registered"):
+        _common.register_cuda(sparse_attention.sparse_fp4_attention, "dsv41::no_such_op")
 
 
 # ------------------------------------------------------------------------------------------------ real runs
@@ -198,6 +250,31 @@ def test_census_equals_the_launches_of_a_real_attention_run(monkeypatch, case):
     triton_runs, aten = _real_launches(monkeypatch, "dsv41::sparse_fp4_attention", args)
     assert predicted == triton_runs + aten
     assert triton_runs == (1 if case == "no_split" else 2)
+
+
+@interpreted
+def test_a_census_in_another_thread_leaves_real_launches_alone():
+    # Counting is per thread: a real launch made meanwhile by another thread must run (and give the right numbers).
+    import threading
+
+    from dsv41.kernels.moe import reference_moe_combine, triton_moe_combine
+    y, sh = torch.randn(4, 6, 32), torch.randn(4, 32)
+    w = torch.rand(4, 6)
+    stop, results = threading.Event(), []
+
+    def take_censuses():
+        while not stop.is_set():
+            results.append(op_launches("dsv41::moe_combine", [y, sh, w, torch.float32]))
+    t = threading.Thread(target=take_censuses)
+    t.start()
+    try:
+        ref = reference_moe_combine(y, sh, w, torch.float32)
+        for _ in range(40):
+            torch.testing.assert_close(triton_moe_combine(y, sh, w, torch.float32), ref)
+    finally:
+        stop.set()
+        t.join()
+    assert results and set(results) == {1}
 
 
 @interpreted
@@ -294,3 +371,44 @@ def test_static_count_of_a_cuda_graph_takes_the_census_by_default(compiled_atten
             a.meta["val"] = v
     assert saved
     assert on_cuda.total == count_launches(src, prov, graph, layers, op_census=False).total + 1
+
+
+def test_an_op_inside_a_cond_branch_is_found_and_a_cpu_graph_gets_no_note():
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    from dsv41.compiler.kernel_counts import WrapperCapture, count_launches, provenance_config
+    caps = []
+
+    def backend(gm, example_inputs):
+        cap = WrapperCapture()
+        cap.remember_dynamo_graph(gm)
+        with inductor_config.patch({**provenance_config(), "fx_graph_cache": False}), \
+                functorch_config.patch(enable_autograd_cache=False):
+            out = compile_fx(gm, example_inputs, inner_compile=cap.inner_compile)
+        caps.append(cap)
+        return out
+
+    def fn(p, w, y, sh):
+        return torch.cond(p, lambda w, y, sh: torch.ops.dsv41.moe_combine(y, sh, w, torch.float32) + 1,
+                          lambda w, y, sh: sh * 2, (w, y, sh))
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(torch.tensor(True), torch.rand(2, 6), torch.randn(2, 6, 32),
+                                                       torch.randn(2, 32))
+    cap = caps[-1]
+    src, prov, graph = cap.sources[-1], cap.provenance[-1], cap.graphs[-1].graph
+    listed = count_launches(src, prov, graph, cap.dynamo_layers, op_census=False)
+    default = count_launches(src, prov, graph, cap.dynamo_layers)
+    forced = count_launches(src, prov, graph, cap.dynamo_layers, op_census=True)
+    assert default.total == listed.total == forced.total  # moe_combine: one kernel
+    assert default.note == "" and forced.note == ""
+
+
+def test_a_cache_hit_without_a_post_grad_graph_says_its_op_calls_count_once(compiled_attention):
+    from dsv41.compiler.kernel_counts import count_launches
+    src, prov, graph, layers = compiled_attention
+    hit = count_launches(src, prov, None, layers)
+    assert "each dsv41 op call counts once" in hit.note
+    assert count_launches(src, prov, None, layers, op_census=False).note == ""

@@ -23,8 +23,9 @@ dsv41 ops (`count_launches`' `op_census`): the wrapper calls a dsv41 op once, bu
 more (the sparse attention's split combine, the indexer's two-stage top-k, layout copies). With the post-grad graph
 at hand, each op call on CUDA tensors counts what the launch census (`dsv41/kernels/census.py`) finds when it runs
 the op's CUDA host code on meta tensors of the call's shapes; a side-stream program counts its steps that way. A
-call it cannot census counts once, said in `note`. On the H200 this closed the gap to the profiler: `h200` decode
-counted 1,763 launches statically against 1,815 profiled, 38 of them the attention combine.
+call it cannot census counts once, said in `note`; so does every op call of a graph Inductor served from its cache
+without a kept count (no post-grad graph). On the H200, `h200` decode counted 1,763 launches statically against
+1,815 profiled (bench/results/2026-11-30_h200_s13); the attention combine, one per non-SWA layer, is 38 of the 52.
 
 Mapping layers to roles (SWA, Full, Reindex, Reuse) needs the model config, which a torch.compile backend does
 not see: `kernels_by_role(by_layer, roles)` does it for callers that know it (`ModelConfig.roles`).
@@ -453,6 +454,9 @@ def count_launches(source: str | None, provenance=None, post_grad: fx.Graph | No
         if unknown:
             notes.append(f"{unknown} dsv41 op call(s) could not be censused on meta tensors and count as the "
                          "wrapper lists them")
+    elif post_grad is None and op_census is not False and any(
+            x.kind == "op" and x.kernel.startswith("torch.ops.dsv41.") for x in launches):
+        notes.append("no post-grad graph (a cache hit): each dsv41 op call counts once, not its kernels")
     post = node_layers(post_grad, dynamo_layers) if post_grad is not None else {}
     if not post and dynamo_layers:
         # Without the post-grad graph, provenance names resolve through the Dynamo graph (postToPre).
@@ -491,6 +495,17 @@ def _op_node(launch: Launch, by_name: Mapping[str, fx.Node]) -> fx.Node | None:
     return None
 
 
+def _all_nodes(graph: fx.Graph) -> list:
+    """Nodes of `graph` and of the subgraphs its module holds (branches of `cond`, bodies of `while_loop`)."""
+    nodes = list(graph.nodes)
+    owner = getattr(graph, "owning_module", None)
+    if owner is not None:
+        for name, mod in owner.named_modules():
+            if name and isinstance(mod, fx.GraphModule):
+                nodes += list(mod.graph.nodes)
+    return nodes
+
+
 def _node_value(a):
     if isinstance(a, fx.Node):
         return a.meta.get("val")
@@ -513,8 +528,12 @@ def _census_sites(launches: list[Launch], post_grad: fx.Graph, op_census: bool |
     A site's call is the post-grad node its provenance names (`_op_node`). Inductor sometimes names only a view
     next to the op (a fallback kernel's origins): then every call of that op in the graph is censused, and their
     count is used when they all agree."""
-    from ..kernels.census import op_launches
-    by_name = {n.name: n for n in post_grad.nodes}
+    try:
+        from ..kernels.census import op_launches
+    except Exception:  # diagnostic count: without the kernels (no Triton) every op call counts as listed
+        return launches, sum(1 for x in launches if x.kind == "op" and x.kernel.startswith("torch.ops.dsv41."))
+    nodes = _all_nodes(post_grad)
+    by_name = {n.name: n for n in nodes}
     memo: dict = {}
 
     def applies(node: fx.Node) -> bool:
@@ -546,8 +565,12 @@ def _census_sites(launches: list[Launch], post_grad: fx.Graph, op_census: bool |
             calls = [node]
         else:
             want = launch.kernel[len("torch.ops."):]
-            calls = [x for x in post_grad.nodes if x.op == "call_function" and str(x.target) == want]
-        if calls and not applies(calls[0]):
+            calls = [x for x in nodes if x.op == "call_function" and str(x.target) == want]
+        if not calls:
+            unknown += bool(op_census)  # no call to read: the device is unknown, so only a forced census notes it
+            out += site
+            continue
+        if not applies(calls[0]):
             out += site
             continue
         found = {count(x) for x in calls}
@@ -662,13 +685,14 @@ def count_captured(capture: WrapperCapture, from_cache: bool = False) -> LayerKe
 
 # ------------------------------------------------------------------------------------------------ store
 def _kept_path(directory: str, key: str) -> str:
-    # The rules of this module and the kernels' host code (what the launch census runs) are part of what a kept
-    # count means: a changed module never reads an old count.
+    # The rules of this module and the code the launch census runs (the kernels' host code and the model's reference
+    # functions some of them fall back to) are part of what a kept count means: a changed module never reads an old count.
     import glob
     import hashlib
     h = hashlib.sha256()
-    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-    for path in [__file__, *sorted(glob.glob(os.path.join(kernels, "*.py")))]:
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hosts = [p for sub in ("kernels", "model") for p in sorted(glob.glob(os.path.join(pkg, sub, "*.py")))]
+    for path in [__file__, *hosts]:
         with open(path, "rb") as f:
             h.update(f.read())
     rules = h.hexdigest()[:12]
@@ -677,7 +701,7 @@ def _kept_path(directory: str, key: str) -> str:
 
 def save_counts(directory: str, key: str, counts: LayerKernelCounts) -> None:
     """Keep `counts` next to dsv41's pass records (`<directory>/<key>.kernels.<rules>.json`, `<rules>` a hash of
-    this module and of the kernels' host code) for a later compile that Inductor serves from its caches."""
+    this module and of the code the launch census runs) for a later compile that Inductor serves from its caches."""
     path = _kept_path(directory, key)
     try:
         os.makedirs(directory, exist_ok=True)

@@ -53,6 +53,8 @@ def register_cuda(op_def, name: str) -> Callable:
     ns, _, op = name.partition("::")
     if not (ns and op and hasattr(getattr(torch.ops, ns), op)):
         raise ValueError(f"register_cuda: {name!r} is not a registered torch.library op")
+    if getattr(op_def, "_qualname", name) != name:  # torch.library's CustomOpDef keeps its qualified name here
+        raise ValueError(f"register_cuda: {name!r} names another op than {op_def._qualname!r}")
 
     def deco(fn: Callable) -> Callable:
         op_def.register_kernel("cuda")(fn)
