@@ -97,6 +97,18 @@ def test_large_and_non_contiguous_inputs(poisoned_outputs):
     assert_close64(y, x, w)
 
 
+@interpreted
+@pytest.mark.parametrize("lead", [(3,), (2, 0), ()])
+def test_an_empty_k_gives_zeros_as_f_linear(lead, poisoned_outputs):
+    """K = 0 is an empty sum: zeros of [..., N], as F.linear gives (was a reshape error)."""
+    x = torch.empty(*lead, 0)
+    w = torch.empty(7, 0, dtype=torch.bfloat16)
+    y = ug.triton_linear_upcast(x, w)
+    want = torch.nn.functional.linear(x, w.float())
+    assert y.shape == want.shape and y.dtype == torch.float32
+    assert torch.equal(y, want)
+
+
 def test_reference_is_the_eager_spelling():
     """The CPU op is bit-identical to `F.linear(x.float(), W.float())` (what eager runs)."""
     gen = torch.Generator().manual_seed(1)

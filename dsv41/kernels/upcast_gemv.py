@@ -36,6 +36,8 @@ halved (2-byte weights) or quartered (4-byte), so a tile is the same 16 KiB of l
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -152,7 +154,7 @@ def triton_linear_upcast(x: torch.Tensor, weight: torch.Tensor, **overrides) -> 
     n, k = _check_args(x, weight)
     require_launchable(_upcast_gemv_kernel, x.device, "triton_linear_upcast")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(math.prod(lead), k)  # not reshape(-1, k): that is ambiguous for K = 0
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     # A copy made here is written by the kernel just before ours, and the GEMV reads its weight before the PDL
