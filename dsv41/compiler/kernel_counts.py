@@ -685,8 +685,9 @@ def count_captured(capture: WrapperCapture, from_cache: bool = False) -> LayerKe
 
 # ------------------------------------------------------------------------------------------------ store
 def _kept_path(directory: str, key: str) -> str:
-    # The rules of this module and the code the launch census runs (the kernels' host code and the model's reference
-    # functions some of them fall back to) are part of what a kept count means: a changed module never reads an old count.
+    # The rules of this module and the code the launch census runs (the kernels' host code and the model's
+    # reference functions some of them fall back to) are part of what a kept count means: a changed module never
+    # reads an old count.
     import glob
     import hashlib
     h = hashlib.sha256()

@@ -68,6 +68,7 @@ def census_active() -> bool:
     not made; device checks and persistent buffers are skipped)."""
     return getattr(_CENSUS, "depth", 0) > 0
 
+
 _PDL = False
 
 

@@ -44,7 +44,6 @@ from . import _common
 
 __all__ = ["CensusError", "census", "op_launches", "program_launches", "meta_like"]
 
-aten = torch.ops.aten
 
 #: ATen ops (schema names, every overload) that return a tensor without running a kernel: allocation, aliasing,
 #: metadata, in-place metadata changes.
