@@ -537,6 +537,7 @@ def _census_sites(launches: list[Launch], post_grad: fx.Graph, op_census: bool |
     memo: dict = {}
 
     def applies(node: fx.Node) -> bool:
+        """Whether the census counts this call: forced (`op_census`), or its arguments are CUDA tensors."""
         return bool(op_census) or _on_cuda((_node_value(node.args), _node_value(node.kwargs)))
 
     def count(node: fx.Node) -> int | None:

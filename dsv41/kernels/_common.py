@@ -57,6 +57,7 @@ def register_cuda(op_def, name: str) -> Callable:
         raise ValueError(f"register_cuda: {name!r} names another op than {op_def._qualname!r}")
 
     def deco(fn: Callable) -> Callable:
+        """Register `fn` (the op's CUDA implementation) and return it unchanged."""
         op_def.register_kernel("cuda")(fn)
         CUDA_HOSTS[name] = fn
         return fn

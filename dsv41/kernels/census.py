@@ -136,8 +136,9 @@ class _CountMode(TorchDispatchMode):
         return out
 
 
-def _patched_getitem(cls, original):
+def _patched_getitem(original):
     def getitem(kernel, grid):
+        """`kernel[grid]`: this thread's census counter's launch proxy, or `original` outside a census."""
         counter = getattr(_TLS, "counter", None)
         if counter is None:  # a thread that is not taking a census launches as usual
             return original(kernel, grid)
@@ -162,7 +163,7 @@ def _launch_proxy_patched():
                 original = cls.__dict__.get("__getitem__")
                 if original is not None:
                     _PATCH["saved"].append((cls, original))
-                    cls.__getitem__ = _patched_getitem(cls, original)
+                    cls.__getitem__ = _patched_getitem(original)
         _PATCH["refs"] += 1
     try:
         yield
@@ -182,7 +183,9 @@ class _TritonCounter:
         self.launches = 0
 
     def proxy(self, grid):
+        """A stand-in for `kernel[grid]`: calling it counts one launch (none for an empty grid), runs nothing."""
         def launch(*args, **kwargs):
+            """Count the launch `kernel[grid](*args, **kwargs)` would make; returns None."""
             g = grid(kwargs) if callable(grid) else grid
             dims = tuple(g) if isinstance(g, (tuple, list)) else (g,)
             if all(isinstance(d, int) for d in dims) and any(d <= 0 for d in dims):
