@@ -130,3 +130,56 @@ def test_journal_rejects_verify_widths_that_wrap_the_ring(tiny_model):
         CacheJournal(tiny_model, torch.arange(w + 1)[None])
     with pytest.raises(ValueError, match="2 <= M"):
         CacheJournal(tiny_model, torch.arange(1)[None])
+
+
+def _round_journal_matches_fresh_journals(m, prompt, device: str, graphs: bool):
+    """Four verify rounds; each round's rollback through one reused `RoundJournal` (CUDA graphs when `graphs`)
+    must leave every buffer bit-identical to a fresh eager `CacheJournal` of that round, from the same state after
+    the same forward. Returns the round journal."""
+    from dsv41.model.speculative import RoundJournal
+
+    c = m.config
+    width = c.dspark_block_size + 1
+    m.setup_cache(1, 96)
+    p = 21
+    with torch.no_grad():
+        m(prompt[:, :p].to(device), torch.arange(p, device=device)[None])
+        rj = RoundJournal(m, 1, width, device, graphs=graphs)
+        gen = torch.Generator().manual_seed(7)
+        for r in range(4):
+            pos = torch.arange(p, p + width, device=device)[None]
+            rows = torch.randint(3, c.vocab_size - 20, (1, width), generator=gen).to(device)
+            fresh = CacheJournal(m, pos.clone())
+            rj.save(pos)
+            m(rows, pos)
+            after_forward = {n: b.clone() for n, b in m.named_buffers() if b is not None}
+            keep = 1 + r % (width - 1)
+            fresh.rollback(torch.tensor([keep], device=device))
+            want = {n: b.clone() for n, b in m.named_buffers() if b is not None}
+            for n, b in m.named_buffers():
+                if b is not None:
+                    b.copy_(after_forward[n])
+            rj.rollback(torch.tensor([keep], device=device))
+            for n, b in m.named_buffers():
+                if b is not None:
+                    assert torch.equal(b, want[n]), f"round {r} (keep {keep}): {n} differs from a fresh journal's"
+            assert any(not torch.equal(want[n], after_forward[n]) for n in want), "the rollback restored nothing"
+            p += keep
+    return rj
+
+
+def test_a_reused_round_journal_rolls_back_as_a_fresh_journal_per_round(tiny_model, tiny_prompt):
+    """`generate_speculative` keeps one journal per generation (positions read at each `save`); on the CPU it runs
+    uncaptured and must equal building a new `CacheJournal` every round."""
+    rj = _round_journal_matches_fresh_journals(tiny_model, tiny_prompt, "cpu", graphs=False)
+    assert rj.captures == 0 and rj.replays == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_round_journal_cuda_graphs_roll_back_as_a_fresh_journal_per_round(tiny_prompt):
+    """The same on CUDA with the save and rollback captured on the second round and replayed after."""
+    from dsv41.model import DeepseekV41Flash, ModelConfig
+
+    m = DeepseekV41Flash(ModelConfig.preset("tiny"), "checkpoint", torch.float32).init_random(0).eval().cuda()
+    rj = _round_journal_matches_fresh_journals(m, tiny_prompt, "cuda", graphs=True)
+    assert rj.captures == 2 and rj.replays == 6  # round 1 uncaptured; rounds 2-4 replay both graphs

@@ -31,13 +31,14 @@ the tokens are not the target's greedy output. The natural (greedy) acceptance i
 from __future__ import annotations
 
 import math
+import weakref
 from typing import List
 
 import torch
 
 from .csa import SPEC_TRAIL_ROWS
 
-__all__ = ["CacheJournal", "greedy_acceptance", "MatchExpected", "generate_speculative"]
+__all__ = ["CacheJournal", "RoundJournal", "journal_for", "greedy_acceptance", "MatchExpected", "generate_speculative"]
 
 
 class CacheJournal:
@@ -46,7 +47,10 @@ class CacheJournal:
     Args:
         model: a `DeepseekV41Flash` (the eager module; caches set up).
         positions: [B, M] int64, the verify rows' positions (contiguous per sequence, M <= sliding_window and
-            M <= `csa.SPEC_TRAIL_ROWS`).
+            M <= `csa.SPEC_TRAIL_ROWS`). The journal keeps this tensor and reads it again at every `save()`, so one
+            journal serves every round of a generation (and CUDA graphs of `save` / `rollback` stay valid).
+    Construction saves once. Tensors it holds: per cache buffer the saved rows [B, M, ...] and per index kind the
+    rows written (int64 [B, M]), all allocated here and written in place by `save()`.
     Raises:
         ValueError: M too large for the ring (two rows would share a slot) or for the compressor's trail.
     Source: the cache layouts of dsv41/model/attention.py, csa.py, model.py (MODEL.md §2.5-§2.8, §2.10).
@@ -60,32 +64,52 @@ class CacheJournal:
                              f"SPEC_TRAIL_ROWS={SPEC_TRAIL_ROWS})")
         self.positions = positions
         self.bi = torch.arange(b, device=positions.device)[:, None].expand(b, m)
-        self.rows = []       # (buffer, index [B, M], saved [B, M, ...], writes [B, M] bool or None)
+        # index kind -> (rows written int64 [B, M], bool [B, M] "this row writes it" or None); kinds are shared by
+        # every layer with the same window or ratio, so each is computed once per save
+        self.kinds: dict = {}
+        self.rows = []       # (buffer, index kind, saved [B, M, ...])
         self.compressors = []
         for layer in model.layers:
             a = layer.attn
-            slot = torch.remainder(positions, a.window)
             for buf in (a.ring_codes, a.ring_scales):
-                self._save(buf, slot, None)
+                self._track(buf, ("ring", a.window))
             if a.role == "full":
-                rows = torch.div(positions, a.ratio, rounding_mode="floor")
-                writes = torch.remainder(positions, a.ratio) == a.ratio - 1
                 for buf in (a.bank_codes, a.bank_scales, a.key_codes, a.key_scales):
-                    self._save(buf, rows, writes)
+                    self._track(buf, ("bank", a.ratio))
             comp = a.compressor
             if comp is not None and comp.kv_state is not None:
                 self.compressors.append(comp)
         if model.engram_history is not None:
-            self._save(model.engram_history, positions, None)
+            self._track(model.engram_history, ("position",))
+        self.save()
 
-    def _save(self, buf: torch.Tensor, index: torch.Tensor, writes) -> None:
-        self.rows.append((buf, index, buf[self.bi, index].clone(), writes))
+    def _track(self, buf: torch.Tensor, kind: tuple) -> None:
+        if kind not in self.kinds:
+            writes = None if kind[0] != "bank" else torch.empty_like(self.positions, dtype=torch.bool)
+            self.kinds[kind] = (torch.empty_like(self.positions), writes)
+        index = self.kinds[kind][0]
+        self.rows.append((buf, kind, buf[self.bi, index.zero_()].clone()))
+
+    def save(self) -> None:
+        """Copy, in place, the current contents of every row a forward over the current `positions` will write."""
+        p = self.positions
+        for (name, *arg), (index, writes) in self.kinds.items():
+            if name == "ring":
+                index.copy_(torch.remainder(p, arg[0]))
+            elif name == "bank":
+                index.copy_(torch.div(p, arg[0], rounding_mode="floor"))
+                writes.copy_(torch.remainder(p, arg[0]) == arg[0] - 1)
+            else:
+                index.copy_(p)
+        for buf, kind, saved in self.rows:
+            saved.copy_(buf[self.bi, self.kinds[kind][0]])
 
     def rollback(self, keep: torch.Tensor) -> None:
         """Restore the rows of every verify row i >= keep[b] (keep [B] int64 in [1, M]); see the module docstring."""
         m = self.positions.shape[1]
         rejected = torch.arange(m, device=keep.device)[None, :] >= keep[:, None]
-        for buf, index, saved, writes in self.rows:
+        for buf, kind, saved in self.rows:
+            index, writes = self.kinds[kind]
             if writes is None:
                 restore, idx = rejected, index
             else:
@@ -101,6 +125,89 @@ class CacheJournal:
         for comp in self.compressors:
             comp.kv_state.copy_(comp.kv_trail[b, last])
             comp.score_state.copy_(comp.score_trail[b, last])
+
+
+class RoundJournal:
+    """The `CacheJournal` of every round of a generation: static positions and keep, replayed from CUDA graphs.
+
+    One verify round runs `save(positions)` before the forward and `rollback(keep)` after. On CUDA (`graphs`),
+    the first round runs both uncaptured, the second captures each into a CUDA graph and replays it, later rounds
+    copy their positions / keep in and replay: about 600 small indexing kernels per `h200` round, which uncaptured
+    cost more host time than the GPU time of the verify itself. Elsewhere every round runs them uncaptured.
+    `journal_for` keeps one per model, batch and width, so benchmark runs after the first replay from the start.
+
+    Args:
+        model: the `DeepseekV41Flash` (caches set up). batch, width: B and M of the verify rows.
+        device: of the caches. graphs: capture on CUDA (default: whether `device` is CUDA).
+    Attributes: `captures`, `replays` (counts over both graphs, for tests).
+    Raises: ValueError as `CacheJournal` for a width the caches cannot roll back.
+    """
+
+    def __init__(self, model, batch: int, width: int, device, graphs: bool | None = None):
+        device = torch.device(device)
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        self.positions = torch.zeros(batch, width, dtype=torch.int64, device=device)
+        self.keep = torch.ones(batch, dtype=torch.int64, device=device)
+        # saving the zero positions here is harmless: nothing reads the saved rows before the next save
+        self.journal = CacheJournal(model, self.positions)
+        self._graph = {"save": None, "rollback": None}
+        self._calls = {"save": 0, "rollback": 0}
+        self._pool = None
+        self.captures = self.replays = 0
+
+    def save(self, positions: torch.Tensor) -> None:
+        """Record the rows a forward over `positions` (int64 [B, M]) will write (`CacheJournal.save`)."""
+        self.positions.copy_(positions)
+        self._run("save", self.journal.save)
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """Restore the rows of the rejected verify rows, keep int64 [B] on the caches' device (`CacheJournal`)."""
+        self.keep.copy_(keep)
+        self._run("rollback", lambda: self.journal.rollback(self.keep))
+
+    def _run(self, name: str, fn) -> None:
+        self._calls[name] += 1
+        if not self.graphs or self._calls[name] == 1:
+            fn()
+            return
+        if self._graph[name] is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                fn()
+            self._pool = self._pool or graph.pool()
+            self._graph[name] = graph
+            self.captures += 1
+        self._graph[name].replay()
+        self.replays += 1
+
+
+#: model -> {(batch, width, device, graphs, cache allocation): RoundJournal}
+_JOURNALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def journal_for(model, batch: int, width: int, device) -> RoundJournal:
+    """The `RoundJournal` of `model` for verify rows [batch, width] on `device`, kept across generations.
+
+    A new cache allocation (`setup_cache`) drops the journals of the old one (their graphs and saved rows hold the
+    old buffers). Raises: ValueError as `CacheJournal`.
+    """
+    device = torch.device(device)
+    alloc = (model.batch_size, model.max_seq_len, model.layers[0].attn.ring_codes.data_ptr())
+    mine = _JOURNALS.setdefault(model, {})
+    key = (batch, width, str(device), alloc)
+    if key not in mine:
+        for k in [k for k in mine if k[3] != alloc]:
+            del mine[k]
+        mine[key] = RoundJournal(model, batch, width, device)
+    return mine[key]
+
+
+def _on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` (CPU) on `device`; to CUDA through pinned memory without a stream sync (a pageable copy waits for the
+    stream, which would expose the host work queued after it)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def greedy_acceptance(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -199,14 +306,15 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
                         none, y, start, embed_w, head_w)
     token_round = [0]
     acceptance, natural = [], []
+    journal = journal_for(base, b, m, dev)
     while min(len(o) for o in out) < max_new_tokens:
         rows = torch.cat((y[:, None], drafts), dim=1)
         vpos = start[:, None] + offs
-        journal = CacheJournal(base, vpos)
+        journal.save(vpos)
         logits, feats = model(rows, vpos, return_features=True)
         target = logits.argmax(-1)
         nat = greedy_acceptance(drafts, target)
-        acc = (sim.draw(b).to(dev) - 1) if sim is not None else nat
+        acc = (_on_device(sim.draw(b), dev) - 1) if sim is not None else nat
         keep = acc + 1
         journal.rollback(keep)
         bi = torch.arange(b, device=dev)
