@@ -736,9 +736,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         regional: compile the embedding, each layer variant and the head as separate regions
             (`dsv41.compiler.regional`) for every compiled backend; recorded as `regional`.
         precompile: N > 0 starts N worker processes at once (`dsv41.precompile`) that compile every compiled row
-            into its cache dir while the eager reference runs; each row's cold compile is then served from that
-            cache (`compile_s` is that compile; rows gain `precompiled` and the worker's `precompile_wall_s`,
-            the result `precompile`). Workers have exited before anything is timed.
+            into its cache dir; the benchmark process builds its model only after they exit (a model that fits the
+            GPU once leaves them no room otherwise); each row's cold compile is then served from that cache
+            (`compile_s` is that compile; rows gain `precompiled` and the worker's `precompile_wall_s`, the result
+            `precompile`). Workers have exited before anything is timed.
         cache_dir: root of the rows' Inductor cache dirs (`<cache_dir>/<row>` or `<cache_dir>/shared`), kept after
             the run, so a later run (e.g. the next GPU call) with the same arguments is served from it; default a
             temporary dir removed at the end. Recorded as `cache_dir`.
@@ -803,8 +804,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                    "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens, model=model, speculative=any(spec_of.values()))
-    elif precompile_only:
-        # Only the workers build models: a preset that fits the GPU once (h200, 87 GB) leaves them no room otherwise.
+    elif precompile_only or precompile:
+        # Only the workers build models while they run: a preset that fits the GPU once (h200, 87 GB) leaves them no
+        # room otherwise (2026-12-01: a worker beside the benchmark's h200 model ran out of memory). With precompile
+        # workers the benchmark builds its model after they exit, before the eager reference.
         from .cli import _DTYPES
         from .model import ModelConfig
         from .model.model import WEIGHT_MODES
@@ -939,6 +942,26 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     say(f"on_update failed: {_fail(e)}")
 
+            def wait_workers() -> None:
+                """Wait for the precompile workers and note the rows whose worker failed (once)."""
+                nonlocal precompiler
+                if precompiler is None:
+                    return
+                say(f"waiting for {len(compiled_rows)} precompile worker(s), {precompile} at once")
+                res["precompile"] = pre = precompiler.wait()
+                for n, w in pre["rows"].items():
+                    rows[n]["precompile_wall_s"] = w["wall_s"]
+                    if w["rc"] == 0:
+                        pre_ok[n] = w["wall_s"]
+                    else:
+                        notes[n].append(f"precompile failed, compiled cold: {w['note']}"[:600])
+                say(f"precompile: {pre['wall_s']:.1f} s for {len(compiled_rows)} row(s)")
+                precompiler = None
+
+            if model is None:  # precompile workers: they had the GPU to themselves
+                wait_workers()
+                model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
+                                            context_tokens, speculative=any(spec_of.values()))
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
             t_ref = time.perf_counter()
             # The greedy run's own step logits are eager's teacher-forced logits for its tokens: one eager pass,
@@ -952,16 +975,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 tp_info["ranks_agree"] = all(t == toks[0] for t in toks)
             prog.advance(task)
             say(f"eager reference: {time.perf_counter() - t_ref:.1f} s")
-            if precompiler is not None:
-                say(f"waiting for {len(compiled_rows)} precompile worker(s), {precompile} at once")
-                res["precompile"] = pre = precompiler.wait()
-                for n, w in pre["rows"].items():
-                    rows[n]["precompile_wall_s"] = w["wall_s"]
-                    if w["rc"] == 0:
-                        pre_ok[n] = w["wall_s"]
-                    else:
-                        notes[n].append(f"precompile failed, compiled cold: {w['note']}"[:600])
-                say(f"precompile: {pre['wall_s']:.1f} s for {len(compiled_rows)} row(s)")
+            wait_workers()
             update()
 
             task = prog.add_task("cold compile + first run", total=len(names))

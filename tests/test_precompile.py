@@ -158,6 +158,41 @@ def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monk
                           cache_dir=str(tmp_path / "c"), precompile_only=True, **bad)
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_with_precompile_workers_the_benchmark_builds_its_model_after_they_exit(tmp_path, monkeypatch, stub):
+    """The benchmark's own model waits for the workers: beside 2 workers, the benchmark's `h200` model (87 GB) left
+    one out of GPU memory (the H200, 2026-12-01, `precompile` without `precompile_only`)."""
+    from dsv41 import bench, precompile
+    from dsv41.bench import run_benchmark
+
+    order = []
+    real = precompile.Precompiler
+
+    class Recording(real):
+        def __init__(self, spec, names, cache_dir_of, workers, **kw):
+            super().__init__({**spec, "sleep": 0.5, "log_dir": str(tmp_path)}, names, cache_dir_of, workers,
+                             command=stub)
+
+        def wait(self):
+            out = super().wait()
+            order.append("workers exited")
+            return out
+
+    def model_then_stop(*a, **k):
+        order.append("model built")
+        raise _Stop
+
+    monkeypatch.setattr(bench, "bench_model", model_then_stop)
+    monkeypatch.setattr(precompile, "Precompiler", Recording)
+    with pytest.raises(_Stop):
+        run_benchmark("tiny", "eager,dsv41", 8, 2, repeats=1, device="cpu", precompile=1,
+                      cache_dir=str(tmp_path / "c"))
+    assert order == ["workers exited", "model built"]
+
+
 def test_a_worker_ends_when_the_benchmark_that_started_it_is_killed(tmp_path):
     """The worker's parent watch: a parent killed before it could close its workers leaves no orphan compiling."""
     import subprocess

@@ -68,5 +68,5 @@ def test_regional_speculative_decoding_replays_the_verify_and_draft_graphs(tiny_
     rounds = len(out.acceptance)
     assert rm.replays == 2 * rounds - 2  # each kind: 1 uncaptured call, then capture + replay, then replays
     from dsv41.model.speculative import journal_for
-    journal = journal_for(model, 1, model.config.dspark_block_size + 1, "cuda")
+    journal = journal_for(model, 1, model.config.dspark_block_size + 1)
     assert journal.graphs and journal.captures == 2  # the rollback bookkeeping replays too (save, rollback)

@@ -183,3 +183,23 @@ def test_round_journal_cuda_graphs_roll_back_as_a_fresh_journal_per_round(tiny_p
     m = DeepseekV41Flash(ModelConfig.preset("tiny"), "checkpoint", torch.float32).init_random(0).eval().cuda()
     rj = _round_journal_matches_fresh_journals(m, tiny_prompt, "cuda", graphs=True)
     assert rj.captures == 2 and rj.replays == 6  # round 1 uncaptured; rounds 2-4 replay both graphs
+
+
+def test_generations_share_one_round_journal_per_cache_allocation(tiny_model, tiny_prompt):
+    """`journal_for` hands every generation over the same caches the same journal (so CUDA graphs captured in a
+    warm-up run replay in the measured runs), and a new one after `setup_cache` moved the caches."""
+    from dsv41.model import generate
+    from dsv41.model.speculative import journal_for
+
+    width = tiny_model.config.dspark_block_size + 1
+    prompt = tiny_prompt.reshape(1, -1)[:, :20]
+    tiny_model.setup_cache(1, 96)
+    generate(tiny_model, prompt, 6, speculative=True, simulate_acceptance=2.0)
+    first = journal_for(tiny_model, 1, width)
+    saves = first._calls["save"]
+    assert saves >= 2  # at 2 tokens per round, 6 tokens take 3 rounds: the journal was this one
+    generate(tiny_model, prompt, 6, speculative=True, simulate_acceptance=2.0)
+    assert journal_for(tiny_model, 1, width) is first and first._calls["save"] == 2 * saves
+    tiny_model.setup_cache(1, 200)
+    moved = journal_for(tiny_model, 1, width)
+    assert moved is not first and moved.journal.rows[0][0] is tiny_model.layers[0].attn.ring_codes

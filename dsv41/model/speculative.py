@@ -181,24 +181,24 @@ class RoundJournal:
         self.replays += 1
 
 
-#: model -> {(batch, width, device, graphs, cache allocation): RoundJournal}
+#: model -> {(batch, width, cache allocation): RoundJournal}
 _JOURNALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def journal_for(model, batch: int, width: int, device) -> RoundJournal:
-    """The `RoundJournal` of `model` for verify rows [batch, width] on `device`, kept across generations.
+def journal_for(model, batch: int, width: int) -> RoundJournal:
+    """The `RoundJournal` of `model` for verify rows [batch, width] on the caches' device, kept across generations.
 
     A new cache allocation (`setup_cache`) drops the journals of the old one (their graphs and saved rows hold the
     old buffers). Raises: ValueError as `CacheJournal`.
     """
-    device = torch.device(device)
-    alloc = (model.batch_size, model.max_seq_len, model.layers[0].attn.ring_codes.data_ptr())
+    ring = model.layers[0].attn.ring_codes
+    alloc = (model.batch_size, model.max_seq_len, ring.data_ptr())
     mine = _JOURNALS.setdefault(model, {})
-    key = (batch, width, str(device), alloc)
+    key = (batch, width, alloc)
     if key not in mine:
-        for k in [k for k in mine if k[3] != alloc]:
+        for k in [k for k in mine if k[2] != alloc]:
             del mine[k]
-        mine[key] = RoundJournal(model, batch, width, device)
+        mine[key] = RoundJournal(model, batch, width, ring.device)
     return mine[key]
 
 
@@ -306,7 +306,7 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
                         none, y, start, embed_w, head_w)
     token_round = [0]
     acceptance, natural = [], []
-    journal = journal_for(base, b, m, dev)
+    journal = journal_for(base, b, m)
     while min(len(o) for o in out) < max_new_tokens:
         rows = torch.cat((y[:, None], drafts), dim=1)
         vpos = start[:, None] + offs
