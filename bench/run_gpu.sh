@@ -115,6 +115,9 @@ for s in $sections; do
       # of call 2 compiled from its cache in 13-28 s (11 FX-graph hits, 0 misses); the whole h200 toggles call 2
       # took 439 s at NEW_TOKENS=64 REPEATS=2 (bench/results/2026-11-30_h200_s13), before the byte-table prefill.
       # dspark (issue 8): DSpark off and on (simulated acceptance 5.5) for eager, inductor and dsv41 in one run.
+      # h200, 2026-12-01: BENCH_FLAGS=--shared-cache (a +dspark worker then finds the M = 1 graphs its plain twin
+      # compiles) PRECOMPILE=4 PRECOMPILE_ONLY=1 took 364 s, then PRECOMPILE=0 REPEATS=2 286 s
+      # (bench/results/2026-12-01_h200_s15). small toggles at NEW_TOKENS=64 REGIONAL=1: 214 s, then 153 s.
       case $s in
         toggles) rows=${TOGGLE_BACKENDS:-dsv41,toggles,inductor-cudagraphs} ;;
         ablate) rows=${ABL_BACKENDS:-dsv41,ablations} ;;

@@ -280,6 +280,15 @@ def variant_options(name: str) -> dict | None:
     return opts
 
 
+def launches_by_name(names: Mapping[str, int]) -> dict:
+    """{kernel name: launches} of a profiled step, most launched first, names kept whole.
+
+    Inductor names kernels by the ops they fuse, so two kernels often share a long prefix; a truncated key merged
+    them and dropped counts (2026-12-01: 1,739 of 1,820 `h200` launches were left, at 120 characters).
+    """
+    return dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def base_backend(name: str) -> str:
     """The backend of row `name` without its `+dspark` suffix."""
     return name[:-len(DSPARK)] if name.endswith(DSPARK) else name
@@ -1071,8 +1080,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
                         rows[n]["step_span_us"] = k["span_us"]
                         rows[n]["kernel_time_top"] = _with_origins(k["top_us"], _ORIGINS.get(id(rows[n]), {}))
-                        rows[n]["kernel_launches_by_name"] = {name[:120]: c for name, c in
-                                                              sorted(k["names"].items(), key=lambda kv: -kv[1])}
+                        rows[n]["kernel_launches_by_name"] = launches_by_name(k["names"])
                         say(f"{n}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us "
                             "span; top: " + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
                                                       + (f" [{t['origin'][0][:70]}]" if t.get("origin") else "")

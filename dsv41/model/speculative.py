@@ -7,7 +7,8 @@ One round, with y the last emitted token at position s:
    token t_a = argmax(row a), i.e. a + 1 tokens (the acceptance length);
 4. every cache the forward wrote for the rejected rows a+1..K is restored (`CacheJournal`), so the state is the
    one a plain run that only saw rows 0..a would have; the accepted rows' target features are committed to the
-   drafter's rings inside the next draft round.
+   drafter's rings inside the next draft round. One journal serves a whole generation (`RoundJournal`); on CUDA
+   its save and rollback replay from CUDA graphs, as the verify and draft forwards of a graphed wrapper do.
 
 Caches rolled back (every stateful buffer of `dsv41/model`): window rings of every layer (slot p mod W), the
 kv-source banks and index keys (row p // ratio, written only by the token that completes a group), the ratio-2
@@ -84,6 +85,8 @@ class CacheJournal:
         self.save()
 
     def _track(self, buf: torch.Tensor, kind: tuple) -> None:
+        """Journal `buf`'s rows of index `kind` ("ring", window) / ("bank", ratio) / ("position",): allocates the
+        kind's index (and bank write mask) once and this buffer's saved rows [B, M, ...]."""
         if kind not in self.kinds:
             writes = None if kind[0] != "bank" else torch.empty_like(self.positions, dtype=torch.bool)
             self.kinds[kind] = (torch.empty_like(self.positions), writes)
@@ -166,6 +169,7 @@ class RoundJournal:
         self._run("rollback", lambda: self.journal.rollback(self.keep))
 
     def _run(self, name: str, fn) -> None:
+        """`fn()` uncaptured (no graphs, or its first call), else through its CUDA graph (captured on call 2)."""
         self._calls[name] += 1
         if not self.graphs or self._calls[name] == 1:
             fn()
