@@ -130,6 +130,10 @@ DEFINITIONS = {
                        "the graph nodes the kernel computes (from the compile's kernel provenance)",
     "kernel_launches_by_name": "every kernel name of the profiled step with its launches (most first): what the "
                                "profiler counted, to set against the static per-layer count of the report",
+    "speculative_round_ms": "(+dspark rows) median milliseconds of each phase of a verify round over the rounds "
+                            "of one extra, untimed run (journal save, verify forward, acceptance + rollback, the "
+                            "host sync on the accepted tokens, draft; CUDA events on GPU, so idle gaps count), "
+                            "`round` their sum, `rounds` how many",
     "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
                        "(Inductor's cudagraph_skips counter around the cold compile)",
     "reference_tokens": "(top level) eager's greedy tokens [B][new_tokens], the reference of tokens_match_eager",
@@ -278,6 +282,18 @@ def variant_options(name: str) -> dict | None:
     except (TypeError, ValueError) as e:
         raise ValueError(f"backend {name!r}: {e}") from None
     return opts
+
+
+def round_phase_medians(out) -> dict:
+    """{phase: median ms over the rounds, "round": median of the rounds' sums, "rounds": count} of a
+    `generate(..., speculative=True, round_phases=True)` result (`speculative.ROUND_PHASES`).
+    Raises: ValueError for a result without round phases."""
+    from .model.speculative import ROUND_PHASES
+    ph = out.round_phases_ms
+    if not ph:
+        raise ValueError("no round phases: run generate(..., speculative=True, round_phases=True)")
+    med = {k: statistics.median(r[k] for r in ph) for k in ROUND_PHASES}
+    return {**med, "round": statistics.median(sum(r.values()) for r in ph), "rounds": len(ph)}
 
 
 def launches_by_name(names: Mapping[str, int]) -> dict:
@@ -1089,6 +1105,13 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                             rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
+                if spec_of[n]:
+                    try:
+                        rows[n]["speculative_round_ms"] = round_phase_medians(generate(
+                            runners[n], prompt, tokens_of[n], speculative=True, simulate_acceptance=spec_of[n],
+                            round_phases=True))
+                    except Exception as e:
+                        notes[n].append("round phases " + _fail(e))
                 try:
                     if base_backend(n) == "eager":
                         # The same module and decode step as the reference: its teacher-forced logits are the

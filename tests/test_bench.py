@@ -494,6 +494,9 @@ def test_a_run_with_dspark_rows_measures_plain_and_speculative_rows_together():
     assert plain["tokens_match_eager"] is True and "mean_acceptance" not in plain
     assert spec["tokens_match_eager"] is None and 2.0 < spec["mean_acceptance"] <= 4.0
     assert spec["decode_tok_s"]["median"] > 0 and "simulated acceptance 3.0" in spec["note"]
+    ph = spec["speculative_round_ms"]  # an extra untimed run; 24 tokens at ~3 a round: 7-12 rounds
+    assert 7 <= ph["rounds"] <= 12 and min(ph[k] for k in ("save", "verify", "accept_rollback", "sync", "draft")) >= 0
+    assert ph["verify"] > 0 and ph["round"] >= ph["verify"] and "speculative_round_ms" not in plain
     with pytest.raises(ValueError, match="positive"):
         bench.run_benchmark("tiny", "eager+dspark", prompt_len=8, new_tokens=4, device="cpu", speculative=0)
 

@@ -203,3 +203,23 @@ def test_generations_share_one_round_journal_per_cache_allocation(tiny_model, ti
     tiny_model.setup_cache(1, 200)
     moved = journal_for(tiny_model, 1, width)
     assert moved is not first and moved.journal.rows[0][0] is tiny_model.layers[0].attn.ring_codes
+
+
+def test_round_phases_cover_each_round_of_a_speculative_generation(tiny_model, tiny_prompt):
+    """`round_phases=True` times every verify round's phases; together they cover the round as the token clock
+    sees it (only loop bookkeeping lies between), and they are refused for a plain generation."""
+    from dsv41.model import generate
+    from dsv41.model.speculative import ROUND_PHASES
+
+    prompt = tiny_prompt.reshape(1, -1)[:, :20]
+    out = generate(tiny_model, prompt, 10, speculative=True, simulate_acceptance=2.0, round_phases=True)
+    assert len(out.round_phases_ms) == len(out.acceptance) >= 4
+    assert all(tuple(r) == ROUND_PHASES and min(r.values()) >= 0 for r in out.round_phases_ms)
+    # the tokens of round i carry its end time (timestamps[0]: the prefill); span i = end i - end i-1, i >= 1
+    ends = sorted(set(out.timestamps))
+    spans = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
+    for ph, span in zip(out.round_phases_ms[1:], spans[1:]):
+        assert 0.8 * span <= sum(ph.values()) <= span + 1e-6, (ph, span)
+    assert generate(tiny_model, prompt, 4, speculative=True).round_phases_ms == []
+    with pytest.raises(ValueError, match="round_phases"):
+        generate(tiny_model, prompt, 4, round_phases=True)

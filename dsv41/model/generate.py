@@ -44,6 +44,8 @@ class GenerateResult:
     `acceptance` unless simulated); simulated_acceptance: the "match-expected" mean length, or None.
     logits (`return_logits=True` only): float32 [B, N-1, V] on the CPU, the logits of decode steps 1..N-1 (step i
     was fed token i-1), i.e. what `dsv41.bench.teacher_forced_logits` computes for these tokens, without a second run.
+    round_phases_ms (speculative with `round_phases=True` only): one {phase: milliseconds} per verify round, phases
+    `speculative.ROUND_PHASES`.
     """
 
     tokens: torch.Tensor
@@ -53,6 +55,7 @@ class GenerateResult:
     natural_acceptance: List[List[int]] = field(default_factory=list)
     simulated_acceptance: Optional[float] = None
     logits: Optional[torch.Tensor] = None
+    round_phases_ms: List[dict] = field(default_factory=list)
 
     @property
     def mean_acceptance(self) -> float:
@@ -118,7 +121,7 @@ class _Clock:
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
              speculative: bool = False, simulate_acceptance: float | None = None, drafter=None,
-             return_logits: bool = False) -> GenerateResult:
+             return_logits: bool = False, round_phases: bool = False) -> GenerateResult:
     """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
 
     With `speculative=True`: DSpark speculative decoding instead (`speculative.generate_speculative`): each round
@@ -136,11 +139,12 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         max_new_tokens: tokens to produce (>= 1). EOS is ignored.
         return_logits: also keep each decode step's last-position logits (float32, cloned, since a CUDA-graph
             output is overwritten by the next replay); costs a copy per step, so timed runs leave it off.
+        round_phases: (speculative only) time each round's phases (`speculative.generate_speculative`).
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:
         ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings;
-        `simulate_acceptance` or `drafter` without `speculative`; `return_logits` with `speculative` or with
+        `simulate_acceptance`, `drafter` or `round_phases` without `speculative`; `return_logits` with `speculative` or with
         max_new_tokens < 2 (no decode step).
     """
     if return_logits and (speculative or max_new_tokens < 2):
@@ -148,9 +152,10 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
     if speculative:
         from .speculative import generate_speculative
         return generate_speculative(model, prompt_ids, max_new_tokens, compiled_prefill=compiled_prefill,
-                                    simulate_acceptance=simulate_acceptance, drafter=drafter)
-    if simulate_acceptance is not None or drafter is not None:
-        raise ValueError("simulate_acceptance and drafter need speculative=True")
+                                    simulate_acceptance=simulate_acceptance, drafter=drafter,
+                                    round_phases=round_phases)
+    if simulate_acceptance is not None or drafter is not None or round_phases:
+        raise ValueError("simulate_acceptance, drafter and round_phases need speculative=True")
     base = _base(model)
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids[None]

@@ -39,7 +39,8 @@ import torch
 
 from .csa import SPEC_TRAIL_ROWS
 
-__all__ = ["CacheJournal", "RoundJournal", "journal_for", "greedy_acceptance", "MatchExpected", "generate_speculative"]
+__all__ = ["CacheJournal", "RoundJournal", "journal_for", "greedy_acceptance", "MatchExpected", "generate_speculative",
+           "ROUND_PHASES"]
 
 
 class CacheJournal:
@@ -249,7 +250,8 @@ class MatchExpected:
 
 @torch.no_grad()
 def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
-                         simulate_acceptance: float | None = None, drafter=None, seed: int = 0):
+                         simulate_acceptance: float | None = None, drafter=None, seed: int = 0,
+                         round_phases: bool = False):
     """Greedy DSpark speculative decoding (module docstring); called by `generate(..., speculative=True)`.
 
     Args:
@@ -260,10 +262,13 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
         drafter: callable with the signature of `DSpark.forward` (e.g. `torch.compile(model.mtp)`); default the
             wrapper's `draft` where it has one (`RegionalModel.draft`, the compiled DSpark region), else the eager
             `model.mtp`. seed: of the simulated-acceptance draws.
+        round_phases: also time each round's phases (`ROUND_PHASES`: journal save, verify forward, acceptance +
+            rollback, the host sync on the accepted tokens, draft) with CUDA events on GPU (the GPU timeline, idle
+            gaps included), the host clock on CPU; six more events per round, so timed runs leave it off.
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens], timestamps (the tokens of one round share its time),
-        `acceptance` (tokens per round per sequence), `natural_acceptance` (greedy, measured in every mode) and
-        `simulated_acceptance`.
+        `acceptance` (tokens per round per sequence), `natural_acceptance` (greedy, measured in every mode),
+        `simulated_acceptance` and, with `round_phases`, `round_phases_ms` (one {phase: ms} per round).
     Raises:
         ValueError: no DSpark stages, empty prompt, max_new_tokens < 1, a bad simulated length, a length beyond
         max_position_embeddings.
@@ -311,11 +316,16 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
     token_round = [0]
     acceptance, natural = [], []
     journal = journal_for(base, b, m)
+    phase_clock = _Clock(dev) if round_phases else None
+    tick = phase_clock.mark if round_phases else (lambda: None)
     while min(len(o) for o in out) < max_new_tokens:
+        tick()
         rows = torch.cat((y[:, None], drafts), dim=1)
         vpos = start[:, None] + offs
         journal.save(vpos)
+        tick()
         logits, feats = model(rows, vpos, return_features=True)
+        tick()
         target = logits.argmax(-1)
         nat = greedy_acceptance(drafts, target)
         acc = (_on_device(sim.draw(b), dev) - 1) if sim is not None else nat
@@ -325,20 +335,35 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
         y = target[bi, acc]
         emitted = torch.cat((drafts, y[:, None]), dim=1)
         emitted[bi, acc] = y  # rows 0..acc-1: the accepted drafts; row acc: the target's bonus token
+        tick()
         done = min(len(o) for o in out)
         keep_l, nat_l, em_l = keep.tolist(), (nat + 1).tolist(), emitted.tolist()
         for s in range(b):
             out[s].extend(em_l[s][:keep_l[s]])
         acceptance.append(keep_l)
         natural.append(nat_l)
+        tick()
         valid = offs[None, :] < keep[:, None]
         start = start + keep
         if min(len(o) for o in out) < max_new_tokens:
             drafts, _ = drafter(feats, vpos, valid, y, start, embed_w, head_w)
+        tick()
         clock.mark()
         token_round.extend([len(clock.marks) - 2] * (min(len(o) for o in out) - done))
     ts = clock.seconds()
     tokens = torch.tensor([o[:max_new_tokens] for o in out], dtype=torch.int64)
     return GenerateResult(tokens=tokens, timestamps=[ts[r] for r in token_round[:max_new_tokens]], prompt_len=p,
-                          acceptance=acceptance, natural_acceptance=natural, simulated_acceptance=simulate_acceptance)
+                          acceptance=acceptance, natural_acceptance=natural, simulated_acceptance=simulate_acceptance,
+                          round_phases_ms=_phases_ms(phase_clock) if round_phases else [])
+
+
+#: The phases of one speculative round, in order (`generate_speculative(round_phases=True)`).
+ROUND_PHASES = ("save", "verify", "accept_rollback", "sync", "draft")
+
+
+def _phases_ms(clock) -> List[dict]:
+    """Per round {phase: ms} from `clock`'s marks (len(ROUND_PHASES) + 1 per round; the first mark is t = 0)."""
+    t = [0.0] + clock.seconds()
+    n = len(ROUND_PHASES) + 1
+    return [{ph: 1e3 * (t[r + i + 1] - t[r + i]) for i, ph in enumerate(ROUND_PHASES)} for r in range(0, len(t), n)]
 
