@@ -223,3 +223,50 @@ def test_round_phases_cover_each_round_of_a_speculative_generation(tiny_model, t
     assert generate(tiny_model, prompt, 4, speculative=True).round_phases_ms == []
     with pytest.raises(ValueError, match="round_phases"):
         generate(tiny_model, prompt, 4, round_phases=True)
+
+
+def _fresh_tiny():
+    from dsv41.model import DeepseekV41Flash, ModelConfig
+    return DeepseekV41Flash(ModelConfig.preset("tiny"), "checkpoint", torch.float32).init_random(0).eval()
+
+
+def test_setup_cache_frees_the_caches_a_speculative_generation_journaled():
+    """The kept round journal must not keep an old cache allocation alive: not after a plain `setup_cache`, and not
+    while `generate_speculative` grows the caches (old and new at once would not fit a GPU sized for one)."""
+    import gc
+    import weakref
+
+    from dsv41.model import generate
+
+    m = _fresh_tiny()
+    prompt = torch.arange(3, 23)[None]
+    generate(m, prompt, 6, speculative=True)
+    old = weakref.ref(m.layers[0].attn.ring_codes)
+    m.setup_cache(1, 200)
+    gc.collect()
+    assert old() is None, "setup_cache left the old caches alive"
+
+    generate(m, prompt, 6, speculative=True)
+    old = weakref.ref(m.layers[0].attn.ring_codes)
+    real, alive = m.setup_cache, []
+
+    def spy(b, n):
+        real(b, n)
+        gc.collect()
+        alive.append(old() is not None)
+
+    m.setup_cache = spy
+    generate(m, prompt, 220, speculative=True)  # needs more than the 200 positions allocated
+    assert alive == [False], "old and new caches were alive together"
+
+
+def test_a_journal_made_under_inference_mode_serves_generations_outside_it():
+    from dsv41.model import generate
+
+    m = _fresh_tiny()
+    prompt = torch.arange(3, 23)[None]
+    m.setup_cache(1, 64)
+    with torch.inference_mode():
+        a = generate(m, prompt, 6, speculative=True)
+    b = generate(m, prompt, 6, speculative=True)
+    assert torch.equal(a.tokens, b.tokens)

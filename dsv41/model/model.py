@@ -201,6 +201,8 @@ class DeepseekV41Flash(nn.Module):
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
+        from .speculative import forget_journals
+        forget_journals(self)  # speculative round journals hold the old caches: free them before allocating anew
         dev = self.embed.weight.device
         for layer in self.layers:
             layer.attn.setup_cache(batch_size, max_seq_len, dev)

@@ -39,8 +39,8 @@ import torch
 
 from .csa import SPEC_TRAIL_ROWS
 
-__all__ = ["CacheJournal", "RoundJournal", "journal_for", "greedy_acceptance", "MatchExpected", "generate_speculative",
-           "ROUND_PHASES"]
+__all__ = ["CacheJournal", "RoundJournal", "journal_for", "forget_journals", "greedy_acceptance", "MatchExpected",
+           "generate_speculative", "ROUND_PHASES"]
 
 
 class CacheJournal:
@@ -175,14 +175,15 @@ class RoundJournal:
         if not self.graphs or self._calls[name] == 1:
             fn()
             return
-        if self._graph[name] is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                fn()
-            self._pool = self._pool or graph.pool()
-            self._graph[name] = graph
-            self.captures += 1
-        self._graph[name].replay()
+        with torch.cuda.device(self.positions.device):  # capture and replay on the caches' GPU
+            if self._graph[name] is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    fn()
+                self._pool = self._pool or graph.pool()
+                self._graph[name] = graph
+                self.captures += 1
+            self._graph[name].replay()
         self.replays += 1
 
 
@@ -190,20 +191,33 @@ class RoundJournal:
 _JOURNALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _allocation(model) -> tuple:
+    """The addresses of every buffer of `model` (caches, compressor states): a journal and its CUDA graphs are valid
+    while these stay (`setup_cache` or a dtype / device move changes some)."""
+    return tuple(b.data_ptr() for _, b in model.named_buffers() if b is not None)
+
+
+def forget_journals(model) -> None:
+    """Drop `model`'s round journals (and with them their hold on its caches). `setup_cache` calls this first, so
+    an old allocation is freed before the new one is made."""
+    _JOURNALS.pop(model, None)
+
+
 def journal_for(model, batch: int, width: int) -> RoundJournal:
     """The `RoundJournal` of `model` for verify rows [batch, width] on the caches' device, kept across generations.
 
-    A new cache allocation (`setup_cache`) drops the journals of the old one (their graphs and saved rows hold the
-    old buffers). Raises: ValueError as `CacheJournal`.
+    A journal of another allocation (`_allocation`) is dropped. Its tensors are made outside inference mode, so a
+    journal first used under `torch.inference_mode()` still serves a later generation outside it.
+    Raises: ValueError as `CacheJournal`.
     """
-    ring = model.layers[0].attn.ring_codes
-    alloc = (model.batch_size, model.max_seq_len, ring.data_ptr())
+    alloc = _allocation(model)
     mine = _JOURNALS.setdefault(model, {})
     key = (batch, width, alloc)
     if key not in mine:
         for k in [k for k in mine if k[2] != alloc]:
             del mine[k]
-        mine[key] = RoundJournal(model, batch, width, ring.device)
+        with torch.inference_mode(False):
+            mine[key] = RoundJournal(model, batch, width, model.layers[0].attn.ring_codes.device)
     return mine[key]
 
 
