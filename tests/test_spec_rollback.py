@@ -242,7 +242,7 @@ def test_setup_cache_frees_the_caches_a_speculative_generation_journaled():
     prompt = torch.arange(3, 23)[None]
     generate(m, prompt, 6, speculative=True)
     old = weakref.ref(m.layers[0].attn.ring_codes)
-    m.setup_cache(1, 200)
+    m.setup_cache(1, 30)
     gc.collect()
     assert old() is None, "setup_cache left the old caches alive"
 
@@ -256,7 +256,7 @@ def test_setup_cache_frees_the_caches_a_speculative_generation_journaled():
         alive.append(old() is not None)
 
     m.setup_cache = spy
-    generate(m, prompt, 220, speculative=True)  # needs more than the 200 positions allocated
+    generate(m, prompt, 12, speculative=True)  # 20 + 12 + a verify width > the 30 positions allocated
     assert alive == [False], "old and new caches were alive together"
 
 
