@@ -592,7 +592,8 @@ def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):
 
 def test_kernel_launches_by_name_keeps_every_launch_of_kernels_with_a_shared_prefix():
     """Inductor kernel names share long prefixes; the per-name launches must still add up to the step's kernels."""
-    stem = "triton_per_fused___lshift_____rshift____to_copy_abs_add_amax_bitwise_and_clamp_div_mul_ne_silu_unsqueeze_view_"
+    stem = ("triton_per_fused___lshift_____rshift____to_copy_abs_add_amax_bitwise_and_clamp_div_mul_ne_silu_"
+            "unsqueeze_view_")
     names = {stem + "a_5": 30, stem + "b_8": 4, "_quant_gemv_kernel": 290, "nvjet_sm90": 4}
     got = bench.launches_by_name(names)
     assert sum(got.values()) == 328 and got == names

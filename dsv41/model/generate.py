@@ -144,8 +144,8 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:
         ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings;
-        `simulate_acceptance`, `drafter` or `round_phases` without `speculative`; `return_logits` with `speculative` or with
-        max_new_tokens < 2 (no decode step).
+        `simulate_acceptance`, `drafter` or `round_phases` without `speculative`; `return_logits` with
+        `speculative` or with max_new_tokens < 2 (no decode step).
     """
     if return_logits and (speculative or max_new_tokens < 2):
         raise ValueError("return_logits needs plain decoding (speculative=False) and max_new_tokens >= 2")
