@@ -65,17 +65,15 @@ GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
 #: CUDA-core FMA tiles, STAGES 1 the tile-at-once layout with its own K_ITERS rule (a quarter to a half of copy
 #: bandwidth, 2026-11-30), maxnreg a register cap (ncu: 120 registers (FP8) / 168 (FP4) hold it at 4 / 3 programs
 #: per SM). The pipelined and tensor-core tile loops were slower at every shape (bench/results/2026-11-30_h200_s7_gemv/)
-#: and are left out. A dict is a row-streaming plan (`dsv41/kernels/gemv_rows.py`): bytes of each weight row per
-#: program (`kc_bytes`: K chunk = kc_bytes values for block FP8, 2 x kc_bytes for FP4) and the other
-#: `gemv_rows.rows_plan` arguments; block-FP8 rows need block_r <= 32 (a larger one is skipped there).
+#: and are left out, as are the row-streaming plans (`dsv41/kernels/gemv_rows.py`, slower at every shape:
+#: bench/results/2026-11-30_h200_s11; a dict with `kc_bytes` still selects one). A dict with `tma` is a TMA GEMV plan
+#: (`dsv41/kernels/gemv_tma.py`, block FP8 only: block_n, stages, programs_per_sm).
 SWEEP = [(128, 128, 4, 1, 4, False),
-         # row-streaming plans: the best two of the first sweep (2026-11-30, eleventh session: every row plan slower
-         # than the tile; register caps on the tile no faster), then two row blocks loaded ahead (prefetch=2)
-         dict(kc_bytes=256, block_r=16), dict(kc_bytes=512, block_r=16),
-         dict(kc_bytes=256, block_r=16, prefetch=2), dict(kc_bytes=512, block_r=16, prefetch=2),
-         dict(kc_bytes=512, block_r=8, prefetch=2), dict(kc_bytes=256, block_r=32, prefetch=2),
-         dict(kc_bytes=256, block_r=16, prefetch=2, programs_per_sm=16)]
-GROUPED_SWEEP = SWEEP
+         dict(tma=True, block_n=32, stages=4, programs_per_sm=6), dict(tma=True, block_n=64, stages=2, programs_per_sm=4),
+         dict(tma=True, block_n=64, stages=3, programs_per_sm=4), dict(tma=True, block_n=64, stages=4, programs_per_sm=3),
+         dict(tma=True, block_n=64, stages=3, programs_per_sm=5), dict(tma=True, block_n=128, stages=3, programs_per_sm=2),
+         dict(tma=True, block_n=128, stages=2, programs_per_sm=3)]
+GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)]  # the TMA GEMV takes block FP8 only
 
 
 def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
@@ -96,6 +94,10 @@ def sweep_overrides(cfg, fp4: bool):
     if not isinstance(cfg, dict):
         return _sweep_overrides(*cfg)
     cfg = dict(cfg)
+    if cfg.get("tma"):
+        if fp4:
+            return None
+        return cfg, "sweep tma" + "".join(f" {k}={v}" for k, v in cfg.items() if k != "tma")
     kcb = cfg.pop("kc_bytes")
     if not fp4 and cfg.get("block_r", 32) > 32:
         return None
@@ -192,11 +194,15 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
         return dict(base, variant=variant, bytes=nbytes, time_us=t * 1e6, floor_us=nbytes / bw * 1e6,
                     eff_bw_TBps=nbytes / t / 1e12, frac_of_copy=nbytes / t / bw, **extra)
 
-    plan = qg.gemv_plan(m, n, k, fp4)
+    plan = _default_plan(m, n, k, fp4, w0)
     plan_j = {kk: (list(v) if kk == "grid" else v) for kk, v in plan.items()}
     rows = [row("triton (graph)", _bench_graph([lambda w=w, s=s: tri(x, w, s, True) for w, s in ws], reps_ms),
                 plan=plan_j),
             row("triton (eager, incl. launch)", _bench(lambda: tri(x, w0, s0, True), reps_ms))]
+    if not fp4:  # the default is the TMA kernel where the GPU has TMA: the tile kernel beside it
+        rows.append(row("triton tile kernel, tma=False (graph)",
+                        _bench_graph([lambda w=w, s=s: tri(x, w, s, True, tma=False) for w, s in ws], reps_ms),
+                        plan=_plan_grid({"tma": False}, m, n, k, fp4)))
     rows.append(row("fallback dequant+cuBLAS (graph)",
                     _bench_graph([lambda w=w, s=s: ref(x, w, s, True) for w, s in ws[:4]], reps_ms)))
     wd = (dequantize_fp4_1x32(w0, s0, torch.bfloat16) if fp4 else dequantize_fp8_block(w0, s0, torch.bfloat16))
@@ -220,12 +226,25 @@ def bench_gemv(name, fmt, n, k, m, bw, reps_ms, sweep, gen):
     return rows
 
 
+def _default_plan(m: int, n: int, k: int, fp4: bool, weight: torch.Tensor) -> dict:
+    """The plan (with "kernel": "tma" or "tile") a launch without options runs on this GPU for `weight`."""
+    from dsv41.kernels import gemv_tma, quant_gemv as qg
+    dev = torch.device("cuda")
+    sms = qg.device_sm_count(dev)
+    if not fp4 and qg.TMA_DEFAULT and gemv_tma.tma_supported(dev) and gemv_tma.tma_eligible(weight):
+        return dict(gemv_tma.tma_gemv_plan(m, n, k, sm_count=sms), kernel="tma")
+    return dict(qg.gemv_plan(m, n, k, fp4, sm_count=sms), kernel="tile")
+
+
 def _plan_grid(over: dict, m: int, n: int, k: int, fp4: bool, pairs: int = 0) -> list:
-    """The launch grid an override set gives (row-streaming or tile-loop plan), for the JSON rows."""
+    """The launch grid an override set gives (TMA, row-streaming or tile-loop plan), for the JSON rows."""
     from dsv41.kernels import gemv_rows, quant_gemv as qg
     over = dict(over)
     if torch.cuda.is_available():  # as the launchers do: the plan is sized to this GPU's SMs
         over.setdefault("sm_count", qg.device_sm_count(torch.device("cuda")))
+    if over.pop("tma", None):
+        from dsv41.kernels.gemv_tma import tma_gemv_plan
+        return list(tma_gemv_plan(m, n, k, **over)["grid"])
     rows = qg.split_rows_overrides(over, m, fp4)
     if rows is not None:
         return list(gemv_rows.rows_plan(n, k, fp4, pairs=max(pairs, 1), **rows)["grid"])
@@ -280,7 +299,7 @@ CHAIN = ("wq_a", "wq_b", "wo_b", "shared_w1", "shared_w2")
 
 
 def bench_gemv_chain(bw, reps_ms, gen):
-    """One row: the FP8 GEMVs of one decode layer (`CHAIN`) back to back in one CUDA graph, as a decode step runs
+    """Two rows (the default kernel and the tile kernel, tma=False): the FP8 GEMVs of one decode layer (`CHAIN`) back to back in one CUDA graph, as a decode step runs
     them (PDL overlaps each kernel's weight loads with the previous one's tail), over enough layer copies that
     the weights exceed L2. Bytes = all weights + scales + activations read and outputs written."""
     from dsv41.kernels import quant_gemv as qg
@@ -288,13 +307,17 @@ def bench_gemv_chain(bw, reps_ms, gen):
     layer_bytes = sum(n * k + (-(-n // 32)) * (k // 32) for n, k in shapes)
     layers = [[_random_fp8_weight(n, k, gen) for n, k in shapes] for _ in range(_copies_for(layer_bytes))]
     xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen) for n, k in shapes]
-    calls = [lambda x=x, w=w, s=s: qg.triton_linear_fp8_block(x, w, s, True)
-             for layer in layers for x, (w, s) in zip(xs, layer)]
-    t = _bench_graph(calls, reps_ms) * len(shapes)  # seconds per layer
     moved = layer_bytes + sum(2 * k + 2 * n for n, k in shapes)
-    return [dict(kernel="linear_fp8_block chain", shape="+".join(CHAIN), M=1, N=sum(n for n, _ in shapes),
-                 K=0, variant="triton (graph), one layer", bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
-                 eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw)]
+    out = []
+    for variant, over in (("triton (graph), one layer", {}), ("triton tile kernel, tma=False (graph), one layer",
+                                                             {"tma": False})):
+        calls = [lambda x=x, w=w, s=s: qg.triton_linear_fp8_block(x, w, s, True, **over)
+                 for layer in layers for x, (w, s) in zip(xs, layer)]
+        t = _bench_graph(calls, reps_ms) * len(shapes)  # seconds per layer
+        out.append(dict(kernel="linear_fp8_block chain", shape="+".join(CHAIN), M=1, N=sum(n for n, _ in shapes),
+                        K=0, variant=variant, bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
+                        eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw))
+    return out
 
 
 def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):

@@ -176,13 +176,44 @@ def test_in_kernel_activation_quant_is_bit_exact_on_gpu(fp4):
     for xx in (x, x.bfloat16()):
         y = fn(xx, w, s, True, block_k=128)
         assert torch.equal(y.double(), G.ref_fake_quant_fp8(xx))
+        if not fp4:
+            y = fn(xx, w, s, True, tma=True)
+            assert torch.equal(y.double(), G.ref_fake_quant_fp8(xx))
+
+
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("shape", [GEMV_SHAPES[0], GEMV_SHAPES[1], GEMV_SHAPES[4]], ids=["wq_b", "wo_b", "shared_w2"])
+def test_default_fp8_gemv_is_the_tma_kernel_and_agrees_with_the_tile_kernel(shape, m, monkeypatch):
+    # On the H200 a block-FP8 launch with no option runs the TMA kernel (gemv_tma); it and the tile kernel
+    # (tma=False) both match the float64 reference; a weight view 8 bytes off 16-byte alignment falls back to the tile
+    # kernel, bit-identical to an explicit tma=False launch.
+    from dsv41.kernels import gemv_tma
+    name, fp4, n, k = shape
+    w, s = _weights(n, k, fp4, seed=n + k + 7)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 2
+    assert gemv_tma.tma_supported(DEV) and gemv_tma.tma_eligible(w)
+    calls = []
+    real = gemv_tma.launch_tma
+    monkeypatch.setattr(gemv_tma, "launch_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    poison_outputs(monkeypatch, qg)
+    y_tma = qg.triton_linear_fp8_block(x, w, s, True)
+    assert calls == [1]
+    _check(y_tma, x, w, s, True, False)
+    y_tile = qg.triton_linear_fp8_block(x, w, s, True, tma=False)
+    _check(y_tile, x, w, s, True, False)
+    buf = torch.empty(w.numel() + 8, dtype=torch.uint8, device=DEV)
+    shifted = buf[8:].view(w.shape)
+    shifted.copy_(w)
+    assert not gemv_tma.tma_eligible(shifted)
+    assert torch.equal(qg.triton_linear_fp8_block(x, shifted, s, True), y_tile)
+    assert calls == [1]
 
 
 def test_split_k_is_deterministic_and_counters_reset():
     w, s = _weights(1280, 5120, False, seed=3)
     x = torch.randn(1, 5120, device=DEV, dtype=torch.bfloat16)
-    plan = qg.gemv_plan(1, 1280, 5120, False)
-    assert plan["SPLIT_K"] > 1
+    from dsv41.kernels.gemv_tma import tma_gemv_plan
+    assert qg.gemv_plan(1, 1280, 5120, False)["SPLIT_K"] > 1 and tma_gemv_plan(1, 1280, 5120)["SPLIT_K"] > 1
     ys = [qg.triton_linear_fp8_block(x, w, s, True) for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
     from dsv41.kernels import _common

@@ -460,3 +460,124 @@ def test_a_weight_copied_at_launch_is_not_read_under_pdl(monkeypatch):
     assert pdl_of("_upcast_gemv_kernel") is True
     ug.triton_linear_upcast(x, torch.zeros(40, 128, dtype=torch.bfloat16)[:, ::2])
     assert pdl_of("_upcast_gemv_kernel") is False
+
+
+# ------------------------------------------------------------------------------------------- TMA GEMV (gemv_tma)
+TMA_CASES = [
+    # (leading shape, N, K, dtype, act_quant, overrides of tma_gemv_plan)
+    ((1,), 40, 64, torch.float32, True, {}),  # one K tile narrower than the 128-byte box (zero-filled)
+    ((1,), 96, 160, torch.bfloat16, True, {}),  # 2 K tiles, the second a quarter full; split K
+    ((3,), 96, 416, torch.float32, True, {"block_n": 32}),  # 4 K tiles, masked x rows, 3 row bands
+    ((8,), 72, 384, torch.bfloat16, False, {"stages": 2}),  # N not a multiple of the band, no act quant
+    ((2, 3), 40, 256, torch.float16, True, {}),  # fp16 roundings of the reference
+    ((12,), 40, 128, torch.bfloat16, True, {"programs_per_sm": 1, "sm_count": 1}),  # two m-tiles, no split
+    ((1,), 200, 1280, torch.bfloat16, True, {"sm_count": 2}),  # 4 bands x 2 splits of 5 K tiles
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}x{c[2]}-"
+                         f"{str(c[3])[6:]}-aq{int(c[4])}-{'-'.join(f'{k}{v}' for k, v in c[5].items())}")
+def test_tma_gemv_matches_float64_reference(case, poisoned_outputs):
+    from dsv41.kernels import gemv_tma
+    lead, n, k, dtype, act_quant, overrides = case
+    gen = torch.Generator().manual_seed(n * 17 + k)
+    w, s = make_weights(n, k, False, gen)
+    x = (torch.randn(*lead, k, generator=gen) * 2).to(dtype)
+    y = qg.triton_linear_fp8_block(x, w, s, act_quant, tma=True, **overrides)
+    assert y.shape == (*lead, n) and y.dtype == dtype
+    y64, abs64 = ref_linear(x, w, s, act_quant, False)
+    assert_close_to_ref(y, y64, abs64)
+    plan = gemv_tma.tma_gemv_plan(math.prod(lead), n, k, **overrides)
+    if n == 200:  # the split-K merge ran: K tiles spread over programs, counters left at zero
+        assert plan["SPLIT_K"] == 2
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tma_gemv_activation_quant_is_bit_exact_and_scales_read_as_bytes_or_words(dtype, poisoned_outputs):
+    """Identity weight: y = fq(x) exactly through the TMA kernel. The scale is read as int32 words when aligned and
+    as bytes when the same scale sits one byte into a larger buffer (both give the same bits)."""
+    x = crafted_activation(dtype)
+    w, s = identity_weight(128, False)
+    want = ref_fake_quant_fp8(x)
+    shifted = torch.empty(s.numel() + 1, dtype=torch.uint8)[1:].view(s.shape)
+    shifted.copy_(s)
+    assert qg.scale_words(s, 128, 128) is not None and qg.scale_words(shifted, 128, 128) is None
+    for scale in (s, shifted):
+        y = qg.triton_linear_fp8_block(x, w, scale, True, tma=True)
+        assert torch.equal(y.double(), want), (y.double() - want).abs().max()
+
+
+def test_tma_gemv_plan_fills_one_wave_of_programs():
+    # Defaults: 64-row bands, 3 stages, grid sized for 4 programs per SM on 132 SMs (528 slots). Hand-computed:
+    from dsv41.kernels.gemv_tma import tma_gemv_plan
+    wq_b = tma_gemv_plan(1, 32768, 1280)  # 512 bands already fill the wave: no split, 10 K tiles each
+    assert (wq_b["BLOCK_N"], wq_b["BLOCK_K"], wq_b["STAGES"], wq_b["K_ITERS"], wq_b["SPLIT_K"], wq_b["grid"]) == (
+        64, 128, 3, 10, 1, (512, 1, 1))
+    wo_b = tma_gemv_plan(1, 5120, 8192)  # 80 bands: 528 // 80 = 6 splits of ceil(64 / 6) = 11 K tiles
+    assert (wo_b["K_ITERS"], wo_b["SPLIT_K"], wo_b["SPLIT_POW2"], wo_b["grid"]) == (11, 6, 8, (80, 6, 1))
+    wq_a = tma_gemv_plan(1, 1280, 5120)  # 20 bands: 26 splits -> 2 K tiles each -> 20 splits (400 programs)
+    assert (wq_a["K_ITERS"], wq_a["grid"]) == (2, (20, 20, 1))
+    head = tma_gemv_plan(1, 129280, 5120)  # 2020 bands: several waves, no split
+    assert (head["K_ITERS"], head["SPLIT_K"]) == (40, 1)
+    assert tma_gemv_plan(1, 1280, 5120, sm_count=66)["K_ITERS"] == 4  # 13 splits -> 4 tiles -> 10 splits
+    assert tma_gemv_plan(6, 5120, 8192)["BLOCK_M"] == 8 and tma_gemv_plan(3, 64, 64)["BLOCK_M"] == 4
+    assert tma_gemv_plan(20, 64, 64)["grid"][2] == 3  # x rows tiled by 8
+    for bad, match in ((dict(block_n=48), "block_n"), (dict(block_n=512), "block_n"), (dict(stages=0), "stages"),
+                       (dict(programs_per_sm=0), "programs_per_sm"), (dict(sm_count=0), "sm_count"),
+                       (dict(num_warps=3), "num_warps")):
+        with pytest.raises(ValueError, match=match):
+            tma_gemv_plan(1, 64, 64, **bad)
+
+
+def test_tma_option_rules():
+    """Which kernel a block-FP8 launch picks: tma=True forces the TMA kernel and rejects FP4 and other kernels'
+    options by name; the default takes it only on a TMA GPU with no other option set; tma=False never."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert qg.split_tma_overrides({}, False, cpu) is None  # no TMA unit here
+    over = {"tma": True, "block_n": 32, "sm_count": 4}
+    assert qg.split_tma_overrides(over, False, cpu) == {"block_n": 32, "sm_count": 4, "explicit": True}
+    assert over == {}
+    with pytest.raises(ValueError, match="FP4"):
+        qg.split_tma_overrides({"tma": True}, True, cpu)
+    with pytest.raises(ValueError, match=r"\['k_iters', 'mma'\]"):
+        qg.split_tma_overrides({"tma": True, "mma": True, "k_iters": 2}, False, cpu)
+    assert qg.split_tma_overrides({"tma": False, "block_n": 64}, False, cpu) is None
+    import dsv41.kernels.gemv_tma as gt
+    real = gt.tma_supported
+    try:
+        gt.tma_supported = lambda device: device.type == "cuda"
+        assert qg.split_tma_overrides({"sm_count": 132}, False, cuda) == {"sm_count": 132, "explicit": False}
+        for other in ({"block_k": 64}, {"stages": 3}, {"rows": True}, {"programs_per_sm": 8}, {"mma": True}):
+            assert qg.split_tma_overrides(dict(other), False, cuda) is None, other
+        assert qg.split_tma_overrides({}, True, cuda) is None  # FP4 stays on the tile kernel
+    finally:
+        gt.tma_supported = real
+    assert not gt.tma_supported(torch.device("meta"))
+
+
+@interpreted
+def test_default_launch_takes_tma_where_supported_and_falls_back_for_an_unaligned_weight(monkeypatch,
+                                                                                         poisoned_outputs):
+    # With the GPU check forced on (the interpreter runs the TMA kernel on CPU), a plain launch runs the TMA kernel;
+    # a weight whose address is not 16-byte aligned runs the tile kernel, and tma=True on it is an error.
+    import dsv41.kernels.gemv_tma as gt
+    monkeypatch.setattr(gt, "tma_supported", lambda device: True)
+    calls = []
+    real_launch = gt.launch_tma
+    monkeypatch.setattr(gt, "launch_tma", lambda *a, **kw: calls.append(1) or real_launch(*a, **kw))
+    gen = torch.Generator().manual_seed(31)
+    w, s = make_weights(40, 128, False, gen)
+    x = torch.randn(1, 128, generator=gen)
+    y64, abs64 = ref_linear(x, w, s, True, False)
+    assert_close_to_ref(qg.triton_linear_fp8_block(x, w, s, True), y64, abs64)
+    assert calls == [1]
+    buf = torch.empty(w.numel() + 8, dtype=torch.uint8)
+    shifted = buf[8:].view(w.shape)
+    shifted.copy_(w)
+    assert shifted.data_ptr() % 16 == 8 and not gt.tma_eligible(shifted)
+    assert_close_to_ref(qg.triton_linear_fp8_block(x, shifted, s, True), y64, abs64)
+    assert calls == [1]  # the tile kernel ran
+    with pytest.raises(ValueError, match="cannot be read by TMA"):
+        qg.triton_linear_fp8_block(x, shifted, s, True, tma=True)

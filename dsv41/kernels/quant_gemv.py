@@ -73,7 +73,7 @@ __all__ = [
     "reference_linear_fp8_block", "reference_linear_fp4",
     "triton_linear_fp8_block", "triton_linear_fp4",
     "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "split_rows_overrides", "MAX_TRITON_M",
-    "ROWS_KEYS", "ROWS_DEFAULT",
+    "ROWS_KEYS", "ROWS_DEFAULT", "TMA_DEFAULT", "split_tma_overrides",
 ]
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
@@ -172,11 +172,6 @@ def _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_s
     every iteration on a DRAM round trip. Needs K % 128 == 0 and k0 % 128 == 0 (the caller checks).
     """
     k_ok = (k0 + kb * 32) < K
-    s_rows = offs_n if FP4 else offs_n // 32
-    if SCALE_WORDS:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
-    else:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
     w_mask = n_ok[:, None, None] & k_ok[None, :, None]
     if FP4:
         j16 = tl.arange(0, 16)
@@ -186,10 +181,22 @@ def _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_s
         j32 = tl.arange(0, 32)
         w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
                         + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
+    return w_raw, _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, FP4, SCALE_WORDS), k_ok
+
+
+@triton.jit
+def _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, FP4: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """UE8M0 bytes [BLOCK_N, NKB] of weight rows `offs_n` and the 32-blocks k0 / 32 + kb (0 where masked), one per
+    row (FP4 1x32) or per 32 rows (block FP8); read as int32 words with SCALE_WORDS (see `_load_weight_tile`)."""
+    s_rows = offs_n if FP4 else offs_n // 32
+    if SCALE_WORDS:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
+    else:
+        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
     s_raw = tl.load(s_ptr + s_off, mask=n_ok[:, None] & k_ok[None, :], other=0)
     if SCALE_WORDS:
         s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
-    return w_raw, s_raw, k_ok
+    return s_raw
 
 
 @triton.jit
@@ -229,7 +236,17 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_
                                            SCALE_WORDS)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    return _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, FP4, ACT_QUANT,
+                          X_FP16, BLOCK_M, BLOCK_N, NKB)
 
+
+@triton.jit
+def _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, FP4: tl.constexpr,
+                   ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NKB: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + fq8(x[:, k0:k0+32*NKB]) @ dequant(tile)^T for a loaded weight tile: codes `w_raw`
+    and UE8M0 bytes `s_raw` as `_load_weight_tile` returns them (zero where masked), `k_ok` [NKB] the 32-blocks
+    inside K. x rows pid_m * BLOCK_M + (0 .. BLOCK_M-1) below M are read here (after any PDL wait)."""
     # Decode to FP32 codes [BLOCK_N, NKB, 32] and the UE8M0 scales 2^(e-127) [BLOCK_N, NKB]. FP4 codes are
     # decoded divided by 2^14 (a four-instruction decode, see _common) and multiplied back per block sum.
     sw = exp2_int(s_raw.to(tl.int32))
@@ -361,6 +378,15 @@ def _quant_gemv_kernel(
 
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+                       SPLIT_K, SPLIT_POW2)
+
+
+@triton.jit
+def _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+                       SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr):
+    """Write the [BLOCK_M, BLOCK_N] FP32 partial `acc` of program (pid_n, pid_k, pid_m) to y (rounded once to y's
+    dtype), through the split-K merge when SPLIT_K > 1 (the last program of the output tile to arrive stores)."""
     mask_mn = (offs_m[:, None] < M) & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -521,13 +547,52 @@ def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
     return picked
 
 
+#: Whether block-FP8 GEMVs run the TMA kernel (`gemv_tma`) when no plan option is given, on a GPU and for a weight
+#: that allow it (`gemv_tma.tma_supported`, `tma_eligible`): yes, it measured faster at every FP8 h200 shape
+#: (gemv_tma's docstring). FP4 weights never do by default (slower there).
+TMA_DEFAULT = True
+#: Plan options of the tile-loop and row-streaming kernels: any of them set (not None / False) keeps a default launch
+#: off the TMA kernel, and `tma=True` rejects them.
+_NON_TMA_KEYS = ("mma", "block_k", "k_iters", "maxnreg", "rows", "kc", "block_r", "row_iters", "prefetch")
+
+
+def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device) -> dict | None:
+    """Pop the TMA choice from `overrides` (in place): the `gemv_tma.tma_gemv_plan` options plus "explicit" when
+    the TMA kernel is to run, else None (the overrides are then left for the other kernels).
+
+    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps and sm_count (popped). tma=None (the
+    default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count is set and
+    `gemv_tma.tma_supported(device)` ("explicit" False: the launcher still checks the weight, `tma_eligible`, and
+    falls back to the tile kernel). tma=False: never.
+    Raises ValueError for tma=True with an FP4 weight or with another kernel's option (named).
+    """
+    tma = overrides.pop("tma", None)
+    if tma:
+        if fp4:
+            raise ValueError("tma=True (the TMA GEMV) takes block-FP8 weights only, not FP4")
+        from .gemv_tma import TMA_KEYS
+        picked = {key: overrides.pop(key) for key in (*TMA_KEYS, "sm_count") if key in overrides}
+        others = sorted(key for key, v in overrides.items() if v is not None and v is not False)
+        if others:
+            raise ValueError(f"tma=True does not take the options {others}; it takes {sorted(TMA_KEYS)} and sm_count")
+        return {**picked, "explicit": True}
+    if tma is None and TMA_DEFAULT and not fp4 and not any(
+            overrides.get(key) not in (None, False)
+            for key in (*_NON_TMA_KEYS, "stages", "block_n", "num_warps", "programs_per_sm")):
+        from .gemv_tma import tma_supported
+        if tma_supported(device):
+            return {"sm_count": overrides.pop("sm_count", None), "explicit": False}
+    return None
+
+
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
     n, k = _check_args(x, weight, scale, fp4)
     check_mma_dtype(x, overrides)
     lead = x.shape[:-1]
     m = math.prod(lead)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = split_rows_overrides(overrides, m, fp4)
+    tma = split_tma_overrides(overrides, fp4, x.device)
+    rows = split_rows_overrides(overrides, m, fp4) if tma is None else None
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
@@ -543,6 +608,14 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
+    if tma is not None:
+        from . import gemv_tma
+        explicit = tma.pop("explicit")
+        if explicit or gemv_tma.tma_eligible(weight):
+            plan = gemv_tma.tma_gemv_plan(m, n, k, **tma)
+            return gemv_tma.launch_tma(x2, weight, scale, act_quant, plan, _empty, pdl_allowed=not copied
+                                       ).reshape(*lead, n)
+        overrides["sm_count"] = tma.get("sm_count")
     if rows is not None:
         from . import gemv_rows
         plan = gemv_rows.rows_plan(n, k, fp4, **rows)
@@ -577,10 +650,14 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     """Run the Triton GEMV for a block-FP8 weight on the tensors' device (interpreted on CPU).
 
     Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
-    to 8). `overrides` (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `gemv_plan`
-    heuristic; `rows=True` with M = 1 runs the row-streaming kernel instead (`gemv_rows`; its `rows_plan` takes kc,
-    block_r, row_iters, prefetch, programs_per_sm, num_warps, sm_count). ValueError for mma=True with x not bf16
-    (`check_mma_dtype`), for invalid plan values and for mixing the two kernels' options (`split_rows_overrides`).
+    to 8). Kernel: with no option, the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight,
+    else the tile kernel. `tma=True` forces the TMA kernel (also under the interpreter; options block_n, stages,
+    programs_per_sm, num_warps, sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
+    block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the tile kernel's `gemv_plan` heuristic;
+    `rows=True` with M = 1 runs the row-streaming kernel instead (`gemv_rows`; its `rows_plan` takes kc, block_r,
+    row_iters, prefetch, programs_per_sm, num_warps, sm_count). ValueError for mma=True with x not bf16
+    (`check_mma_dtype`), for invalid plan values and for mixing kernels' options (`split_tma_overrides`,
+    `split_rows_overrides`).
     Numerics: codes and scales bit-identical to the reference; FP32 accumulation in a different order, so
     results agree to FP32 rounding of the sum, then one rounding to x.dtype.
     """

@@ -1,0 +1,190 @@
+"""Block-FP8 GEMV whose weight tiles arrive by TMA (Hopper bulk tensor copies) in a software-pipelined K loop: the
+default CUDA path of `dsv41::linear_fp8_block` for M <= 8 on sm_90+ (`quant_gemv`).
+
+Why. The tile-at-once kernel (`quant_gemv._quant_gemv_kernel`) loads each weight tile through registers and leaves
+the overlap of loads and arithmetic to other programs on the SM. It reached 44-47 % of the copy bandwidth on the
+42 MB h200 projections (wq_b, wo_b) and 71-73 % on the 662 MB LM head (bench/results/2026-11-30_h200_s7_gemv,
+2026-12-01_h200_s16). Here a program streams a K range of one [BLOCK_N, 128]-byte row band: the pipeliner keeps
+STAGES - 1 tiles of TMA copies in flight in shared memory (no registers, no per-thread address arithmetic) while
+the current tile is decoded and multiplied. Measured on the H200 (bench/gemv_tma_probe.py, CUDA-graph replay over
+weight copies beyond L2, M = 1, bf16 x, fraction of the copy bandwidth): head 91 % (173 us, was 215 us), wq_b 61 %
+(16.2 us, was 22.4 us), wo_b 55 % (18.1 us, was 21.7 us); a pure TMA read of the same 42 MB reaches 68 %, so the
+rest at that size is the launch, ramp and tail of one kernel. FP4 weights stay on the tile kernel: their decode is
+arithmetic-bound and the TMA variant measured slower (expert_w1 11.3 us vs 9.4 us).
+
+Kernel. Program (n-tile, k-split, m-tile) owns rows [n0, n0 + BLOCK_N) of W and K tiles [pid_k * K_ITERS,
+(pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv._tile_products` (the same
+arithmetic as the tile kernel: FP8 1x32 activation quant inside, FP32 sums per 32-block times the power-of-two weight
+scale), and the K splits merge through `quant_gemv._store_gemv_result` (arrival counters, last program sums the
+partials in split order: deterministic). The scales are read as int32 words where `quant_gemv.scale_words` allows,
+so the pipeliner copies them asynchronously too. Out-of-range rows and columns of a tile are zero-filled by the TMA
+unit (the descriptor carries the weight's shape). Under PDL the program waits before its K loop: a wait inside the
+loop stops the pipeliner (Triton 3.6-3.9), so weight copies do not overlap the previous kernel here.
+
+TMA needs: the weight contiguous along K, its address and row stride multiples of 16 bytes, K >= 16 (`tma_eligible`);
+the CUDA launcher falls back to the tile kernel otherwise. Under TRITON_INTERPRET=1 (CPU) the kernel runs when asked
+for (`tma=True`), which is how the tests check it at odd shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
+from .quant_gemv import _load_scale_tile, _store_gemv_result, _tile_products, scale_words
+
+__all__ = ["tma_gemv_plan", "tma_supported", "tma_eligible", "launch_tma", "TMA_BLOCK_K", "TMA_KEYS"]
+
+#: Columns (bytes) of a weight tile: one TMA box of [BLOCK_N, 128] bytes and four 32-blocks of K.
+TMA_BLOCK_K = 128
+#: Defaults of `tma_gemv_plan`, the fastest of the H200 probe (bench/results/2026-12-01_h200_s16/tma_probe.json):
+#: 64-row tiles, 3 stages, the grid sized for 4 programs per SM (wq_b 16.2 us, wo_b 18.1 us; 128-row tiles at 2 per
+#: SM within 2 %, 32-row tiles 5-10 % slower).
+_BLOCK_N = 64
+_STAGES = 3
+_PROGRAMS_PER_SM = 4
+_DEFAULT_SMS = 132
+#: Override keys of `triton_linear_fp8_block` that shape the TMA plan (besides `tma` itself and `sm_count`).
+TMA_KEYS = ("block_n", "stages", "programs_per_sm", "num_warps")
+
+
+def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_n: int | None = None,
+                  stages: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None) -> dict:
+    """Launch parameters of the TMA GEMV for x [m, k] and a block-FP8 weight [n, k].
+
+    - BLOCK_M = next power of two >= min(m, 8); m tiles = ceil(m / BLOCK_M).
+    - BLOCK_N (default 64) rows per program; BLOCK_K = `TMA_BLOCK_K`.
+    - The K split is the largest that keeps n tiles x m tiles x split <= `sm_count` (default 132) x
+      `programs_per_sm` (default 4), at least 1 and at most the K tiles; K_ITERS = ceil(K tiles / split), and the
+      split is then evened out (ceil(K tiles / K_ITERS)). So the grid fills one wave of resident programs where the
+      row bands alone do not, and each program streams its K range through the pipeline.
+    - STAGES (default 3): tiles in flight + 1 (`tl.range(num_stages=)`).
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, num_warps and grid
+    (n tiles, K splits, m tiles).
+    Raises: ValueError for block_n not a power of two in 8..256 (the TMA box's row limit), stages < 1,
+    programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8.
+    """
+    block_n = _BLOCK_N if block_n is None else block_n
+    stages = _STAGES if stages is None else stages
+    per_sm = _PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    num_warps = 4 if num_warps is None else num_warps
+    if block_n & (block_n - 1) or not 8 <= block_n <= 256:
+        raise ValueError(f"block_n={block_n} must be a power of two in 8..256 (TMA box rows)")
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
+    if per_sm < 1:
+        raise ValueError(f"programs_per_sm={per_sm} must be >= 1")
+    if sm_count is not None and sm_count < 1:
+        raise ValueError(f"sm_count={sm_count} must be >= 1")
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    block_m = min(next_power_of_2(max(m, 1)), 8)
+    m_tiles = -(-max(m, 1) // block_m)
+    n_tiles = -(-n // block_n)
+    k_tiles = max(1, -(-k // TMA_BLOCK_K))
+    slots = (sm_count or _DEFAULT_SMS) * per_sm
+    split = max(1, min(k_tiles, slots // (n_tiles * m_tiles)))
+    k_iters = -(-k_tiles // split)
+    split = -(-k_tiles // k_iters)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TMA_BLOCK_K, K_ITERS=k_iters, SPLIT_K=split,
+                SPLIT_POW2=next_power_of_2(split), STAGES=stages, num_warps=num_warps,
+                grid=(n_tiles, split, m_tiles))
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_descriptor_class():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether the TMA GEMV can run by default on `device`: a CUDA GPU of compute capability >= 9.0 (Hopper's
+    TMA unit) with Triton's host tensor descriptors (`triton.tools.tensor_descriptor`, Triton 3.6-3.9), and the
+    kernel compiled (not interpreted). False on other devices (meta tensors included)."""
+    if device.type != "cuda" or _tensor_descriptor_class() is None or is_interpreted(_tma_gemv_kernel):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def tma_eligible(weight: torch.Tensor) -> bool:
+    """Whether a uint8 weight [N, K] can be read through a TMA descriptor: contiguous along K, row stride and
+    address multiples of 16 bytes, K >= 16 bytes (the box's inner extent) and N >= 1."""
+    return (weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[0] >= 1 and weight.shape[1] >= 16
+            and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+@triton.jit
+def _tma_gemv_kernel(x_ptr, w_desc, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_sn, stride_ym,
+                     ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
+                     K_ITERS: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    NKB: tl.constexpr = BLOCK_K // 32
+    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.arange(0, NKB)
+    j32 = tl.arange(0, 32)
+    n_ok = offs_n < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in tl.range(0, K_ITERS, num_stages=STAGES):
+        k0 = (pid_k * K_ITERS + it) * BLOCK_K
+        k_ok = (k0 + kb * 32) < K
+        w_raw = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32])
+        s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
+        acc = _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
+                             ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+                       SPLIT_K, SPLIT_POW2)
+
+
+def launch_tma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool, plan: dict,
+               empty, pdl_allowed: bool = True) -> torch.Tensor:
+    """y [M, N] (x2's dtype) = fq8(x2) @ dequant(weight)^T through the TMA kernel with `plan` (`tma_gemv_plan`).
+
+    x2 [M, K] fp32 / bf16 / fp16, contiguous along K; weight uint8 [N, K] E4M3 bytes (`tma_eligible`); scale uint8
+    [ceil(N/32), K/32] UE8M0, contiguous along K. `empty(shape, dtype, device)` allocates y and the split-K
+    partials (the caller's poisoning seam). `pdl_allowed` False launches without PDL (a weight copied just before).
+    Raises RuntimeError when Triton has no host tensor descriptors, ValueError for a weight `tma_eligible` rejects.
+    Arguments are otherwise checked by the caller (`quant_gemv._launch`).
+    """
+    desc_cls = _tensor_descriptor_class()
+    if desc_cls is None:
+        raise RuntimeError("the TMA GEMV needs triton.tools.tensor_descriptor (Triton >= 3.4)")
+    if not tma_eligible(weight):
+        raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read by TMA "
+                         "(needs contiguous K, 16-byte aligned address and row stride, K >= 16)")
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = empty((m, n), x2.dtype, x2.device)
+    words = scale_words(scale, k, plan["BLOCK_K"])
+    s_arg = words if words is not None else scale
+    desc = desc_cls.from_tensor(weight, [plan["BLOCK_N"], plan["BLOCK_K"]])
+    n_tiles, split_k, m_tiles = plan["grid"]
+    part, cnt = split_k_workspace(empty, x2.device, split_k, (m, n), n_tiles * m_tiles)
+    pdl = pdl_allowed and use_pdl_for(_tma_gemv_kernel, x2.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    _tma_gemv_kernel[plan["grid"]](
+        x2, desc, s_arg, y, part, cnt, m, n, k, x2.stride(0), s_arg.stride(0), y.stride(0),
+        ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
+        STAGES=plan["STAGES"], SCALE_WORDS=words is not None, BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"],
+        BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+    return y
