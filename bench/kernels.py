@@ -69,10 +69,13 @@ GROUPED_SHAPES = [("grouped_w1w3", 2304, 5120), ("grouped_w2", 5120, 2304)]
 #: bench/results/2026-11-30_h200_s11; a dict with `kc_bytes` still selects one). A dict with `tma` is a TMA GEMV plan
 #: (`dsv41/kernels/gemv_tma.py`, block FP8 only: block_n, stages, programs_per_sm).
 SWEEP = [(128, 128, 4, 1, 4, False),
-         dict(tma=True, block_n=32, stages=4, programs_per_sm=6), dict(tma=True, block_n=64, stages=2, programs_per_sm=4),
-         dict(tma=True, block_n=64, stages=3, programs_per_sm=4), dict(tma=True, block_n=64, stages=4, programs_per_sm=3),
-         dict(tma=True, block_n=64, stages=3, programs_per_sm=5), dict(tma=True, block_n=128, stages=3, programs_per_sm=2),
-         dict(tma=True, block_n=128, stages=2, programs_per_sm=3)]
+         dict(tma=True, block_n=64, stages=3, programs_per_sm=4, scale_words=True),
+         dict(tma=True, block_n=64, stages=4, programs_per_sm=3),
+         dict(tma=True, block_n=64, stages=3, programs_per_sm=5),
+         dict(tma=True, block_n=128, stages=3, programs_per_sm=2),
+         dict(tma=True, block_n=128, stages=3, programs_per_sm=2, scale_words=True),
+         dict(tma=True, block_n=128, stages=4, programs_per_sm=2),
+         dict(tma=True, block_n=32, stages=4, programs_per_sm=6)]
 GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)]  # the TMA GEMV takes block FP8 only
 
 
@@ -299,7 +302,8 @@ CHAIN = ("wq_a", "wq_b", "wo_b", "shared_w1", "shared_w2")
 
 
 def bench_gemv_chain(bw, reps_ms, gen):
-    """Two rows (the default kernel and the tile kernel, tma=False): the FP8 GEMVs of one decode layer (`CHAIN`) back to back in one CUDA graph, as a decode step runs
+    """Two rows (the default kernel and the tile kernel, tma=False): the FP8 GEMVs of one decode layer (`CHAIN`)
+    back to back in one CUDA graph, as a decode step runs
     them (PDL overlaps each kernel's weight loads with the previous one's tail), over enough layer copies that
     the weights exceed L2. Bytes = all weights + scales + activations read and outputs written."""
     from dsv41.kernels import quant_gemv as qg

@@ -472,6 +472,9 @@ TMA_CASES = [
     ((2, 3), 40, 256, torch.float16, True, {}),  # fp16 roundings of the reference
     ((12,), 40, 128, torch.bfloat16, True, {"programs_per_sm": 1, "sm_count": 1}),  # two m-tiles, no split
     ((1,), 200, 1280, torch.bfloat16, True, {"sm_count": 2}),  # 4 bands x 2 splits of 5 K tiles
+    ((1,), 200, 1280, torch.float32, False, {"sm_count": 2, "scale_words": True}),  # scales as int32 words
+    ((2,), 72, 384, torch.bfloat16, True, {"scale_words": True}),  # the same for two rows
+    ((1,), 40, 256, torch.float16, True, {}),  # one fp16 row takes the several-row path (fp16 roundings)
 ]
 
 
@@ -505,8 +508,11 @@ def test_tma_gemv_activation_quant_is_bit_exact_and_scales_read_as_bytes_or_word
     shifted.copy_(s)
     assert qg.scale_words(s, 128, 128) is not None and qg.scale_words(shifted, 128, 128) is None
     for scale in (s, shifted):
-        y = qg.triton_linear_fp8_block(x, w, scale, True, tma=True)
-        assert torch.equal(y.double(), want), (y.double() - want).abs().max()
+        for words in (False, True):
+            y = qg.triton_linear_fp8_block(x, w, scale, True, tma=True, scale_words=words)
+            assert torch.equal(y.double(), want), (words, (y.double() - want).abs().max())
+            y = qg.triton_linear_fp8_block(x.expand(3, -1), w, scale, True, tma=True, scale_words=words)
+            assert torch.equal(y.double(), want.expand(3, -1)), (words, (y.double() - want).abs().max())
 
 
 def test_tma_gemv_plan_fills_one_wave_of_programs():

@@ -16,8 +16,9 @@ Kernel. Program (n-tile, k-split, m-tile) owns rows [n0, n0 + BLOCK_N) of W and 
 (pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv._tile_products` (the same
 arithmetic as the tile kernel: FP8 1x32 activation quant inside, FP32 sums per 32-block times the power-of-two weight
 scale), and the K splits merge through `quant_gemv._store_gemv_result` (arrival counters, last program sums the
-partials in split order: deterministic). The scales are read as int32 words where `quant_gemv.scale_words` allows,
-so the pipeliner copies them asynchronously too. Out-of-range rows and columns of a tile are zero-filled by the TMA
+partials in split order: deterministic). For one x row (decode) the per-32-block sums accumulate in [BLOCK_N, 4] and
+are summed once after the loop. The scales are read as bytes, or as int32 words (`scale_words=True`, copied
+asynchronously by the pipeliner). Out-of-range rows and columns of a tile are zero-filled by the TMA
 unit (the descriptor carries the weight's shape). Under PDL the program waits before its K loop: a wait inside the
 loop stops the pipeliner (Triton 3.6-3.9), so weight copies do not overlap the previous kernel here.
 
@@ -34,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
-from .quant_gemv import _load_scale_tile, _store_gemv_result, _tile_products, scale_words
+from ._common import exp2_int, is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
+from .quant_gemv import _fake_quant_fp8_1x32, _load_scale_tile, _store_gemv_result, _tile_products, scale_words
 
 __all__ = ["tma_gemv_plan", "tma_supported", "tma_eligible", "launch_tma", "TMA_BLOCK_K", "TMA_KEYS"]
 
@@ -48,12 +49,15 @@ _BLOCK_N = 64
 _STAGES = 3
 _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132
+#: Scales as int32 words (asynchronous copies) or bytes: bytes, as the H200 probe ran (see `tma_gemv_plan`).
+_SCALE_WORDS = False
 #: Override keys of `triton_linear_fp8_block` that shape the TMA plan (besides `tma` itself and `sm_count`).
-TMA_KEYS = ("block_n", "stages", "programs_per_sm", "num_warps")
+TMA_KEYS = ("block_n", "stages", "programs_per_sm", "num_warps", "scale_words")
 
 
 def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_n: int | None = None,
-                  stages: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None) -> dict:
+                  stages: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
+                  scale_words: bool | None = None) -> dict:
     """Launch parameters of the TMA GEMV for x [m, k] and a block-FP8 weight [n, k].
 
     - BLOCK_M = next power of two >= min(m, 8); m tiles = ceil(m / BLOCK_M).
@@ -63,8 +67,10 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
       split is then evened out (ceil(K tiles / K_ITERS)). So the grid fills one wave of resident programs where the
       row bands alone do not, and each program streams its K range through the pipeline.
     - STAGES (default 3): tiles in flight + 1 (`tl.range(num_stages=)`).
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, num_warps and grid
-    (n tiles, K splits, m tiles).
+    - SCALE_WORDS (default `_SCALE_WORDS`): read the scales as int32 words where `quant_gemv.scale_words` allows
+      (copied asynchronously by the pipeliner) instead of bytes.
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, SCALE_WORDS, num_warps and
+    grid (n tiles, K splits, m tiles).
     Raises: ValueError for block_n not a power of two in 8..256 (the TMA box's row limit), stages < 1,
     programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8.
     """
@@ -92,6 +98,7 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
     split = -(-k_tiles // k_iters)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TMA_BLOCK_K, K_ITERS=k_iters, SPLIT_K=split,
                 SPLIT_POW2=next_power_of_2(split), STAGES=stages, num_warps=num_warps,
+                SCALE_WORDS=_SCALE_WORDS if scale_words is None else bool(scale_words),
                 grid=(n_tiles, split, m_tiles))
 
 
@@ -142,14 +149,31 @@ def _tma_gemv_kernel(x_ptr, w_desc, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, st
     n_ok = offs_n < N
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in tl.range(0, K_ITERS, num_stages=STAGES):
-        k0 = (pid_k * K_ITERS + it) * BLOCK_K
-        k_ok = (k0 + kb * 32) < K
-        w_raw = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32])
-        s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
-        acc = _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
-                             ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB)
+    if BLOCK_M == 1 and not X_FP16:
+        # Decode (one x row): per-32-block sums times their scale accumulate in [BLOCK_N, NKB], summed over the
+        # blocks once after the loop (no per-tile reduction across threads or layout change of the row sums;
+        # the same arithmetic as `_tile_products` in another FP32 order).
+        acc2 = tl.zeros([BLOCK_N, NKB], dtype=tl.float32)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            k0 = (pid_k * K_ITERS + it) * BLOCK_K
+            k_ok = (k0 + kb * 32) < K
+            w3 = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32]).to(tl.float8e4nv, bitcast=True)
+            s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
+            xv = tl.load(x_row + k0 + kb[:, None] * 32 + j32[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            if ACT_QUANT:
+                xv = _fake_quant_fp8_1x32(xv)
+            acc2 += tl.sum(w3.to(tl.float32) * xv[None, :, :], axis=2) * exp2_int(s_raw.to(tl.int32))
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            k0 = (pid_k * K_ITERS + it) * BLOCK_K
+            k_ok = (k0 + kb * 32) < K
+            w_raw = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32])
+            s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
+            acc = _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
+                                 ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
@@ -175,7 +199,7 @@ def launch_tma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_
     m, k = x2.shape
     n = weight.shape[0]
     y = empty((m, n), x2.dtype, x2.device)
-    words = scale_words(scale, k, plan["BLOCK_K"])
+    words = scale_words(scale, k, plan["BLOCK_K"]) if plan["SCALE_WORDS"] else None
     s_arg = words if words is not None else scale
     desc = desc_cls.from_tensor(weight, [plan["BLOCK_N"], plan["BLOCK_K"]])
     n_tiles, split_k, m_tiles = plan["grid"]
