@@ -184,7 +184,8 @@ def test_in_kernel_activation_quant_is_bit_exact_on_gpu(fp4):
 @pytest.mark.parametrize("m", [1, 6])
 @pytest.mark.parametrize("shape", [GEMV_SHAPES[0], GEMV_SHAPES[1], GEMV_SHAPES[4]], ids=["wq_b", "wo_b", "shared_w2"])
 def test_default_fp8_gemv_is_the_tma_kernel_and_agrees_with_the_tile_kernel(shape, m, monkeypatch):
-    # On the H200 a block-FP8 launch with no option runs the TMA kernel (gemv_tma); it and the tile kernel
+    # On the H200 a block-FP8 launch with no option runs the TMA kernel (gemv_tma) for several rows or a weight of
+    # 16 MiB and more (quant_gemv.TMA_MIN_WEIGHT_BYTES_M1); it, forced or not, and the tile kernel
     # (tma=False) both match the float64 reference; a weight view 8 bytes off 16-byte alignment falls back to the tile
     # kernel (checked against the reference: the tile kernel's layout, hence its FP32 sum order, follows the
     # pointer alignment).
@@ -198,8 +199,12 @@ def test_default_fp8_gemv_is_the_tma_kernel_and_agrees_with_the_tile_kernel(shap
     monkeypatch.setattr(gemv_tma, "launch_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     poison_outputs(monkeypatch, qg)
     y_tma = qg.triton_linear_fp8_block(x, w, s, True)
-    assert calls == [1]
+    expect = [1] if m > 1 or n * k >= qg.TMA_MIN_WEIGHT_BYTES_M1 else []  # shared_w2 at one row: the tile kernel
+    assert calls == expect
     _check(y_tma, x, w, s, True, False)
+    y_forced = qg.triton_linear_fp8_block(x, w, s, True, tma=True)
+    _check(y_forced, x, w, s, True, False)
+    calls.clear()
     y_tile = qg.triton_linear_fp8_block(x, w, s, True, tma=False)
     _check(y_tile, x, w, s, True, False)
     buf = torch.empty(w.numel() + 8, dtype=torch.uint8, device=DEV)
@@ -207,7 +212,7 @@ def test_default_fp8_gemv_is_the_tma_kernel_and_agrees_with_the_tile_kernel(shap
     shifted.copy_(w)
     assert not gemv_tma.tma_eligible(shifted)
     _check(qg.triton_linear_fp8_block(x, shifted, s, True), x, w, s, True, False)
-    assert calls == [1]
+    assert calls == []
 
 
 def test_split_k_is_deterministic_and_counters_reset():

@@ -558,6 +558,10 @@ def test_tma_option_rules():
         for other in ({"block_k": 64}, {"stages": 3}, {"rows": True}, {"programs_per_sm": 8}, {"mma": True}):
             assert qg.split_tma_overrides(dict(other), False, cuda) is None, other
         assert qg.split_tma_overrides({}, True, cuda) is None  # FP4 stays on the tile kernel
+        # one x row takes it from 16 MiB of weight (wq_b 32768 x 1280 does, wq_a 1280 x 5120 does not), more rows always
+        assert qg.split_tma_overrides({}, False, cuda, 1, 32768 * 1280) is not None
+        assert qg.split_tma_overrides({}, False, cuda, 1, 1280 * 5120) is None
+        assert qg.split_tma_overrides({}, False, cuda, 6, 1280 * 5120) is not None
     finally:
         gt.tma_supported = real
     assert not gt.tma_supported(torch.device("meta"))
@@ -573,6 +577,7 @@ def test_default_launch_takes_tma_where_supported_and_falls_back_for_an_unaligne
     calls = []
     real_launch = gt.launch_tma
     monkeypatch.setattr(gt, "launch_tma", lambda *a, **kw: calls.append(1) or real_launch(*a, **kw))
+    monkeypatch.setattr(qg, "TMA_MIN_WEIGHT_BYTES_M1", 0)  # the small test weight counts as a large one
     gen = torch.Generator().manual_seed(31)
     w, s = make_weights(40, 128, False, gen)
     x = torch.randn(1, 128, generator=gen)

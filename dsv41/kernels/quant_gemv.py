@@ -73,7 +73,7 @@ __all__ = [
     "reference_linear_fp8_block", "reference_linear_fp4",
     "triton_linear_fp8_block", "triton_linear_fp4",
     "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "split_rows_overrides", "MAX_TRITON_M",
-    "ROWS_KEYS", "ROWS_DEFAULT", "TMA_DEFAULT", "split_tma_overrides",
+    "ROWS_KEYS", "ROWS_DEFAULT", "TMA_DEFAULT", "TMA_MIN_WEIGHT_BYTES_M1", "split_tma_overrides",
 ]
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
@@ -548,22 +548,29 @@ def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
 
 
 #: Whether block-FP8 GEMVs run the TMA kernel (`gemv_tma`) when no plan option is given, on a GPU and for a weight
-#: that allow it (`gemv_tma.tma_supported`, `tma_eligible`): yes, it measured faster at every FP8 h200 shape
-#: (gemv_tma's docstring). FP4 weights never do by default (slower there).
+#: that allow it (`gemv_tma.tma_supported`, `tma_eligible`): yes for several x rows and, for one row, from
+#: `TMA_MIN_WEIGHT_BYTES_M1` of weight. Measured on the H200 with PDL (bench/results/2026-12-01_h200_s16): one row,
+#: wq_b 15.8 vs 22.0 us, wo_b 18.4 vs 21.0 us, head 178 vs 222 us, but wq_a (6.6 MB) 6.7 vs 5.7 us and shared_w1
+#: (11.8 MB) 8.6 vs 8.2 us; six rows, TMA faster or equal at every shape (wq_b 61 vs 85 us). FP4 weights never
+#: take it by default (its decode is arithmetic-bound; slower).
 TMA_DEFAULT = True
+#: One-row block-FP8 GEMVs take the TMA kernel by default from this many weight bytes (N x K): 16 MiB.
+TMA_MIN_WEIGHT_BYTES_M1 = 16 << 20
 #: Plan options of the tile-loop and row-streaming kernels: any of them set (not None / False) keeps a default launch
 #: off the TMA kernel, and `tma=True` rejects them.
 _NON_TMA_KEYS = ("mma", "block_k", "k_iters", "maxnreg", "rows", "kc", "block_r", "row_iters", "prefetch")
 
 
-def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device) -> dict | None:
+def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int = 1,
+                        weight_bytes: int = TMA_MIN_WEIGHT_BYTES_M1) -> dict | None:
     """Pop the TMA choice from `overrides` (in place): the `gemv_tma.tma_gemv_plan` options plus "explicit" when
     the TMA kernel is to run, else None (the overrides are then left for the other kernels).
 
     tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps and sm_count (popped). tma=None (the
-    default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count is set and
-    `gemv_tma.tma_supported(device)` ("explicit" False: the launcher still checks the weight, `tma_eligible`, and
-    falls back to the tile kernel). tma=False: never.
+    default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count is set,
+    `gemv_tma.tma_supported(device)`, and x has m > 1 rows or the weight has >= `TMA_MIN_WEIGHT_BYTES_M1` bytes
+    (`weight_bytes`) ("explicit" False: the launcher still checks the weight, `tma_eligible`, and falls back to the
+    tile kernel). tma=False: never.
     Raises ValueError for tma=True with an FP4 weight or with another kernel's option (named).
     """
     tma = overrides.pop("tma", None)
@@ -576,7 +583,7 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device) -> dic
         if others:
             raise ValueError(f"tma=True does not take the options {others}; it takes {sorted(TMA_KEYS)} and sm_count")
         return {**picked, "explicit": True}
-    if tma is None and TMA_DEFAULT and not fp4 and not any(
+    if tma is None and TMA_DEFAULT and not fp4 and (m > 1 or weight_bytes >= TMA_MIN_WEIGHT_BYTES_M1) and not any(
             overrides.get(key) not in (None, False)
             for key in (*_NON_TMA_KEYS, "stages", "block_n", "num_warps", "programs_per_sm")):
         from .gemv_tma import tma_supported
@@ -591,7 +598,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     lead = x.shape[:-1]
     m = math.prod(lead)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    tma = split_tma_overrides(overrides, fp4, x.device)
+    tma = split_tma_overrides(overrides, fp4, x.device, m, weight.shape[0] * weight.shape[1])
     rows = split_rows_overrides(overrides, m, fp4) if tma is None else None
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     x2 = x.reshape(m, k)
