@@ -3,14 +3,20 @@ default CUDA path of `dsv41::linear_fp8_block` for M <= 8 on sm_90+ (`quant_gemv
 
 Why. The tile-at-once kernel (`quant_gemv._quant_gemv_kernel`) loads each weight tile through registers and leaves
 the overlap of loads and arithmetic to other programs on the SM. It reached 44-47 % of the copy bandwidth on the
-42 MB h200 projections (wq_b, wo_b) and 71-73 % on the 662 MB LM head (bench/results/2026-11-30_h200_s7_gemv,
-2026-12-01_h200_s16). Here a program streams a K range of one [BLOCK_N, 128]-byte row band: the pipeliner keeps
-STAGES - 1 tiles of TMA copies in flight in shared memory (no registers, no per-thread address arithmetic) while
-the current tile is decoded and multiplied. Measured on the H200 (bench/gemv_tma_probe.py, CUDA-graph replay over
-weight copies beyond L2, M = 1, bf16 x, fraction of the copy bandwidth): head 91 % (173 us, was 215 us), wq_b 61 %
-(16.2 us, was 22.4 us), wo_b 55 % (18.1 us, was 21.7 us); a pure TMA read of the same 42 MB reaches 68 %, so the
-rest at that size is the launch, ramp and tail of one kernel. FP4 weights stay on the tile kernel: their decode is
-arithmetic-bound and the TMA variant measured slower (expert_w1 11.3 us vs 9.4 us).
+42 MB h200 projections (wq_b, wo_b) and 70-72 % on the 662 MB LM head. Here a program streams a K range of one
+[BLOCK_N, 128]-byte row band: the pipeliner keeps STAGES - 1 tiles of TMA copies in flight in shared memory (no
+registers, no per-thread address arithmetic) while the current tile is decoded and multiplied.
+
+Measured on the H200 (bench/results/2026-12-01_h200_s16, `bench/kernels.py --pdl`, CUDA-graph replay over weight
+copies beyond L2, bf16 x, fraction of the 4.25 TB/s copy bandwidth), TMA against the tile kernel:
+- one row: head 178 us (88 %) vs 222 us (70 %); wq_b 15.8 us (62 %) vs 22.0 us; wo_b 18.4 us (54 %) vs 21.0 us;
+  but wq_a (6.6 MB) 6.7 vs 5.7 us and shared_w1 (11.8 MB) 8.6 vs 8.2 us, hence `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1`;
+- six rows (DSpark verify): wq_b 61 vs 85 us, wo_b 66 vs 76 us, shared_w1 23 vs 28 us, head 792 vs 1016 us;
+- one layer's five FP8 GEMVs back to back (PDL): 58.5 vs 65.7 us.
+A pure TMA read of the same 42 MB in one launch reaches 67 % (bench/gemv_tma_probe.py), so at that size the launch,
+ramp and tail of one kernel, not the arithmetic, hold the GEMV below 80 %. Scales read as int32 words (asynchronous
+copies) were slower everywhere (wq_b 18.9 us). FP4 weights stay on the tile kernel: their decode is
+arithmetic-bound and a TMA variant measured slower (expert_w1 11.5 vs 9.5 us, grouped experts 41-46 vs 37-38 us).
 
 Kernel. Program (n-tile, k-split, m-tile) owns rows [n0, n0 + BLOCK_N) of W and K tiles [pid_k * K_ITERS,
 (pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv._tile_products` (the same
@@ -42,9 +48,9 @@ __all__ = ["tma_gemv_plan", "tma_supported", "tma_eligible", "launch_tma", "TMA_
 
 #: Columns (bytes) of a weight tile: one TMA box of [BLOCK_N, 128] bytes and four 32-blocks of K.
 TMA_BLOCK_K = 128
-#: Defaults of `tma_gemv_plan`, the fastest of the H200 probe (bench/results/2026-12-01_h200_s16/tma_probe.json):
-#: 64-row tiles, 3 stages, the grid sized for 4 programs per SM (wq_b 16.2 us, wo_b 18.1 us; 128-row tiles at 2 per
-#: SM within 2 %, 32-row tiles 5-10 % slower).
+#: Defaults of `tma_gemv_plan`, from the H200 sweeps (bench/results/2026-12-01_h200_s16, kernels_tma_pdl.json):
+#: 64-row tiles, 3 stages, the grid sized for 4 programs per SM. Five per SM: wq_b 16.2 vs 15.8 us, wo_b 17.8 vs 18.4
+#: us; 128-row tiles at 2 per SM: head 187 vs 178 us; 4 stages at 3 per SM and 32-row tiles slower.
 _BLOCK_N = 64
 _STAGES = 3
 _PROGRAMS_PER_SM = 4

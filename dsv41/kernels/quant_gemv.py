@@ -30,6 +30,10 @@ stores its FP32 partial to a workspace, then bumps a per-output-tile counter; th
 sums the partials in K order (deterministic) and writes y, then resets the counter. One launch, no memset:
 the counters live in a per-(device, stream) buffer that each launch leaves at zero.
 
+On sm_90+ a block-FP8 weight of 16 MiB or more, or any block-FP8 GEMV with several x rows, runs the TMA kernel of
+`gemv_tma` instead (weight tiles copied by TMA in a software-pipelined K loop; faster there, see that module and
+`TMA_DEFAULT`); the arithmetic per tile is this module's `_tile_products`.
+
 Three other loops exist, all measured slower on the H200: the row-streaming kernel of `gemv_rows` for M = 1 (x held
 in registers, weight rows streamed, no layout conversion in its loop; `rows=True`, see `split_rows_overrides`),
 and two tile loops opt-in through `gemv_plan` (`stages`, `mma`):
@@ -165,7 +169,8 @@ def _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_s
                       SCALE_WORDS: tl.constexpr):
     """(codes, scale bytes, k_ok) of the weight tile W[offs_n, k0 : k0 + 32 * NKB] (NKB = len(kb)), zero where
     masked: codes uint8 [BLOCK_N, NKB, 32] (E4M3) or [BLOCK_N, NKB, 16] (two E2M1 per byte), scale bytes (uint8,
-    or int32 with SCALE_WORDS) [BLOCK_N, NKB] (one per row for FP4 1x32, per 32 rows for block FP8), k_ok [NKB] (32-block inside K).
+    or int32 with SCALE_WORDS) [BLOCK_N, NKB] (one per row for FP4 1x32, per 32 rows for block FP8), k_ok [NKB]
+    (32-block inside K).
 
     SCALE_WORDS: `s_ptr` / `stride_sn` address the scale rows as int32 words (four UE8M0 bytes, little-endian),
     which the software pipeliner can copy asynchronously; byte loads (SCALE_WORDS False) it cannot, and they stall
