@@ -220,12 +220,13 @@ def test_split_k_is_deterministic_and_counters_reset():
     x = torch.randn(1, 5120, device=DEV, dtype=torch.bfloat16)
     from dsv41.kernels.gemv_tma import tma_gemv_plan
     assert qg.gemv_plan(1, 1280, 5120, False)["SPLIT_K"] > 1 and tma_gemv_plan(1, 1280, 5120)["SPLIT_K"] > 1
-    ys = [qg.triton_linear_fp8_block(x, w, s, True) for _ in range(5)]
-    assert all(torch.equal(ys[0], y) for y in ys[1:])
     from dsv41.kernels import _common
-    counters = _common._COUNTERS[x.device.index]
-    assert int(counters.abs().sum()) == 0
-    _check(ys[0], x, w, s, True, False)
+    for tma in (False, True):  # this 6.6 MB weight runs the tile kernel by default at one row: both, explicitly
+        ys = [qg.triton_linear_fp8_block(x, w, s, True, tma=tma) for _ in range(5)]
+        assert all(torch.equal(ys[0], y) for y in ys[1:])
+        counters = _common._COUNTERS[x.device.index]
+        assert int(counters.abs().sum()) == 0
+        _check(ys[0], x, w, s, True, False)
 
 
 def test_cuda_dispatch_uses_cublas_fallback_above_eight_rows():
@@ -248,7 +249,8 @@ def test_pdl_launches_give_identical_results_also_in_a_cuda_graph():
         a = torch.ops.dsv41.linear_fp8_block(x, w, s, True)
         b = torch.ops.dsv41.linear_fp4(x, w4, s4, True)
         c, d = torch.ops.dsv41.rope_fp4_quant(lat, cos, sin, 16, True)
-        return a, b, c, d
+        e = qg.triton_linear_fp8_block(x, w, s, True, tma=True)  # the TMA kernel (by default from 16 MiB)
+        return a, b, c, d, e
 
     kernels.set_pdl(False)
     want = step()

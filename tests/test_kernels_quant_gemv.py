@@ -481,9 +481,13 @@ TMA_CASES = [
 @interpreted
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}x{c[2]}-"
                          f"{str(c[3])[6:]}-aq{int(c[4])}-{'-'.join(f'{k}{v}' for k, v in c[5].items())}")
-def test_tma_gemv_matches_float64_reference(case, poisoned_outputs):
+def test_tma_gemv_matches_float64_reference(case, poisoned_outputs, monkeypatch):
     from dsv41.kernels import gemv_tma
     lead, n, k, dtype, act_quant, overrides = case
+    plans = []
+    real = gemv_tma.launch_tma
+    monkeypatch.setattr(gemv_tma, "launch_tma", lambda x2, w, s, aq, plan, *a, **kw: plans.append(plan) or real(
+        x2, w, s, aq, plan, *a, **kw))
     gen = torch.Generator().manual_seed(n * 17 + k)
     w, s = make_weights(n, k, False, gen)
     x = (torch.randn(*lead, k, generator=gen) * 2).to(dtype)
@@ -491,9 +495,9 @@ def test_tma_gemv_matches_float64_reference(case, poisoned_outputs):
     assert y.shape == (*lead, n) and y.dtype == dtype
     y64, abs64 = ref_linear(x, w, s, act_quant, False)
     assert_close_to_ref(y, y64, abs64)
-    plan = gemv_tma.tma_gemv_plan(math.prod(lead), n, k, **overrides)
-    if n == 200:  # the split-K merge ran: K tiles spread over programs, counters left at zero
-        assert plan["SPLIT_K"] == 2
+    assert plans == [gemv_tma.tma_gemv_plan(math.prod(lead), n, k, **overrides)]  # the plan asked for ran
+    if n == 200:  # the split-K merge ran: K tiles spread over programs
+        assert plans[0]["SPLIT_K"] == 2
 
 
 @interpreted
@@ -555,8 +559,11 @@ def test_tma_option_rules():
     try:
         gt.tma_supported = lambda device: device.type == "cuda"
         assert qg.split_tma_overrides({"sm_count": 132}, False, cuda) == {"sm_count": 132, "explicit": False}
-        for other in ({"block_k": 64}, {"stages": 3}, {"rows": True}, {"programs_per_sm": 8}, {"mma": True}):
+        # any other option set, even one no kernel knows, leaves the choice to the other kernels (which reject it)
+        for other in ({"block_k": 64}, {"stages": 3}, {"rows": True}, {"programs_per_sm": 8}, {"mma": True},
+                      {"blockn": 32}):
             assert qg.split_tma_overrides(dict(other), False, cuda) is None, other
+        assert qg.split_tma_overrides({"rows": False, "kc": None}, False, cuda) is not None  # unset ones do not
         assert qg.split_tma_overrides({}, True, cuda) is None  # FP4 stays on the tile kernel
         # one x row takes it from 16 MiB of weight (wq_b 32768 x 1280 does, wq_a 1280 x 5120 does not), more rows always
         assert qg.split_tma_overrides({}, False, cuda, 1, 32768 * 1280) is not None
@@ -565,6 +572,10 @@ def test_tma_option_rules():
     finally:
         gt.tma_supported = real
     assert not gt.tma_supported(torch.device("meta"))
+    with pytest.raises(ValueError, match="scale_words applies to the TMA kernel only"):
+        qg.split_tma_overrides({"scale_words": True}, False, cpu)
+    with pytest.raises(ValueError, match="also to the TMA kernel"):
+        qg.split_rows_overrides({"programs_per_sm": 2}, 1, False)
 
 
 @interpreted
@@ -589,6 +600,7 @@ def test_default_launch_takes_tma_where_supported_and_falls_back_for_an_unaligne
     shifted.copy_(w)
     assert shifted.data_ptr() % 16 == 8 and not gt.tma_eligible(shifted)
     assert_close_to_ref(qg.triton_linear_fp8_block(x, shifted, s, True), y64, abs64)
+    assert_close_to_ref(qg.triton_linear_fp8_block(x, shifted, s, True, rows=False, sm_count=4), y64, abs64)
     assert calls == [1]  # the tile kernel ran
     with pytest.raises(ValueError, match="cannot be read by TMA"):
         qg.triton_linear_fp8_block(x, shifted, s, True, tma=True)

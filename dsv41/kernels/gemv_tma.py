@@ -12,7 +12,8 @@ copies beyond L2, bf16 x, fraction of the 4.25 TB/s copy bandwidth), TMA against
 - one row: head 178 us (88 %) vs 222 us (70 %); wq_b 15.8 us (62 %) vs 22.0 us; wo_b 18.4 us (54 %) vs 21.0 us;
   but wq_a (6.6 MB) 6.7 vs 5.7 us and shared_w1 (11.8 MB) 8.6 vs 8.2 us, hence `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1`;
 - six rows (DSpark verify): wq_b 61 vs 85 us, wo_b 66 vs 76 us, shared_w1 23 vs 28 us, head 792 vs 1016 us;
-- one layer's five FP8 GEMVs back to back (PDL): 58.5 vs 65.7 us.
+- one layer's five FP8 GEMVs back to back (PDL), all five on the TMA kernel: 58.5 vs 65.7 us (the shipped default,
+  TMA for wq_b and wo_b only, was not measured as a chain).
 A pure TMA read of the same 42 MB in one launch reaches 67 % (bench/gemv_tma_probe.py), so at that size the launch,
 ramp and tail of one kernel, not the arithmetic, hold the GEMV below 80 %. Scales read as int32 words (asynchronous
 copies) were slower everywhere (wq_b 18.9 us). FP4 weights stay on the tile kernel: their decode is
@@ -22,8 +23,9 @@ Kernel. Program (n-tile, k-split, m-tile) owns rows [n0, n0 + BLOCK_N) of W and 
 (pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv._tile_products` (the same
 arithmetic as the tile kernel: FP8 1x32 activation quant inside, FP32 sums per 32-block times the power-of-two weight
 scale), and the K splits merge through `quant_gemv._store_gemv_result` (arrival counters, last program sums the
-partials in split order: deterministic). For one x row (decode) the per-32-block sums accumulate in [BLOCK_N, 4] and
-are summed once after the loop. The scales are read as bytes, or as int32 words (`scale_words=True`, copied
+partials in split order: deterministic). For one x row (decode; not fp16 x, whose
+reference roundings take the several-row path) the per-32-block sums accumulate in [BLOCK_N, 4] and are summed once
+after the loop. The scales are read as bytes, or as int32 words (`scale_words=True`, copied
 asynchronously by the pipeliner). Out-of-range rows and columns of a tile are zero-filled by the TMA
 unit (the descriptor carries the weight's shape). Under PDL the program waits before its K loop: a wait inside the
 loop stops the pipeliner (Triton 3.6-3.9), so weight copies do not overlap the previous kernel here.

@@ -533,7 +533,8 @@ def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
         rows = ROWS_DEFAULT and m == 1 and not tile_keys
     if not rows:
         if picked:
-            raise ValueError(f"{sorted(picked)} apply to the row-streaming kernel only (rows=True)")
+            also = " (programs_per_sm also to the TMA kernel, tma=True)" if "programs_per_sm" in picked else ""
+            raise ValueError(f"{sorted(picked)} apply to the row-streaming kernel only (rows=True){also}")
         return None
     if m > 1:
         raise ValueError(f"rows=True (row-streaming kernel) takes one x row, got M = {m}")
@@ -561,9 +562,6 @@ def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
 TMA_DEFAULT = True
 #: One-row block-FP8 GEMVs take the TMA kernel by default from this many weight bytes (N x K): 16 MiB.
 TMA_MIN_WEIGHT_BYTES_M1 = 16 << 20
-#: Plan options of the tile-loop and row-streaming kernels: any of them set (not None / False) keeps a default launch
-#: off the TMA kernel, and `tma=True` rejects them.
-_NON_TMA_KEYS = ("mma", "block_k", "k_iters", "maxnreg", "rows", "kc", "block_r", "row_iters", "prefetch")
 
 
 def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int = 1,
@@ -571,14 +569,20 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
     """Pop the TMA choice from `overrides` (in place): the `gemv_tma.tma_gemv_plan` options plus "explicit" when
     the TMA kernel is to run, else None (the overrides are then left for the other kernels).
 
-    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps and sm_count (popped). tma=None (the
-    default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count is set,
+    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps, scale_words and sm_count (popped).
+    tma=None (the default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count
+    is set (any other, even misspelt, leaves the choice to the other kernels, which reject what they do not take),
     `gemv_tma.tma_supported(device)`, and x has m > 1 rows or the weight has >= `TMA_MIN_WEIGHT_BYTES_M1` bytes
     (`weight_bytes`) ("explicit" False: the launcher still checks the weight, `tma_eligible`, and falls back to the
     tile kernel). tma=False: never.
-    Raises ValueError for tma=True with an FP4 weight or with another kernel's option (named).
+    Raises ValueError for tma=True with an FP4 weight or with another kernel's option, and for scale_words without
+    tma=True (named).
     """
     tma = overrides.pop("tma", None)
+    if not tma:
+        words = overrides.pop("scale_words", None)
+        if words not in (None, False):
+            raise ValueError("scale_words applies to the TMA kernel only (tma=True)")
     if tma:
         if fp4:
             raise ValueError("tma=True (the TMA GEMV) takes block-FP8 weights only, not FP4")
@@ -589,8 +593,7 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
             raise ValueError(f"tma=True does not take the options {others}; it takes {sorted(TMA_KEYS)} and sm_count")
         return {**picked, "explicit": True}
     if tma is None and TMA_DEFAULT and not fp4 and (m > 1 or weight_bytes >= TMA_MIN_WEIGHT_BYTES_M1) and not any(
-            overrides.get(key) not in (None, False)
-            for key in (*_NON_TMA_KEYS, "stages", "block_n", "num_warps", "programs_per_sm")):
+            v not in (None, False) for key, v in overrides.items() if key != "sm_count"):
         from .gemv_tma import tma_supported
         if tma_supported(device):
             return {"sm_count": overrides.pop("sm_count", None), "explicit": False}
@@ -628,6 +631,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
             return gemv_tma.launch_tma(x2, weight, scale, act_quant, plan, _empty, pdl_allowed=not copied
                                        ).reshape(*lead, n)
         overrides["sm_count"] = tma.get("sm_count")
+        rows = split_rows_overrides(overrides, m, fp4)  # parses (and drops) unset row-streaming keys
     if rows is not None:
         from . import gemv_rows
         plan = gemv_rows.rows_plan(n, k, fp4, **rows)
@@ -662,9 +666,10 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     """Run the Triton GEMV for a block-FP8 weight on the tensors' device (interpreted on CPU).
 
     Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
-    to 8). Kernel: with no option, the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight,
-    else the tile kernel. `tma=True` forces the TMA kernel (also under the interpreter; options block_n, stages,
-    programs_per_sm, num_warps, sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
+    to 8). Kernel: with no option, the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight and
+    several x rows or a weight of `TMA_MIN_WEIGHT_BYTES_M1` bytes or more, else the tile kernel. `tma=True` forces
+    the TMA kernel (also under the interpreter; options block_n, stages, programs_per_sm, num_warps, scale_words,
+    sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
     block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the tile kernel's `gemv_plan` heuristic;
     `rows=True` with M = 1 runs the row-streaming kernel instead (`gemv_rows`; its `rows_plan` takes kc, block_r,
     row_iters, prefetch, programs_per_sm, num_warps, sm_count). ValueError for mma=True with x not bf16
