@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ._common import exp2_int, is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
-from .quant_gemv import _fake_quant_fp8_1x32, _load_scale_tile, _store_gemv_result, _tile_products, scale_words
+from .quant_gemv import (_fake_quant_fp8_1x32, _load_scale_tile, _program_tile, _store_gemv_result, _tile_products,
+                         scale_words)
 
 __all__ = ["tma_gemv_plan", "tma_supported", "tma_eligible", "launch_tma", "TMA_BLOCK_K", "TMA_KEYS"]
 
@@ -147,14 +148,7 @@ def _tma_gemv_kernel(x_ptr, w_desc, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, st
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     NKB: tl.constexpr = BLOCK_K // 32
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    kb = tl.arange(0, NKB)
-    j32 = tl.arange(0, 32)
-    n_ok = offs_n < N
+    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if BLOCK_M == 1 and not X_FP16:

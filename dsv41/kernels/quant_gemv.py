@@ -327,6 +327,18 @@ def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm
 
 
 @triton.jit
+def _program_tile(N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr):
+    """(pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok) of a GEMV program on the grid (n tiles, K splits,
+    m tiles): its weight rows offs_n (n_ok: below N), x rows offs_m, the 32-blocks kb of a K tile, j32 within one."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_n, pid_k, pid_m, offs_n, offs_m, tl.arange(0, NKB), tl.arange(0, 32), offs_n < N
+
+
+@triton.jit
 def _quant_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
@@ -340,14 +352,7 @@ def _quant_gemv_kernel(
     NKB: tl.constexpr = BLOCK_K // 32
     MMA_N: tl.constexpr = 16
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    kb = tl.arange(0, NKB)
-    j32 = tl.arange(0, 32)
-    n_ok = offs_n < N
+    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MMA:
         # bf16 x: tensor-core tiles (`_mma_tile`) in a software-pipelined K loop: the pipeliner copies tile
