@@ -234,7 +234,7 @@ def _default_plan(m: int, n: int, k: int, fp4: bool, weight: torch.Tensor) -> di
     from dsv41.kernels import gemv_tma, quant_gemv as qg
     dev = torch.device("cuda")
     sms = qg.device_sm_count(dev)
-    if qg.split_tma_overrides({}, fp4, dev, m, n * k) is not None and gemv_tma.tma_eligible(weight):
+    if qg.split_tma_overrides({}, fp4, dev, m, weight) is not None:
         return dict(gemv_tma.tma_gemv_plan(m, n, k, sm_count=sms), kernel="tma")
     return dict(qg.gemv_plan(m, n, k, fp4, sm_count=sms), kernel="tile")
 

@@ -543,37 +543,46 @@ def test_tma_gemv_plan_fills_one_wave_of_programs():
 
 def test_tma_option_rules():
     """Which kernel a block-FP8 launch picks: tma=True forces the TMA kernel and rejects FP4 and other kernels'
-    options by name; the default takes it only on a TMA GPU with no other option set; tma=False never."""
+    options by name; the default takes it only on a TMA GPU with no other option set, for several rows or a weight of
+    16 MiB and more that TMA can read; tma=False never."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert qg.split_tma_overrides({}, False, cpu) is None  # no TMA unit here
+
+    def weight(n, k, **kw):  # a weight's shape, strides and address (meta: address 0), without its bytes
+        return torch.empty(n, k, dtype=torch.uint8, device="meta", **kw)
+
+    big, small = weight(32768, 1280), weight(1280, 5120)  # wq_b (40 MiB), wq_a (6.25 MiB)
+    assert qg.split_tma_overrides({}, False, cpu, 1, big) is None  # no TMA unit here
     over = {"tma": True, "block_n": 32, "sm_count": 4}
-    assert qg.split_tma_overrides(over, False, cpu) == {"block_n": 32, "sm_count": 4, "explicit": True}
+    assert qg.split_tma_overrides(over, False, cpu, 1, small) == {"block_n": 32, "sm_count": 4}
     assert over == {}
     with pytest.raises(ValueError, match="FP4"):
-        qg.split_tma_overrides({"tma": True}, True, cpu)
+        qg.split_tma_overrides({"tma": True}, True, cpu, 1, big)
     with pytest.raises(ValueError, match=r"\['k_iters', 'mma'\]"):
-        qg.split_tma_overrides({"tma": True, "mma": True, "k_iters": 2}, False, cpu)
-    assert qg.split_tma_overrides({"tma": False, "block_n": 64}, False, cpu) is None
+        qg.split_tma_overrides({"tma": True, "mma": True, "k_iters": 2}, False, cpu, 1, big)
+    assert qg.split_tma_overrides({"tma": False, "block_n": 64}, False, cpu, 1, big) is None
     import dsv41.kernels.gemv_tma as gt
     real = gt.tma_supported
     try:
         gt.tma_supported = lambda device: device.type == "cuda"
-        assert qg.split_tma_overrides({"sm_count": 132}, False, cuda) == {"sm_count": 132, "explicit": False}
+        assert qg.split_tma_overrides({"sm_count": 132}, False, cuda, 1, big) == {"sm_count": 132}
         # any other option set, even one no kernel knows, leaves the choice to the other kernels (which reject it)
         for other in ({"block_k": 64}, {"stages": 3}, {"rows": True}, {"programs_per_sm": 8}, {"mma": True},
                       {"blockn": 32}):
-            assert qg.split_tma_overrides(dict(other), False, cuda) is None, other
-        assert qg.split_tma_overrides({"rows": False, "kc": None}, False, cuda) is not None  # unset ones do not
-        assert qg.split_tma_overrides({}, True, cuda) is None  # FP4 stays on the tile kernel
-        # one x row takes it from 16 MiB of weight (wq_b 32768 x 1280 does, wq_a 1280 x 5120 does not), more rows always
-        assert qg.split_tma_overrides({}, False, cuda, 1, 32768 * 1280) is not None
-        assert qg.split_tma_overrides({}, False, cuda, 1, 1280 * 5120) is None
-        assert qg.split_tma_overrides({}, False, cuda, 6, 1280 * 5120) is not None
+            assert qg.split_tma_overrides(dict(other), False, cuda, 1, big) is None, other
+        assert qg.split_tma_overrides({"rows": False, "kc": None}, False, cuda, 1, big) is not None  # unset ones don't
+        assert qg.split_tma_overrides({}, True, cuda, 1, big) is None  # FP4 stays on the tile kernel
+        # one x row takes it from 16 MiB of weight (wq_b does, wq_a does not), more rows always
+        assert qg.split_tma_overrides({}, False, cuda, 1, small) is None
+        assert qg.split_tma_overrides({}, False, cuda, 6, small) is not None
+        # a weight TMA cannot read as launched: row stride 1300, not a multiple of 16 bytes; a last stride != 1 is
+        # copied to a contiguous weight first, which TMA reads
+        assert qg.split_tma_overrides({}, False, cuda, 6, weight(64, 1300)[:, :1280]) is None
+        assert qg.split_tma_overrides({}, False, cuda, 6, weight(1280, 64).T) is not None
     finally:
         gt.tma_supported = real
     assert not gt.tma_supported(torch.device("meta"))
     with pytest.raises(ValueError, match="scale_words applies to the TMA kernel only"):
-        qg.split_tma_overrides({"scale_words": True}, False, cpu)
+        qg.split_tma_overrides({"scale_words": True}, False, cpu, 1, big)
     with pytest.raises(ValueError, match="also to the TMA kernel"):
         qg.split_rows_overrides({"programs_per_sm": 2}, 1, False)
 

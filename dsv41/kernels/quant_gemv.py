@@ -569,17 +569,18 @@ TMA_DEFAULT = True
 TMA_MIN_WEIGHT_BYTES_M1 = 16 << 20
 
 
-def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int = 1,
-                        weight_bytes: int = TMA_MIN_WEIGHT_BYTES_M1) -> dict | None:
-    """Pop the TMA choice from `overrides` (in place): the `gemv_tma.tma_gemv_plan` options plus "explicit" when
-    the TMA kernel is to run, else None (the overrides are then left for the other kernels).
+def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int,
+                        weight: torch.Tensor) -> dict | None:
+    """Pop the TMA choice from `overrides` (in place): the `gemv_tma.tma_gemv_plan` options when the TMA kernel is
+    to run for x with `m` rows and `weight` (uint8 [N, K or K/2]), else None (the overrides are then left for the
+    other kernels).
 
-    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps, scale_words and sm_count (popped).
-    tma=None (the default): the TMA kernel for a block-FP8 weight when `TMA_DEFAULT`, no other option than sm_count
-    is set (any other, even misspelt, leaves the choice to the other kernels, which reject what they do not take),
-    `gemv_tma.tma_supported(device)`, and x has m > 1 rows or the weight has >= `TMA_MIN_WEIGHT_BYTES_M1` bytes
-    (`weight_bytes`) ("explicit" False: the launcher still checks the weight, `tma_eligible`, and falls back to the
-    tile kernel). tma=False: never.
+    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps, scale_words and sm_count (popped);
+    the launcher raises if the weight cannot be read by TMA. tma=None (the default): the TMA kernel for a block-FP8
+    weight when `TMA_DEFAULT`, no other option than sm_count is set (any other, even misspelt, leaves the choice to
+    the other kernels, which reject what they do not take), `gemv_tma.tma_supported(device)`, m > 1 or the weight
+    has >= `TMA_MIN_WEIGHT_BYTES_M1` bytes, and TMA can read the weight as launched (`gemv_tma.tma_eligible`, or a
+    last stride != 1, which the launcher copies to a fresh contiguous weight). tma=False: never.
     Raises ValueError for tma=True with an FP4 weight or with another kernel's option, and for scale_words without
     tma=True (named).
     """
@@ -596,12 +597,12 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
         others = sorted(key for key, v in overrides.items() if v is not None and v is not False)
         if others:
             raise ValueError(f"tma=True does not take the options {others}; it takes {sorted(TMA_KEYS)} and sm_count")
-        return {**picked, "explicit": True}
-    if tma is None and TMA_DEFAULT and not fp4 and (m > 1 or weight_bytes >= TMA_MIN_WEIGHT_BYTES_M1) and not any(
+        return picked
+    if tma is None and TMA_DEFAULT and not fp4 and (m > 1 or weight.numel() >= TMA_MIN_WEIGHT_BYTES_M1) and not any(
             v not in (None, False) for key, v in overrides.items() if key != "sm_count"):
-        from .gemv_tma import tma_supported
-        if tma_supported(device):
-            return {"sm_count": overrides.pop("sm_count", None), "explicit": False}
+        from .gemv_tma import tma_eligible, tma_supported
+        if tma_supported(device) and (weight.stride(-1) != 1 or tma_eligible(weight)):
+            return {"sm_count": overrides.pop("sm_count", None)}
     return None
 
 
@@ -611,7 +612,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     lead = x.shape[:-1]
     m = math.prod(lead)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    tma = split_tma_overrides(overrides, fp4, x.device, m, weight.shape[0] * weight.shape[1])
+    tma = split_tma_overrides(overrides, fp4, x.device, m, weight)
     rows = split_rows_overrides(overrides, m, fp4) if tma is None else None
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     x2 = x.reshape(m, k)
@@ -630,13 +631,9 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         scale = scale.contiguous()
     if tma is not None:
         from . import gemv_tma
-        explicit = tma.pop("explicit")
-        if explicit or gemv_tma.tma_eligible(weight):
-            plan = gemv_tma.tma_gemv_plan(m, n, k, **tma)
-            return gemv_tma.launch_tma(x2, weight, scale, act_quant, plan, _empty, pdl_allowed=not copied
-                                       ).reshape(*lead, n)
-        overrides["sm_count"] = tma.get("sm_count")
-        rows = split_rows_overrides(overrides, m, fp4)  # parses (and drops) unset row-streaming keys
+        plan = gemv_tma.tma_gemv_plan(m, n, k, **tma)
+        return gemv_tma.launch_tma(x2, weight, scale, act_quant, plan, _empty, pdl_allowed=not copied
+                                   ).reshape(*lead, n)
     if rows is not None:
         from . import gemv_rows
         plan = gemv_rows.rows_plan(n, k, fp4, **rows)
