@@ -53,7 +53,9 @@ top level `date`, `gpu`, `driver`, `torch`, `triton`, `cuda`, `host`, `preset`, 
 `roofline_tok_s`, `run_order` (the measured order), `ablations_note`, `definitions` (the rules above, as
 text), and `backends` = {name: {`decode_tok_s`: {median, min, max}, `prefill_tok_s`: {median, min, max},
 `kernels_per_step`, `memcpy_memset_per_step`, `roofline_fraction`, `compile_s`, `compile_warm_s`,
-`peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `options`, `note`}};
+`peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `options`, `new_tokens`
+(tokens each of the row's runs decodes: `new_tokens`, `eager_new_tokens` for eager rows, or the row's
+`row_new_tokens`), `note`}}; top level `row_new_tokens` {row: R} (the rows run shorter on request, else {});
 the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold compile), and every dsv41 row
 `fusion_matches` {family: matches}, `kernels_per_step_by_role`, `kernels_per_step_static` and
 `kernels_static_minus_profiler` (null on CPU). With `--speculative E` (DSpark, simulated acceptance) the top level
@@ -81,7 +83,7 @@ __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternati
            "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
            "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
            "run_benchmark", "print_table", "main", "DSPARK", "DSPARK_ACCEPTANCE", "base_backend", "row_speculation",
-           "tensor_digest", "identical_rows", "bench_model", "cache_positions"]
+           "tensor_digest", "identical_rows", "bench_model", "cache_positions", "parse_row_new_tokens"]
 
 #: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
 CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
@@ -115,7 +117,8 @@ DEFINITIONS = {
                 "device-to-device copy bandwidth (bytes read + written per second) measured in this run",
     "roofline_fraction": "median decode tok/s / roofline_tok_s",
     "peak_mem_gb": "max torch.cuda.max_memory_allocated() over the backend's measured runs (1e9 bytes)",
-    "tokens_match_eager": "greedy tokens of every measured run equal eager's (all new_tokens of them)",
+    "tokens_match_eager": "greedy tokens of every measured run equal eager's, over the shorter of the row's "
+                          "new_tokens and the eager reference's",
     "teacher_forced_logits_sha256": "SHA-256 of the row's teacher-forced decode logits (dtype, shape, bytes)",
     "same_tokens_as": "other rows whose measured runs all gave exactly this row's greedy tokens",
     "same_logits_as": "other rows whose teacher-forced logits are bit-identical to this row's (equal SHA-256)",
@@ -625,11 +628,12 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
     row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
            "tokens_match_eager": None, "matching_prefix_tokens": None,
            "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
-    if ref_tokens is not None:  # over the reference's length (`eager_new_tokens` may be shorter than the runs)
-        r = ref_tokens.shape[1]
-        row["tokens_match_eager"] = all(o.tokens.shape[1] >= r and torch.equal(o.tokens[:, :r], ref_tokens)
-                                        for o in outs)
-        row["matching_prefix_tokens"] = min(_prefix(o.tokens[:, :r], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
+    if ref_tokens is not None:
+        # Over the shorter of the two: `eager_new_tokens` may stop the reference early, `row_new_tokens` a row.
+        row["tokens_match_eager"] = all(
+            torch.equal(o.tokens[:, :ref_tokens.shape[1]], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
+        row["matching_prefix_tokens"] = min(
+            _prefix(o.tokens[:, :ref_tokens.shape[1]], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
     return row
 
 
@@ -680,7 +684,7 @@ def _empty_row() -> dict:
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
             "teacher_forced_logits_sha256": None, "same_tokens_as": None, "same_logits_as": None,
-            "options": None, "note": None}
+            "options": None, "new_tokens": None, "note": None}
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -728,7 +732,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   contexts: Sequence[int] | None = None, context_tokens: int = 32,
                   tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False,
                   precompile: int = 0, cache_dir: str | None = None, precompile_only: bool = False,
-                  on_update: Callable[[dict], None] | None = None, eager_new_tokens: int | None = None) -> dict:
+                  on_update: Callable[[dict], None] | None = None, eager_new_tokens: int | None = None,
+                  row_new_tokens: Mapping[str, int] | None = None) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -750,6 +755,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         eager_new_tokens: R <= new_tokens: the eager reference and the eager rows decode R tokens instead of
             new_tokens (eager `h200` takes ~0.7 s a token on the H200); the other rows' tokens and teacher-forced
             logits are compared with eager's over those R (result `eager_new_tokens`; None: new_tokens).
+        row_new_tokens: {row name: R}, 2 <= R <= new_tokens: those rows decode R tokens in every run (precompile
+            worker, cold, warm-up, measured), for rows whose step is host-bound (Inductor without CUDA graphs
+            decodes ~10 tok/s on `h200`, so 1,024 tokens take ~100 s a run): their tok/s does not depend on the
+            count. Their tokens are compared with eager's over the shorter of R and the reference. Recorded per
+            row (`new_tokens`, with a note) and as `row_new_tokens`. Overrides `eager_new_tokens` for an eager row.
         shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
             Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
             compile (result `shared_cache: true`).
@@ -800,6 +810,14 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens`, its rows and the reference
     # stop earlier.
     tokens_of = {n: (eager_new_tokens or new_tokens) if base_backend(n) == "eager" else new_tokens for n in names}
+    row_new_tokens = dict(row_new_tokens or {})
+    unknown = sorted(set(row_new_tokens) - set(names))
+    if unknown:
+        raise ValueError(f"row_new_tokens names rows that are not in this run: {unknown}; rows: {names}")
+    for n, r in row_new_tokens.items():
+        if isinstance(r, bool) or not isinstance(r, int) or not 2 <= r <= new_tokens:
+            raise ValueError(f"row_new_tokens[{n!r}] must be an int in [2, new_tokens={new_tokens}], got {r!r}")
+        tokens_of[n] = r
     if speculative is not None and speculative <= 0:
         raise ValueError(f"speculative must be a positive mean acceptance length, got {speculative}")
     if tp is not None and any(spec_of.values()):
@@ -855,6 +873,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""),
            "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "eager_new_tokens": eager_new_tokens or new_tokens,
+           "row_new_tokens": row_new_tokens,
            "repeats": repeats, "warm_compile": warm_compile, "regional": regional,
            "shared_cache": shared_cache,
            "speculative": None if not any(spec_of.values()) else {
@@ -875,6 +894,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     for n in names:
         rows[n] = _empty_row()
         rows[n]["options"] = _backend_options(n, options)
+        rows[n]["new_tokens"] = tokens_of[n]
 
     ref = None
     runnable, cold_wall, warm_wall, runners = [], {}, {}, {}
@@ -934,7 +954,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
              "device": device, "options": options, "dtype": dtype, "speculative": speculative,
              "speculative_rows": spec_of,
              "contexts": list(contexts) if contexts else None, "context_tokens": context_tokens,
-             "regional": regional, "share_weights": regional}, compiled_rows, row_cache, precompile).start()
+             "regional": regional, "share_weights": regional, "run_tokens": tokens_of}, compiled_rows, row_cache,
+            precompile).start()
         if precompile_only:
             try:
                 res["precompile"] = pre = precompiler.wait()
@@ -1018,8 +1039,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
                 if base_backend(n) == "eager":
                     notes[n].append("eager does not compile")
-                    if tokens_of[n] != new_tokens:
-                        notes[n].append(f"eager runs {tokens_of[n]} new tokens, not {new_tokens} (eager_new_tokens)")
+                if n in row_new_tokens:
+                    notes[n].append(f"runs {tokens_of[n]} new tokens, not {new_tokens} (row_new_tokens)")
+                elif tokens_of[n] != new_tokens:
+                    notes[n].append(f"eager runs {tokens_of[n]} new tokens, not {new_tokens} (eager_new_tokens)")
                 try:
                     if warm_compile:
                         # Without a warm recompile the runners compiled here are the measured ones: a reset
@@ -1286,6 +1309,8 @@ def main(argv=None) -> int:
     p.add_argument("--eager-new-tokens", type=int, default=None, metavar="R",
                    help="eager reference and eager rows decode R tokens (<= --new-tokens); the other rows are "
                         "compared with eager over those R")
+    p.add_argument("--row-new-tokens", action="append", default=[], metavar="ROW=R",
+                   help="this row decodes R tokens per run (repeatable), e.g. inductor=128 for a host-bound row")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
     p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
@@ -1301,6 +1326,25 @@ def main(argv=None) -> int:
     if a.tp is not None:
         return _bench_tp(a)
     return _bench_from_args(a)
+
+
+def parse_row_new_tokens(items: Sequence[str]) -> dict:
+    """`--row-new-tokens ROW=R` values -> {row: R}. Raises ValueError for an item without `=`, a non-integer R or
+    a row given twice (the range of R is checked by `run_benchmark`)."""
+    out: dict = {}
+    for item in items:
+        name, sep, val = item.rpartition("=")  # a row name may hold "=" itself: dsv41[pdl=false]=3
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"--row-new-tokens expects ROW=R, got {item!r}")
+        try:
+            out_val = int(val)
+        except ValueError:
+            raise ValueError(f"--row-new-tokens {item!r}: R must be an integer") from None
+        if name in out:
+            raise ValueError(f"--row-new-tokens gives row {name!r} twice")
+        out[name] = out_val
+    return out
 
 
 def _bench_tp(a) -> int:
@@ -1342,7 +1386,8 @@ def _bench_from_args(a) -> int:
                         contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
                         context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache,
                         precompile=a.precompile, cache_dir=a.cache_dir, precompile_only=a.precompile_only,
-                        on_update=write_json, eager_new_tokens=a.eager_new_tokens)
+                        on_update=write_json, eager_new_tokens=a.eager_new_tokens,
+                        row_new_tokens=parse_row_new_tokens(a.row_new_tokens))
     if rank != 0:
         return 0
     from rich.console import Console

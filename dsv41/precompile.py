@@ -102,7 +102,8 @@ def blocks_sharing_weights():
 def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_mode: str, device: str,
                options: Mapping | None = None, dtype: str | None = None, speculative: float | None = None,
                contexts: Sequence[int] | None = None, context_tokens: int = 32, regional: bool = False,
-               seed: int = 0, share_weights: bool = False, speculative_rows: Mapping | None = None) -> dict:
+               seed: int = 0, share_weights: bool = False, speculative_rows: Mapping | None = None,
+               run_tokens: Mapping | None = None) -> dict:
     """Compile benchmark row `name` as `bench.run_benchmark` would and run its cold step once.
 
     Builds the model with `bench.bench_model` (same preset, weights, dtype and cache allocation; with
@@ -111,6 +112,8 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
     run: prefill, decode steps, and DSpark rounds when `speculative`), then the teacher-forced decode the row's logit
     error comes from. Inductor writes to `TORCHINDUCTOR_CACHE_DIR` of this process.
     `speculative_rows` ({row: E or None}, `bench.row_speculation`), when given, sets this row's `speculative`.
+    `run_tokens` ({row: tokens}, the benchmark's per-row run length), when given, sets how many tokens the first
+    run decodes (the cache allocation still follows `new_tokens`, as in the benchmark).
     Returns: {"name", "wall_s" (compile + first run), "teacher_forced_s", "tokens" (list)}.
     Raises: ValueError for `share_weights` without `regional`; whatever the compile or the run raises (the caller
     records it).
@@ -131,7 +134,7 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
                                     context_tokens, seed=seed, speculative=any_speculative)
     with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)):
         runner = _make_runner(model, name, dict(options) if options else None, regional)
-        first = _timed_run(runner, prompt, new_tokens, cuda, speculative)
+        first = _timed_run(runner, prompt, (run_tokens or {}).get(name, new_tokens), cuda, speculative)
         t0 = time.perf_counter()
         teacher_forced_logits(runner, prompt, first["out"].tokens)
     return {"name": name, "wall_s": first["wall_s"], "teacher_forced_s": time.perf_counter() - t0,

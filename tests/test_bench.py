@@ -7,6 +7,7 @@ roofline from a worked example, and the result schema from BENCHMARK.md / the is
 import json
 import os
 import struct
+import types
 import zlib
 
 import pytest
@@ -559,6 +560,60 @@ def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(
     for bad in (1, 8):
         with pytest.raises(ValueError, match="eager_new_tokens"):
             bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=7, device="cpu", eager_new_tokens=bad)
+
+
+def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monkeypatch):
+    """A host-bound row (Inductor without CUDA graphs on `h200`) decodes R tokens in every run, the others their
+    full length; its tokens are compared with eager's over its R, and a wrong token in that prefix is caught."""
+    lengths = {}
+    real = bench._timed_run
+
+    def timed(runner, prompt, new_tokens, cuda, speculative=None):
+        out = real(runner, prompt, new_tokens, cuda, speculative)
+        lengths.setdefault(getattr(runner, "tag", "eager"), []).append(out["out"].tokens.shape[1])
+        return out
+
+    def make(model, name, options, regional=False):
+        if name == "eager":
+            return model
+        w = _Wrapped(model)
+        w.tag = name
+        return w
+
+    monkeypatch.setattr(bench, "_timed_run", timed)
+    monkeypatch.setattr(bench, "_make_runner", make)
+    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false]", prompt_len=8, new_tokens=7,
+                            repeats=2, device="cpu", warm_compile=False, row_new_tokens={"dsv41[pdl=false]": 3})
+    assert r["row_new_tokens"] == {"dsv41[pdl=false]": 3} and len(r["reference_tokens"][0]) == 7
+    # cold run, warm-up run and two measured runs each
+    assert lengths == {"eager": [7, 7, 7], "dsv41[pdl=false]": [3] * 4, "dsv41[streams=false]": [7] * 4}
+    short, full = r["backends"]["dsv41[pdl=false]"], r["backends"]["dsv41[streams=false]"]
+    assert (short["new_tokens"], full["new_tokens"], r["backends"]["eager"]["new_tokens"]) == (3, 7, 7)
+    assert short["tokens_match_eager"] is True and short["matching_prefix_tokens"] == 3
+    assert "runs 3 new tokens, not 7 (row_new_tokens)" in short["note"]
+    assert "row_new_tokens" not in (full["note"] or "")
+
+    # The short row must still be checked: a wrong first token is a mismatch, not a vacuous pass.
+    ref = torch.tensor(r["reference_tokens"])
+    wrong = ref[:, :3].clone()
+    wrong[0, 1] += 1
+    run = types.SimpleNamespace(tokens=wrong, decode_tok_s=1.0, prefill_tok_s=1.0)
+    row = bench.summarize_runs([run], ref, None)
+    assert row["tokens_match_eager"] is False and row["matching_prefix_tokens"] == 1
+
+    for bad_map, msg in (({"inductor": 3}, "not in this run"), ({"eager": 1}, r"\[2, new_tokens=7\]"),
+                         ({"eager": 8}, r"\[2, new_tokens=7\]"), ({"eager": True}, "must be an int")):
+        with pytest.raises(ValueError, match=msg):
+            bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=7, device="cpu", row_new_tokens=bad_map)
+
+
+def test_parse_row_new_tokens():
+    assert bench.parse_row_new_tokens(["inductor=128", " dsv41[pdl=false] =3"]) == {"inductor": 128,
+                                                                                    "dsv41[pdl=false]": 3}
+    for bad, msg in ((["inductor"], "ROW=R"), (["=3"], "ROW=R"), (["inductor=x"], "integer"),
+                     (["inductor=3", "inductor=4"], "twice")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_row_new_tokens(bad)
 
 
 def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):

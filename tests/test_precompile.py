@@ -142,10 +142,13 @@ def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monk
 
     monkeypatch.setattr(bench, "bench_model", no_model)
     monkeypatch.setattr(precompile, "Precompiler", Recording)
-    res = run_benchmark("tiny", "eager,dsv41,inductor,eager+dspark,dsv41+dspark", 8, 2, repeats=1, device="cpu",
+    res = run_benchmark("tiny", "eager,dsv41,inductor,eager+dspark,dsv41+dspark", 8, 3, repeats=1, device="cpu",
                         precompile=2, cache_dir=str(tmp_path / "c"), precompile_only=True, regional=True,
-                        speculative=3.0)
+                        speculative=3.0, row_new_tokens={"inductor": 2})
     assert seen["names"] == ["dsv41", "inductor", "dsv41+dspark"] and seen["spec"]["share_weights"] is True
+    # each worker's first run decodes what the row's runs will (a host-bound row asked to run shorter)
+    assert seen["spec"]["run_tokens"] == {"eager": 3, "dsv41": 3, "inductor": 2, "eager+dspark": 3,
+                                          "dsv41+dspark": 3}
     assert seen["spec"]["speculative_rows"] == {"eager": None, "dsv41": None, "inductor": None,
                                                 "eager+dspark": 3.0, "dsv41+dspark": 3.0}
     assert res["dtype"] == "float32" and res["preset"] == "tiny"
@@ -156,6 +159,15 @@ def test_precompile_only_builds_no_model_in_the_benchmark_process(tmp_path, monk
         with pytest.raises(ValueError, match=match):
             run_benchmark("tiny", "dsv41", 8, 2, repeats=1, device="cpu", precompile=1,
                           cache_dir=str(tmp_path / "c"), precompile_only=True, **bad)
+
+
+def test_a_worker_decodes_its_rows_run_tokens():
+    """`run_tokens` sets the length of the worker's first run (the row's `row_new_tokens`); the cache allocation
+    still follows `new_tokens`."""
+    from dsv41.precompile import run_worker
+    out = run_worker("tiny", "eager", 8, 6, "checkpoint", "cpu", run_tokens={"eager": 3, "dsv41": 6})
+    assert len(out["tokens"][0]) == 3
+    assert len(run_worker("tiny", "eager", 8, 4, "checkpoint", "cpu")["tokens"][0]) == 4
 
 
 class _Stop(Exception):
