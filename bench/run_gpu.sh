@@ -139,7 +139,7 @@ for s in $sections; do
       pre=""; [ -n "${PRECOMPILE:-}" ] && pre="--precompile $PRECOMPILE --cache-dir .bench_cache/backends"
       [ "${PRECOMPILE_ONLY:-0}" = 1 ] && pre="$pre --precompile-only"
       timeout ${BENCH_TIMEOUT:-3600} python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
-        --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41} $warmflag \
+        --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41,torch_tensorrt} $warmflag \
         ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} $rowtok $regional $pre \
         ${BENCH_OPTIONS:-} --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
   esac

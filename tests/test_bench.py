@@ -307,6 +307,25 @@ def test_plot_is_written_as_a_valid_png(tmp_path):
     assert img[..., :3].std() > 0.01  # something was drawn
 
 
+def test_plot_uses_a_log_axis_for_a_wide_spread_and_marks_rows_that_ran_shorter():
+    """Eager at 3.5 tok/s beside dsv41 at 473 and a roofline of 11,600 (small, H200): on a linear axis eager's
+    bar is invisible, so the axis is logarithmic; a row that decoded fewer tokens says so over its bar."""
+    from dsv41.plots import _figure
+    close = _figure(_fake_result())
+    assert close.axes[0].get_yscale() == "linear"
+    wide = _fake_result()
+    wide["roofline_tok_s"] = 11600.0
+    wide["backends"]["eager"]["decode_tok_s"] = {"median": 3.5, "min": 3.2, "max": 3.8}
+    wide["backends"]["eager"]["new_tokens"] = 2
+    wide["backends"]["dsv41"]["decode_tok_s"] = {"median": 473.0, "min": 472.0, "max": 474.0}
+    wide["backends"]["dsv41"]["new_tokens"] = 4
+    fig = _figure(wide)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] <= 3.5 and ax.get_ylim()[1] >= 11600
+    labels = [t.get_text() for t in ax.texts]
+    assert "3.5\n(2 tok)" in labels and "473.0" in labels and "n/a" in labels
+
+
 def test_plot_rejects_a_result_without_backends():
     from dsv41.plots import benchmark_png
     with pytest.raises(ValueError, match="backends"):
