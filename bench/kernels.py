@@ -366,7 +366,7 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 
 
 # ------------------------------------------------------------------------------------------- fusion families
-# `--families`: the ops of the fusion families (dsv41/kernels/{engram,moe,grouped_gemv,c2_compressor}.py) at the
+# `--families`: the ops of the fusion families (dsv41/kernels/{engram,moe,grouped_gemv,c2_compressor,mhc}.py) at the
 # decode shapes of a preset (h200; tiny with --tiny), every size from dsv41.model.ModelConfig, activations bf16.
 # Rows follow the GEMV/RoPE schema; M = token rows of the decode step (--m), N and K as listed per op below.
 #
@@ -393,6 +393,11 @@ def bench_rope(name, lead, d, r_half, block, e4m3, op, bw, reps_ms, gen):
 #                            + D * elt(latent) + D/2 + D/16 [latent, FP4 codes, E4M3 scales written]) + D * elt(w)
 #                  D = head_dim, R = qk_rope_head_dim (bank rows: E2M1 + E4M3 scale per 16); N = D, K = R
 #   c2_norm_store  as c2_pool_store with tokens * D * elt(x) read instead of the four fp32 projections
+#   mhc_mixes      tokens * 4d * elt(H) + 24 * 4d * 4 [fn fp32] + (24 + 3) * 4 [base, scale]
+#                  + tokens * 24 * 4 [pre, post, comb written]; N = 24, K = 4d
+#   mhc_collapse_rmsnorm  tokens * (4d * elt(H) + 4 * 4 [pre] + d * elt(x) [written]) + d * elt(w); N = d, K = 4d
+#   mhc_expand     tokens * (d * elt(y) + 2 * 4d * elt(H) [read, written] + (4 + 16) * 4 [post, comb]); N = 4d,
+#                  K = 4 (the streams mixed)
 #
 # Attention and indexer rows (`CONTEXT_CASES`): one decode query (batch 1, M = 1) of a sequence `ctx` tokens long,
 # once per `--contexts` entry (shape label <preset>_ctx<ctx>[_r<ratio> | _pool]). A ratio-r layer sees
@@ -859,6 +864,65 @@ def _case_fp32_dense(k_in, cfg, n, dev, dt, gen, state):
                 ref=ug.reference_linear_upcast, ref_graph=True)
 
 
+def _mhc_h(cfg, n, dev, dt, gen):
+    return _randn((n, 1, cfg.hc_mult, cfg.hidden_size), gen, dev, 1.0, dt)
+
+
+def _case_mhc_mixes(cfg, n, dev, dt, gen, state):
+    """One sublayer's mHC coefficients (pre, post, Sinkhorn comb) from the residual, as `Block.mixes` computes them
+    (fn, base, scale drawn as `DeepseekV41Flash.init_random` draws them)."""
+    from dsv41.kernels import mhc
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    m = (2 + hc) * hc
+
+    def make():
+        fn = _randn((m, hc * d), gen, dev, (hc * d) ** -0.5)
+        base = _randn((m,), gen, dev)
+        scale = 0.5 + torch.rand(3, generator=gen, device=dev)
+        return (_mhc_h(cfg, n, dev, dt, gen), fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + _nbytes(a[2]) + _nbytes(a[3]) + n * m * 4
+
+    return dict(shape=f"{hc}x{d}_it{cfg.hc_sinkhorn_iters}", N=m, K=hc * d, make=make, nbytes=nbytes,
+                tri=mhc.triton_mhc_mixes, ref=mhc.reference_mhc_mixes, ref_graph=True)
+
+
+def _case_mhc_collapse(cfg, n, dev, dt, gen, state):
+    """Pre-mix collapse of the four streams fused with the sublayer's RMSNorm."""
+    from dsv41.kernels import mhc
+    hc, d = cfg.hc_mult, cfg.hidden_size
+
+    def make():
+        pre = torch.rand((n, 1, hc), generator=gen, device=dev)
+        w = (1 + _randn((d,), gen, dev, 0.1)).to(dt)
+        return (_mhc_h(cfg, n, dev, dt, gen), pre, w, cfg.rms_norm_eps)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + _nbytes(a[1]) + _nbytes(a[2]) + n * d * _elt(dt)
+
+    return dict(shape=f"{hc}x{d}", N=d, K=hc * d, make=make, nbytes=nbytes, tri=mhc.triton_mhc_collapse_rmsnorm,
+                ref=mhc.reference_mhc_collapse_rmsnorm, ref_graph=True)
+
+
+def _case_mhc_expand(cfg, n, dev, dt, gen, state):
+    """Post-mix expand of the sublayer output into the four streams with the residual update."""
+    from dsv41.kernels import mhc
+    hc, d = cfg.hc_mult, cfg.hidden_size
+
+    def make():
+        y = _randn((n, 1, d), gen, dev, 1.0, dt)
+        post = 2 * torch.rand((n, 1, hc), generator=gen, device=dev)
+        comb = torch.rand((n, 1, hc, hc), generator=gen, device=dev) / hc
+        return (y, _mhc_h(cfg, n, dev, dt, gen), post, comb)
+
+    def nbytes(a):
+        return _nbytes(a[0]) + 2 * _nbytes(a[1]) + _nbytes(a[2]) + _nbytes(a[3])
+
+    return dict(shape=f"{hc}x{d}", N=hc * d, K=hc, make=make, nbytes=nbytes, tri=mhc.triton_mhc_expand,
+                ref=mhc.reference_mhc_expand, ref_graph=True)
+
+
 #: (row kernel name, dsv41 op, case builder(cfg, tokens, device, dtype, generator, shared state) -> case dict).
 FAMILY_CASES = [
     ("engram_lookup", "dsv41::engram_lookup", _case_engram_lookup),
@@ -872,6 +936,9 @@ FAMILY_CASES = [
     ("grouped_fp4", "dsv41::grouped_linear_fp4", functools.partial(_case_grouped, "w2")),
     ("c2_pool_store", "dsv41::c2_pool_norm_rope_fp4_store", functools.partial(_case_c2, True)),
     ("c2_norm_store", "dsv41::c2_norm_rope_fp4_store", functools.partial(_case_c2, False)),
+    ("mhc_mixes", "dsv41::mhc_mixes", _case_mhc_mixes),
+    ("mhc_collapse_rmsnorm", "dsv41::mhc_collapse_rmsnorm", _case_mhc_collapse),
+    ("mhc_expand", "dsv41::mhc_expand", _case_mhc_expand),
 ]
 
 #: (row kernel name, dsv41 op, case builder(context, cfg, tokens, device, dtype, generator, state) -> case dict):
