@@ -25,7 +25,11 @@ BLOCK_K elements (streams concatenated, so any d works), accumulating sum(z^2) a
 partial sums go to a workspace and the last program of the row to arrive (split-K counter, as in quant_gemv)
 sums them, every split in one vector load per group and a fixed reduction tree (deterministic), then runs the
 sigmoids and the Sinkhorn iterations on the 4x4 tile in registers; so at
-decode the 1.5 MB fn read (d = 4096) is spread over ~128 programs instead of one. `mhc_collapse_rmsnorm`: one program per token holding the whole [d] row (d <= MAX_D).
+decode the 1.5 MB fn read (d = 4096) is spread over ~128 programs instead of one. Under PDL each program reads
+its first fn block before waiting for the previous kernel (fn is a weight); at the h200 decode shape (80
+programs of one block) that took the kernel from 11.98 to 10.80 us on the H200 against a 0.48 us byte floor
+(bench/results/2026-12-01_h200_s17/kernels_mhc_*.json): it is latency-bound (reductions, split-K handshake,
+Sinkhorn), not bandwidth-bound. `mhc_collapse_rmsnorm`: one program per token holding the whole [d] row (d <= MAX_D).
 `mhc_expand`: one program per (token, BLOCK_D channels) computing all four output streams.
 
 FP32 order. The kernels keep the reference's operation order where the reference fixes it: the collapse sums the
@@ -194,16 +198,25 @@ def _mhc_mixes_kernel(
     fn_post = fn_ptr + (4 + i4)[:, None] * stride_fn + kk[None, :]
     fn_comb = fn_ptr + (8 + 4 * i4[:, None, None] + i4[None, :, None]) * stride_fn + kk[None, None, :]
 
+    # The first block of fn is read before the PDL wait: fn is a weight, never the previous kernel's output, so
+    # its DRAM round trip overlaps that kernel's tail (at decode each program owns one block: the whole read).
+    k_first = split * CHUNK
+    k_ok = (k_first + kk) < K
+    w_pre = tl.load(fn_pre + k_first, mask=k_ok[None, :], other=0.0)
+    w_post = tl.load(fn_post + k_first, mask=k_ok[None, :], other=0.0)
+    w_comb = tl.load(fn_comb + k_first, mask=k_ok[None, None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    acc_pre = tl.zeros([4, BLOCK_K], dtype=tl.float32)
-    acc_post = tl.zeros([4, BLOCK_K], dtype=tl.float32)
-    acc_comb = tl.zeros([4, 4, BLOCK_K], dtype=tl.float32)
-    for k0 in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_K):
+    # z[k] = H[stream k // D, channel k % D] (flatten(H) of the reference, any row stride per stream).
+    k = k_first + kk
+    z = tl.load(h_row + (k // D) * sh_s + (k % D), mask=k_ok, other=0.0).to(tl.float32)
+    sumsq = z * z
+    acc_pre = w_pre * z[None, :]
+    acc_post = w_post * z[None, :]
+    acc_comb = w_comb * z[None, None, :]
+    for k0 in range(k_first + BLOCK_K, k_first + CHUNK, BLOCK_K):
         k = k0 + kk
         k_ok = k < K
-        # z[k] = H[stream k // D, channel k % D] (flatten(H) of the reference, any row stride per stream).
         z = tl.load(h_row + (k // D) * sh_s + (k % D), mask=k_ok, other=0.0).to(tl.float32)
         sumsq += z * z
         w_pre = tl.load(fn_pre + k0, mask=k_ok[None, :], other=0.0)
