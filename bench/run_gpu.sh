@@ -15,9 +15,12 @@ WARM=${WARM_COMPILE:-1}; warmflag=""; [ "$WARM" = 0 ] && warmflag="--no-warm-com
 # by the wrapper), as the h200 section does. (A whole-model cold `small` compile stalled on torch 2.11 until
 # dsv41/compiler/fallback_text.py; it took 180.8 s after, bench/results/2026-11-30_h200_s9/.)
 regional=""; [ "${REGIONAL:-0}" = 1 ] && regional="--regional"
-# ROW_NEW_TOKENS="inductor=256 inductor-cudagraphs=256": those rows decode fewer tokens per run (host-bound rows,
-# whose tok/s does not depend on the count; each row notes it) in the backends / toggles / ablate / dspark / h200 runs.
-rowtok=""; for x in ${ROW_NEW_TOKENS:-}; do rowtok="$rowtok --row-new-tokens $x"; done
+# ROW_NEW_TOKENS="inductor=256 inductor-cudagraphs=256" (the backends section only: the names must be rows of the
+# run): those rows decode fewer tokens per run (host-bound rows, whose tok/s does not depend on the count; each row
+# notes it). Words split on blanks, never glob-expanded.
+rowtok=()
+read -ra _rnt <<< "${ROW_NEW_TOKENS:-}"
+for x in "${_rnt[@]}"; do rowtok+=(--row-new-tokens "$x"); done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUTDIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUTDIR/gpu.txt"
 for s in $sections; do
@@ -104,7 +107,7 @@ for s in $sections; do
       # captured by the wrapper): a whole-model h200 compile does not fit a 10-minute call.
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
-        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} $rowtok \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
     toggles|ablate|dspark)
       # Issue 6 (toggles: CUDA graphs, PDL, side streams each flipped alone, and inductor reduce-overhead) and issue 4
@@ -130,7 +133,7 @@ for s in $sections; do
       timeout ${BENCH_TIMEOUT:-580} python3 -m dsv41.bench --preset ${PRESET:-small} $regional --backends "$rows" \
         --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-32} --repeats ${REPEATS:-2} --no-warm-compile \
         --precompile ${PRECOMPILE:-6} --cache-dir .bench_cache/$s $only ${BENCH_FLAGS:-} \
-        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} $rowtok \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/${s}_${PRESET:-small}${TAG:-}.json" 2>&1 | tail -40 ;;
     backends)
       # PRECOMPILE=N (N workers, .bench_cache/backends; PRECOMPILE_ONLY=1 for a first call, PRECOMPILE=0 for the
@@ -140,7 +143,7 @@ for s in $sections; do
       [ "${PRECOMPILE_ONLY:-0}" = 1 ] && pre="$pre --precompile-only"
       timeout ${BENCH_TIMEOUT:-3600} python3 -m dsv41.bench --preset ${PRESET:-small} --prompt-len ${PROMPT_LEN:-4096} --new-tokens ${NEW_TOKENS:-1024} \
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41,torch_tensorrt} $warmflag \
-        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} $rowtok $regional $pre \
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} "${rowtok[@]}" $regional $pre \
         ${BENCH_OPTIONS:-} --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
   esac
 done

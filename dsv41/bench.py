@@ -120,7 +120,8 @@ DEFINITIONS = {
     "tokens_match_eager": "greedy tokens of every measured run equal eager's, over the shorter of the row's "
                           "new_tokens and the eager reference's",
     "teacher_forced_logits_sha256": "SHA-256 of the row's teacher-forced decode logits (dtype, shape, bytes)",
-    "same_tokens_as": "other rows whose measured runs all gave exactly this row's greedy tokens",
+    "same_tokens_as": "other rows whose measured runs all gave exactly this row's greedy tokens (rows that decoded "
+                      "different numbers of tokens never do)",
     "same_logits_as": "other rows whose teacher-forced logits are bit-identical to this row's (equal SHA-256)",
     "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
@@ -615,11 +616,14 @@ def _prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(bad[0, 0]) if bad.numel() else int(eq.numel())
 
 
-def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok_s: float | None) -> dict:
+def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok_s: float | None,
+                   expected_tokens: int | None = None) -> dict:
     """Row figures from a backend's measured `GenerateResult`s.
 
     Returns {decode_tok_s, prefill_tok_s ({median, min, max} each), tokens_match_eager, matching_prefix_tokens,
-    roofline_fraction}; the last three are None without `ref_tokens` / `roofline_tok_s`.
+    roofline_fraction}; the last three are None without `ref_tokens` / `roofline_tok_s`. Tokens are compared over
+    the shorter of each run and the reference; `tokens_match_eager` is False for a run with no token to compare
+    or, with `expected_tokens`, a run of another length than the row was asked to decode.
     Raises: ValueError for no runs.
     """
     if not outs:
@@ -630,8 +634,11 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
            "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
     if ref_tokens is not None:
         # Over the shorter of the two: `eager_new_tokens` may stop the reference early, `row_new_tokens` a row.
-        row["tokens_match_eager"] = all(
-            torch.equal(o.tokens[:, :ref_tokens.shape[1]], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
+        def matches(o) -> bool:
+            r = min(o.tokens.shape[1], ref_tokens.shape[1])
+            return (r > 0 and (expected_tokens is None or o.tokens.shape[1] == expected_tokens)
+                    and torch.equal(o.tokens[:, :r], ref_tokens[:, :r]))
+        row["tokens_match_eager"] = all(matches(o) for o in outs)
         row["matching_prefix_tokens"] = min(
             _prefix(o.tokens[:, :ref_tokens.shape[1]], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
     return row
@@ -758,8 +765,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         row_new_tokens: {row name: R}, 2 <= R <= new_tokens: those rows decode R tokens in every run (precompile
             worker, cold, warm-up, measured), for rows whose step is host-bound (Inductor without CUDA graphs
             decodes ~10 tok/s on `h200`, so 1,024 tokens take ~100 s a run): their tok/s does not depend on the
-            count. Their tokens are compared with eager's over the shorter of R and the reference. Recorded per
-            row (`new_tokens`, with a note) and as `row_new_tokens`. Overrides `eager_new_tokens` for an eager row.
+            count. Their tokens and teacher-forced logits are compared with eager's over the shorter of R and the
+            reference. Recorded per row (`new_tokens`, with a note) and as `row_new_tokens`. Not for eager rows
+            (ValueError): `eager_new_tokens` shortens them and the reference together.
         shared_cache: every backend compiles into ONE Inductor cache dir, so rows after the first reuse its
             Triton binaries and autotuning (a toggle matrix fits a GPU call); their `compile_s` is then not a cold
             compile (result `shared_cache: true`).
@@ -815,6 +823,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     if unknown:
         raise ValueError(f"row_new_tokens names rows that are not in this run: {unknown}; rows: {names}")
     for n, r in row_new_tokens.items():
+        if base_backend(n) == "eager":
+            raise ValueError(f"row_new_tokens[{n!r}]: eager rows take eager_new_tokens, which also shortens the eager "
+                             "reference")
         if isinstance(r, bool) or not isinstance(r, int) or not 2 <= r <= new_tokens:
             raise ValueError(f"row_new_tokens[{n!r}] must be an int in [2, new_tokens={new_tokens}], got {r!r}")
         tokens_of[n] = r
@@ -910,7 +921,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             row, runs = r["backends"][n], outs.get(n) or []
             if runs:
                 row.update(summarize_runs([x["out"] for x in runs], None if spec_of[n] else ref.tokens,
-                                          r["roofline_tok_s"]))
+                                          r["roofline_tok_s"], tokens_of[n]))
                 if spec_of[n]:
                     row["mean_acceptance"] = statistics.median(x["out"].mean_acceptance for x in runs)
                     row["mean_natural_acceptance"] = statistics.median(x["out"].mean_natural_acceptance for x in runs)
@@ -1039,7 +1050,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
                 if base_backend(n) == "eager":
                     notes[n].append("eager does not compile")
-                if n in row_new_tokens:
+                if n in row_new_tokens and tokens_of[n] != new_tokens:
                     notes[n].append(f"runs {tokens_of[n]} new tokens, not {new_tokens} (row_new_tokens)")
                 elif tokens_of[n] != new_tokens:
                     notes[n].append(f"eager runs {tokens_of[n]} new tokens, not {new_tokens} (eager_new_tokens)")
@@ -1141,9 +1152,16 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # reference's (an eager `h200` step takes ~0.7 s on the H200, so they are not recomputed).
                         tf = ref_logits
                         notes[n].append("teacher-forced logits: the eager reference's own (same module and step)")
+                        want = ref_logits
                     else:
-                        tf = teacher_forced_logits(runners[n], prompt, ref.tokens)
-                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, ref_logits)
+                        # Over the row's own length (row_new_tokens): a host-bound row teacher-forced over all of
+                        # eager's tokens would cost what its shorter runs saved, and cover steps it never decodes.
+                        nt = min(tokens_of[n], ref.tokens.shape[1])
+                        tf = teacher_forced_logits(runners[n], prompt, ref.tokens[:, :nt])
+                        want = ref_logits[:, :nt - 1]
+                        if nt < ref.tokens.shape[1]:
+                            notes[n].append(f"teacher-forced over eager's first {nt} tokens (its run length)")
+                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, want)
                     rows[n]["teacher_forced_logits_sha256"] = tensor_digest(tf)
                 except Exception as e:
                     notes[n].append("teacher forcing " + _fail(e))
@@ -1334,16 +1352,12 @@ def parse_row_new_tokens(items: Sequence[str]) -> dict:
     out: dict = {}
     for item in items:
         name, sep, val = item.rpartition("=")  # a row name may hold "=" itself: dsv41[pdl=false]=3
-        name = name.strip()
-        if not sep or not name:
-            raise ValueError(f"--row-new-tokens expects ROW=R, got {item!r}")
-        try:
-            out_val = int(val)
-        except ValueError:
-            raise ValueError(f"--row-new-tokens {item!r}: R must be an integer") from None
+        name, val = name.strip(), val.strip()
+        if not sep or not name or not re.fullmatch(r"[0-9]+", val):
+            raise ValueError(f"--row-new-tokens expects ROW=R with R a number of tokens, got {item!r}")
         if name in out:
             raise ValueError(f"--row-new-tokens gives row {name!r} twice")
-        out[name] = out_val
+        out[name] = int(val)
     return out
 
 

@@ -584,13 +584,17 @@ def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(
 def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monkeypatch):
     """A host-bound row (Inductor without CUDA graphs on `h200`) decodes R tokens in every run, the others their
     full length; its tokens are compared with eager's over its R, and a wrong token in that prefix is caught."""
-    lengths = {}
-    real = bench._timed_run
+    lengths, forced = {}, {}
+    real, real_tf = bench._timed_run, bench.teacher_forced_logits
 
     def timed(runner, prompt, new_tokens, cuda, speculative=None):
         out = real(runner, prompt, new_tokens, cuda, speculative)
         lengths.setdefault(getattr(runner, "tag", "eager"), []).append(out["out"].tokens.shape[1])
         return out
+
+    def tf(runner, prompt, tokens):
+        forced[getattr(runner, "tag", "eager")] = tokens.shape[1]
+        return real_tf(runner, prompt, tokens)
 
     def make(model, name, options, regional=False):
         if name == "eager":
@@ -600,17 +604,25 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
         return w
 
     monkeypatch.setattr(bench, "_timed_run", timed)
+    monkeypatch.setattr(bench, "teacher_forced_logits", tf)
     monkeypatch.setattr(bench, "_make_runner", make)
-    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false]", prompt_len=8, new_tokens=7,
-                            repeats=2, device="cpu", warm_compile=False, row_new_tokens={"dsv41[pdl=false]": 3})
-    assert r["row_new_tokens"] == {"dsv41[pdl=false]": 3} and len(r["reference_tokens"][0]) == 7
+    r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false],dsv41[debug=true]", prompt_len=8,
+                            new_tokens=7, repeats=2, device="cpu", warm_compile=False,
+                            row_new_tokens={"dsv41[pdl=false]": 3, "dsv41[debug=true]": 7})
+    assert r["row_new_tokens"] == {"dsv41[pdl=false]": 3, "dsv41[debug=true]": 7}
+    assert len(r["reference_tokens"][0]) == 7
     # cold run, warm-up run and two measured runs each
-    assert lengths == {"eager": [7, 7, 7], "dsv41[pdl=false]": [3] * 4, "dsv41[streams=false]": [7] * 4}
+    assert lengths == {"eager": [7, 7, 7], "dsv41[pdl=false]": [3] * 4, "dsv41[streams=false]": [7] * 4,
+                       "dsv41[debug=true]": [7] * 4}
+    # teacher-forced over the row's own length, not all of eager's tokens (a host-bound row would pay for them)
+    assert forced == {"dsv41[pdl=false]": 3, "dsv41[streams=false]": 7, "dsv41[debug=true]": 7}
     short, full = r["backends"]["dsv41[pdl=false]"], r["backends"]["dsv41[streams=false]"]
     assert (short["new_tokens"], full["new_tokens"], r["backends"]["eager"]["new_tokens"]) == (3, 7, 7)
     assert short["tokens_match_eager"] is True and short["matching_prefix_tokens"] == 3
     assert "runs 3 new tokens, not 7 (row_new_tokens)" in short["note"]
     assert "row_new_tokens" not in (full["note"] or "")
+    assert "row_new_tokens" not in (r["backends"]["dsv41[debug=true]"]["note"] or "")  # R == new_tokens: no note
+    assert short["max_rel_logit_err"] is not None and "teacher-forced over eager's first 3 tokens" in short["note"]
 
     # The short row must still be checked: a wrong first token is a mismatch, not a vacuous pass.
     ref = torch.tensor(r["reference_tokens"])
@@ -619,17 +631,27 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
     run = types.SimpleNamespace(tokens=wrong, decode_tok_s=1.0, prefill_tok_s=1.0)
     row = bench.summarize_runs([run], ref, None)
     assert row["tokens_match_eager"] is False and row["matching_prefix_tokens"] == 1
+    # nor can a run with nothing to compare, or one of another length than asked, pass
+    empty = types.SimpleNamespace(tokens=ref[:, :0], decode_tok_s=1.0, prefill_tok_s=1.0)
+    assert bench.summarize_runs([empty], ref, None)["tokens_match_eager"] is False
+    right = types.SimpleNamespace(tokens=ref[:, :3].clone(), decode_tok_s=1.0, prefill_tok_s=1.0)
+    assert bench.summarize_runs([right], ref, None, expected_tokens=3)["tokens_match_eager"] is True
+    assert bench.summarize_runs([right], ref, None, expected_tokens=5)["tokens_match_eager"] is False
 
-    for bad_map, msg in (({"inductor": 3}, "not in this run"), ({"eager": 1}, r"\[2, new_tokens=7\]"),
-                         ({"eager": 8}, r"\[2, new_tokens=7\]"), ({"eager": True}, "must be an int")):
+    row = "dsv41[pdl=false]"
+    for bad_map, msg in (({"inductor": 3}, "not in this run"), ({row: 1}, r"\[2, new_tokens=7\]"),
+                         ({row: 8}, r"\[2, new_tokens=7\]"), ({row: True}, "must be an int"),
+                         ({"eager": 3}, "eager_new_tokens")):
         with pytest.raises(ValueError, match=msg):
-            bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=7, device="cpu", row_new_tokens=bad_map)
+            bench.run_benchmark("tiny", f"eager,{row}", prompt_len=8, new_tokens=7, device="cpu",
+                                row_new_tokens=bad_map)
 
 
 def test_parse_row_new_tokens():
     assert bench.parse_row_new_tokens(["inductor=128", " dsv41[pdl=false] =3"]) == {"inductor": 128,
                                                                                     "dsv41[pdl=false]": 3}
-    for bad, msg in ((["inductor"], "ROW=R"), (["=3"], "ROW=R"), (["inductor=x"], "integer"),
+    for bad, msg in ((["inductor"], "ROW=R"), (["=3"], "ROW=R"), (["inductor=x"], "ROW=R"),
+                     (["dsv41[pdl=false]"], "ROW=R"), (["inductor=+3"], "ROW=R"), (["inductor=1_000"], "ROW=R"),
                      (["inductor=3", "inductor=4"], "twice")):
         with pytest.raises(ValueError, match=msg):
             bench.parse_row_new_tokens(bad)

@@ -181,7 +181,7 @@ def test_triton_mixes_split_k_sums_partials_of_every_split(split, poisoned_outpu
 
 
 def test_mixes_plan_spreads_the_decode_reduction():
-    # h200 width at decode: K = 16384 = 64 blocks -> 64 programs of one block; prefill rows need no split.
+    # d = 4096 at decode: K = 16384 = 64 blocks -> 64 programs of one block; prefill rows need no split.
     assert mk.mixes_plan(1, 4096) == {"SPLIT": 64, "CHUNK": 256}
     assert mk.mixes_plan(256, 4096)["SPLIT"] == 1
     assert mk.mixes_plan(1, 4096, split=3) == {"SPLIT": 3, "CHUNK": 22 * 256}

@@ -25,7 +25,7 @@ BLOCK_K elements (streams concatenated, so any d works), accumulating sum(z^2) a
 partial sums go to a workspace and the last program of the row to arrive (split-K counter, as in quant_gemv)
 sums them, every split in one vector load per group and a fixed reduction tree (deterministic), then runs the
 sigmoids and the Sinkhorn iterations on the 4x4 tile in registers; so at
-decode the 1.5 MB fn read (d = 4096) is spread over ~128 programs instead of one. Under PDL each program reads
+decode the 2 MB fn read (d = 5120) is spread over 80 programs instead of one. Under PDL each program reads
 its first fn block before waiting for the previous kernel (fn is a weight); at the h200 decode shape (80
 programs of one block) that took the kernel from 11.98 to 10.80 us on the H200 against a 0.48 us byte floor
 (bench/results/2026-12-01_h200_s17/kernels_mhc_*.json): it is latency-bound (reductions, split-K handshake,
