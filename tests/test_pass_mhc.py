@@ -285,6 +285,16 @@ def test_tiny_decode_fuses_every_mhc_site_and_matches_eager(tiny_dsv41, tiny_mod
             for mt in rec["matches"]:
                 assert not defined & set(mt["nodes_replaced"]), mt["pattern"]
     assert after.count("torch.ops.dsv41.mhc_mixes.default(") == 2 * layers
+    # Each expand reads the residual as the previous fused op left it, never an eager re-computation of an earlier
+    # expand (an add, or its cast): the attention expand's output feeds the FFN expand, and a stale argument kept
+    # the eager chain (bmm + pointwise) alive next to the fused op, in every layer.
+    producer = dict(re.findall(r"^\s+(\w+) = (torch\.ops\.[\w.]+)\(", after, flags=re.M))
+    h_args = re.findall(r"torch\.ops\.dsv41\.mhc_expand\.default\(\w+, (\w+),", after)
+    assert len(h_args) == 2 * layers
+    eager = [h for h in h_args if producer.get(h) in ("torch.ops.aten.add.Tensor",
+                                                       "torch.ops.prims.convert_element_type.default")]
+    assert eager == [], eager
+    assert sum(producer.get(h) == "torch.ops.dsv41.mhc_expand.default" for h in h_args) >= layers
     # Logits: the fused ops run the model's own reference math on CPU, the rest is Inductor's code; FP32
     # activations agree to FP32 rounding through 8 layers (measured 3.6e-7 of the largest logit; bound 1e-4).
     assert tiny_dsv41["max_rel_logit_error"] < 1e-4

@@ -113,6 +113,11 @@ class MhcFamily(FusionFamily):
         sites: list[_Site] = []
         misses: list[NearMiss] = []
         missing = set()
+        # A finder verifies all of its sites before any is rewritten, so a site may read the output of another of
+        # the same finder (layer i's attention expand feeds its FFN expand the residual): its captured argument is
+        # then the node the earlier rewrite replaced, and using it would keep the whole eager chain alive next to
+        # the fused op (a second expand: bmm + pointwise kernels, every layer). Arguments go through `replaced`.
+        replaced: dict = {}
         for finder in (_find_mixes, _find_expands, _find_collapse_norms):
             found, near = finder(graph, ev)
             misses.extend(near)
@@ -124,7 +129,8 @@ class MhcFamily(FusionFamily):
                                            f"dsv41::{site.op_name} is not registered (import dsv41.kernels.mhc)",
                                            SourceLocation.from_node(site.anchor)))
                     continue
-                _rewrite(graph, site, op)
+                site.args = _resolve(site.args, replaced)
+                replaced.update(_rewrite(graph, site, op))
                 sites.append(site)
             eliminate_dead_code(graph)
         from torch._inductor.pattern_matcher import stable_topological_sort
@@ -811,7 +817,19 @@ def _verify_collapse_norm(ev, end, cut, region):
 
 
 # ------------------------------------------------------------------------------------------------ rewrite + record
-def _rewrite(graph: fx.Graph, site: _Site, op) -> None:
+def _resolve(arg, replaced: dict):
+    """`arg` (a node, a constant, or a tuple of them) with every node an earlier rewrite replaced swapped for its
+    replacement (transitively)."""
+    if isinstance(arg, tuple):
+        return tuple(_resolve(a, replaced) for a in arg)
+    while isinstance(arg, fx.Node) and arg in replaced:
+        arg = replaced[arg]
+    return arg
+
+
+def _rewrite(graph: fx.Graph, site: _Site, op) -> dict:
+    """Insert `op(*site.args)` before the site's first output and hand it the outputs' users; returns {old output:
+    its replacement node}."""
     pos = _position(graph)
     # Graph order and each node's inputs, for the byte accounting after the rewrite (erased nodes lose their args).
     site.region.sort(key=pos.__getitem__)
@@ -823,10 +841,13 @@ def _rewrite(graph: fx.Graph, site: _Site, op) -> None:
     out = insert_node(graph, first, op, tuple(args), like=site.anchor)
     if len(site.outputs) == 1:
         site.outputs[0].replace_all_uses_with(out)
-        return
+        return {site.outputs[0]: out}
+    done = {}
     for i, old in enumerate(site.outputs):
         new = insert_node(graph, first, operator.getitem, (out, i), like=site.anchor)
         old.replace_all_uses_with(new)
+        done[old] = new
+    return done
 
 
 def _record(family: str, site: _Site, removed: set) -> MatchRecord:
