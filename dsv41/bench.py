@@ -2,7 +2,8 @@
 
 `python -m dsv41.bench --preset small --backends all --json r.json --png` (also `dsv41 bench ...`).
 
-Backends: `eager`, `inductor` (`torch.compile` default), `inductor-cudagraphs` (`mode="reduce-overhead"`),
+Backends: `eager`, `inductor` (`torch.compile` default), `inductor-cudagraphs` (`mode="reduce-overhead"`; with
+`--regional`, Inductor's regions replayed in one whole-step CUDA graph that the regional wrapper captures),
 `dsv41`, `torch_tensorrt` (a row with every figure null and the note "not installed" when `import
 torch_tensorrt` fails; never dropped), and the ablations `dsv41-no-<family>`: dsv41 with the option
 `{"disable": [<family>]}` for each pass family of `dsv41.passes.FAMILY_ORDER` (the project's ladder).
@@ -125,7 +126,8 @@ DEFINITIONS = {
     "same_logits_as": "other rows whose teacher-forced logits are bit-identical to this row's (equal SHA-256)",
     "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
-                         "max |logits - eager logits| / max |eager logits| over all decode steps",
+                         "max |logits - eager logits| / max |eager logits| over the decode steps of the shorter of "
+                         "the row's run (row_new_tokens) and the reference",
     "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
     "step_span_us": "first GPU activity start to last end of the profiled step; busy > span means activities "
                     "overlapped (PDL, side streams), busy < span means gaps between them",

@@ -295,6 +295,16 @@ def test_tiny_decode_fuses_every_mhc_site_and_matches_eager(tiny_dsv41, tiny_mod
                                                        "torch.ops.prims.convert_element_type.default")]
     assert eager == [], eager
     assert sum(producer.get(h) == "torch.ops.dsv41.mhc_expand.default" for h in h_args) >= layers
+    # An expand moves per-token data only (y, H, post, comb in; H' out): no per-step constant, also for the expands
+    # whose residual comes from another fused expand (their byte accounting must follow that argument too).
+    import sympy
+    B, L = sympy.symbols("B L", positive=True, integer=True)
+    expands = [s for s in fam["sites"] if s["pattern"] == "mhc_expand"]
+    assert len(expands) == 2 * layers
+    for s in expands:
+        for key in ("bytes_before", "bytes_after"):
+            e = sympy.sympify(s[key], locals={"B": B, "L": L})
+            assert e.subs({B: 0, L: 0}) == 0 and e.subs(L, 0) == 0, (key, s[key])
     # Logits: the fused ops run the model's own reference math on CPU, the rest is Inductor's code; FP32
     # activations agree to FP32 rounding through 8 layers (measured 3.6e-7 of the largest logit; bound 1e-4).
     assert tiny_dsv41["max_rel_logit_error"] < 1e-4

@@ -222,7 +222,9 @@ def compile_regional(model, backend: str = "dsv41", options: dict | None = None)
 
     Args:
         model: the eager model; not modified.
-        backend: `inductor`, `inductor-cudagraphs` (mode "reduce-overhead") or `dsv41`.
+        backend: `inductor`, `inductor-cudagraphs` or `dsv41`. `inductor-cudagraphs` compiles the regions exactly as
+            `inductor` does (no `mode`: Inductor's CUDA-graph trees are not used) and the wrapper captures the whole
+            step in one CUDA graph, as for `dsv41`; so within one process it reuses `inductor`'s compiled regions.
         options: dsv41 backend options (`dsv41.compiler.options.OPTION_KEYS`); only with `dsv41`.
     Returns:
         a `RegionalModel`; nothing compiles until its first call.

@@ -130,6 +130,7 @@ class MhcFamily(FusionFamily):
                                            SourceLocation.from_node(site.anchor)))
                     continue
                 site.args = _resolve(site.args, replaced)
+                site.activations = _resolve(site.activations, replaced)  # the per-token byte accounting reads them
                 replaced.update(_rewrite(graph, site, op))
                 sites.append(site)
             eliminate_dead_code(graph)
