@@ -637,6 +637,8 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
     if ref_tokens is not None:
         # Over the shorter of the two: `eager_new_tokens` may stop the reference early, `row_new_tokens` a row.
         def matches(o) -> bool:
+            """Run `o` (tokens int64 [B, N]) equals the reference over min(N, reference length) > 0 tokens, and N is
+            `expected_tokens` when that is given."""
             r = min(o.tokens.shape[1], ref_tokens.shape[1])
             return (r > 0 and (expected_tokens is None or o.tokens.shape[1] == expected_tokens)
                     and torch.equal(o.tokens[:, :r], ref_tokens[:, :r]))

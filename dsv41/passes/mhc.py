@@ -201,6 +201,7 @@ def _literals(nodes) -> list[float]:
     out: list[float] = []
 
     def visit(a):
+        """Collect `a` when it is an eps candidate (a float in (0, _EPS_LIMIT) not seen yet); returns it unchanged."""
         if isinstance(a, float) and 0.0 < a < _EPS_LIMIT and a not in out:
             out.append(a)
         return a
@@ -477,6 +478,8 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
         return refs_for[key]
 
     def find(cands, wanted: list, exclude=(), probes=(0, 1, 2)):
+        """The first node of `cands` (not in `exclude`) whose value in every probe run `i` of `probes` is close
+        (`_TOL`) to `wanted[i]`; None if there is none."""
         for n in cands:
             if n not in exclude and all(_close(runs[i][n], wanted[i], **_TOL) for i in probes):
                 return n
@@ -871,6 +874,8 @@ def _bytes(site: _Site, gone: list):
     totals = {"before": [0, 0], "after": [0, 0]}  # [bytes per token, bytes per step]
 
     def add(key: str, n) -> None:
+        """Add the bytes of node `n`'s tensor value (its fake `meta["val"]`) to `totals[key]`, per token when `n` is in `per_token`
+        and its size divides by B * T, else per step; nodes without a tensor value add nothing."""
         v = tensor_val(n)
         if v is None:
             return
