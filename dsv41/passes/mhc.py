@@ -874,8 +874,8 @@ def _bytes(site: _Site, gone: list):
     totals = {"before": [0, 0], "after": [0, 0]}  # [bytes per token, bytes per step]
 
     def add(key: str, n) -> None:
-        """Add the bytes of node `n`'s tensor value (its fake `meta["val"]`) to `totals[key]`, per token when `n` is in `per_token`
-        and its size divides by B * T, else per step; nodes without a tensor value add nothing."""
+        """Add the bytes of node `n`'s tensor value (its fake `meta["val"]`) to `totals[key]`: per token when `n` is
+        in `per_token` and its size divides by B * T, else per step; nodes without a tensor value add nothing."""
         v = tensor_val(n)
         if v is None:
             return
