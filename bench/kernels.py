@@ -76,7 +76,15 @@ SWEEP = [(128, 128, 4, 1, 4, False),
          dict(tma=True, block_n=128, stages=3, programs_per_sm=2, scale_words=True),
          dict(tma=True, block_n=128, stages=4, programs_per_sm=2),
          dict(tma=True, block_n=32, stages=4, programs_per_sm=6)]
-GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)]  # the TMA GEMV takes block FP8 only
+#: The grouped GEMV also tries the word-decode tensor-core kernel (`dsv41/kernels/grouped_mma.py`, a dict with
+#: `mma_words`: block_n, block_k, stages, programs_per_sm, num_warps).
+GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)] + [  # the TMA GEMV takes block FP8 only
+    dict(mma_words=True, block_n=64, block_k=256, stages=3, programs_per_sm=4),
+    dict(mma_words=True, block_n=64, block_k=256, stages=4, programs_per_sm=3),
+    dict(mma_words=True, block_n=64, block_k=256, stages=3, programs_per_sm=6),
+    dict(mma_words=True, block_n=128, block_k=256, stages=3, programs_per_sm=2, num_warps=8),
+    dict(mma_words=True, block_n=64, block_k=512, stages=2, programs_per_sm=3),
+    dict(mma_words=True, block_n=128, block_k=512, stages=2, programs_per_sm=1, num_warps=8)]
 
 
 def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
@@ -97,6 +105,8 @@ def sweep_overrides(cfg, fp4: bool):
     if not isinstance(cfg, dict):
         return _sweep_overrides(*cfg)
     cfg = dict(cfg)
+    if cfg.get("mma_words"):
+        return cfg, "sweep mma_words" + "".join(f" {k}={v}" for k, v in cfg.items() if k != "mma_words")
     if cfg.get("tma"):
         if fp4:
             return None
@@ -245,6 +255,9 @@ def _plan_grid(over: dict, m: int, n: int, k: int, fp4: bool, pairs: int = 0) ->
     over = dict(over)
     if torch.cuda.is_available():  # as the launchers do: the plan is sized to this GPU's SMs
         over.setdefault("sm_count", qg.device_sm_count(torch.device("cuda")))
+    if over.pop("mma_words", None):
+        from dsv41.kernels.grouped_mma import grouped_mma_plan
+        return list(grouped_mma_plan(max(pairs, 1), n, k, **over)["grid"])
     if over.pop("tma", None):
         from dsv41.kernels.gemv_tma import tma_gemv_plan
         return list(tma_gemv_plan(m, n, k, **over)["grid"])

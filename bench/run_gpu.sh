@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep families eager backends toggles ablate dspark tp e2e ctx diag compile
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -36,6 +36,12 @@ for s in $sections; do
     sweep)
       python3 bench/kernels.py --pdl --sweep --only ${SWEEP_SHAPES:-grouped_w1w3 grouped_w2 wq_b wo_b wq_a shared_w1 expert_w1 head} \
         --json "$OUTDIR/kernels_sweep_pdl.json" 2>&1 | tail -120 ;;
+    grouped)
+      # The grouped FP4 expert GEMV: its GPU tests (CUDA-core and word-decode tensor-core kernels, h200 shapes)
+      # and the launch-plan sweep of both kernels at the h200 decode shapes, PDL on (dsv41/kernels/grouped_mma.py).
+      python3 -m pytest -q tests/test_kernels_grouped_gemv.py -k cuda 2>&1 | tail -8 | tee "$OUTDIR/gpu_tests_grouped.log"
+      python3 bench/kernels.py --pdl --sweep --only grouped_w1w3 grouped_w2 \
+        --json "$OUTDIR/kernels_grouped_sweep.json" 2>&1 | tail -40 ;;
     families)
       python3 bench/kernels.py --families --pdl --json "$OUTDIR/kernels_families.json" 2>&1 | tail -40 ;;
     eager)

@@ -291,6 +291,84 @@ def test_triton_marks_an_out_of_range_expert_with_nan_rows(poisoned_outputs):
         assert torch.equal(y[keep], good[keep])
 
 
+# ------------------------------------------------------------------------------------------- word-decode MMA
+MMA_WORDS_CASES = [
+    # (N, k, E, out, K, dtype, x per token, overrides): dsv41/kernels/grouped_mma.py
+    (1, 2, 8, 64, 256, torch.float32, True, {"block_n": 64}),                # one tile, fp32 x
+    (3, 2, 5, 40, 96, torch.bfloat16, True, {"block_n": 16, "block_k": 64}),   # odd out, K tail, 3 out tiles
+    (2, 3, 5, 72, 640, torch.bfloat16, False, {"block_n": 32, "block_k": 128, "programs_per_sm": 64,
+                                                "sm_count": 1}),             # x per expert, 5 K tiles, 1 program
+    (1, 6, 9, 40, 640, torch.float32, True, {"block_n": 16, "block_k": 64, "programs_per_sm": 1,
+                                              "sm_count": 40, "stages": 2}),  # 10 K tiles in 4 uneven splits
+    (2, 2, 4, 48, 1024, torch.bfloat16, True, {"block_n": 16, "block_k": 512}),  # 16 blocks: MMA_N = 16, no pad
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", MMA_WORDS_CASES, ids=lambda c: _case_id((*c[:7], True, c[7])))
+def test_word_decode_mma_matches_float64_reference(case, poisoned_outputs):
+    n, k, e, out, kdim, dtype, shared, overrides = case
+    gen = torch.Generator().manual_seed(n * 977 + out * 5 + kdim)
+    w, s = make_experts(e, out, kdim, gen)
+    # Every one of the 16 E2M1 codes in every nibble position of a word (random bytes alone could miss one).
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    idx = make_indices(n, k, e, gen, negative=True)
+    x = make_x(n, k, kdim, dtype, shared, gen)
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **overrides)
+    assert y.shape == (n, k, out) and y.dtype == dtype
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, True))
+
+
+@interpreted
+def test_word_decode_mma_split_k_is_deterministic_and_marks_bad_experts(poisoned_outputs):
+    gen = torch.Generator().manual_seed(31)
+    w, s = make_experts(5, 40, 512, gen)
+    idx = make_indices(2, 3, 5, gen)
+    x = make_x(2, 3, 512, torch.bfloat16, True, gen)
+    split = dict(block_n=16, block_k=64, programs_per_sm=1, sm_count=24)  # 3 out tiles x 6 pairs: 8 K tiles in 2
+    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split)
+    assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split))
+    assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
+    bad = idx.clone()
+    bad[1, 2] = 5
+    y = gg.triton_grouped_linear_fp4(x, w, s, bad, True, mma_words=True, **split)
+    assert torch.isnan(y[1, 2]).all()
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[1, 2] = False
+    assert torch.equal(y[keep], a[keep])
+
+
+def test_word_decode_mma_refuses_what_it_cannot_compute_exactly():
+    gen = torch.Generator().manual_seed(32)
+    w, s = make_experts(4, 40, 128, gen)
+    idx = make_indices(2, 3, 4, gen)
+    x = make_x(2, 3, 128, torch.bfloat16, True, gen)
+    with pytest.raises(ValueError, match="mma_words=True needs act_quant=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, False, mma_words=True)
+    with pytest.raises(ValueError, match="mma_words=True needs .* bf16 or fp32 x"):
+        gg.triton_grouped_linear_fp4(x.half(), w, s, idx, True, mma_words=True)
+    odd = torch.empty(w.numel() + 1, dtype=torch.uint8)[1:].view(w.shape)  # 1-byte offset: no int32 words
+    with pytest.raises(ValueError, match="weight readable as int32 words"):
+        gg.triton_grouped_linear_fp4(x, odd, s, idx, True, mma_words=True)
+    with pytest.raises(ValueError, match=r"options \['k_iters'\] do not apply to mma_words=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, k_iters=2)
+
+
+def test_word_decode_mma_plan():
+    from dsv41.kernels import grouped_mma as gm
+
+    # h200 decode, 6 experts: w1/w3 [2304, 5120]: 36 row tiles x 6 pairs = 216, split 2 -> 432 <= 528 programs.
+    plan = gm.grouped_mma_plan(6, 2304, 5120)
+    assert plan["grid"] == (36, 2, 6) and plan["K_ITERS"] == 10 and plan["MMA_N"] == 16
+    # w2 [5120, 2304]: 480 tiles already fill the 528 slots: no split, 9 K tiles per program.
+    plan = gm.grouped_mma_plan(6, 5120, 2304)
+    assert plan["grid"] == (80, 1, 6) and plan["K_ITERS"] == 9
+    assert gm.grouped_mma_plan(1, 64, 1024, block_k=1024)["MMA_N"] == 32
+    for bad in (dict(block_n=48), dict(block_k=16), dict(stages=0), dict(num_warps=2), dict(programs_per_sm=0)):
+        with pytest.raises(ValueError):
+            gm.grouped_mma_plan(6, 2304, 5120, **bad)
+
+
 # ------------------------------------------------------------------------------------------- launch plan
 def test_decode_plan_gives_every_sm_work():
     # h200 preset decode, batch 1: k = 6 experts; w1/w3 [2304, 5120], w2 [5120, 2304]. The default plan (tile at
@@ -397,6 +475,28 @@ def test_cuda_grouped_gemv_at_h200_decode_shapes(name, out, kdim, shared):
     dev = torch.device("cuda")
     y = torch.ops.dsv41.grouped_linear_fp4(x.to(dev), w.to(dev), s.to(dev), idx.to(dev), True)
     assert y.shape == (1, 6, out) and y.dtype == torch.bfloat16
+    assert_close_to_ref(y.cpu(), *ref_grouped(x, w, s, idx, True))
+
+
+@_needs_gpu
+@pytest.mark.parametrize("name,out,kdim,shared", [("w1", 2304, 5120, True), ("w2", 5120, 2304, False)])
+def test_cuda_word_decode_mma_at_h200_decode_shapes(name, out, kdim, shared):
+    # The tensor-core path of dsv41/kernels/grouped_mma.py, compiled (packed-word decode, fp16 MMA), with every
+    # E2M1 code present; PDL on, as in the decode graph.
+    from dsv41 import kernels
+
+    gen = torch.Generator().manual_seed(14)
+    w, s = make_experts(96, out, kdim, gen)
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    idx = make_indices(1, 6, 96, gen)
+    idx[0, 0] = 0
+    x = make_x(1, 6, kdim, torch.bfloat16, shared, gen)
+    dev = torch.device("cuda")
+    kernels.set_pdl(True)
+    try:
+        y = gg.triton_grouped_linear_fp4(x.to(dev), w.to(dev), s.to(dev), idx.to(dev), True, mma_words=True)
+    finally:
+        kernels.set_pdl(False)
     assert_close_to_ref(y.cpu(), *ref_grouped(x, w, s, idx, True))
 
 

@@ -61,7 +61,7 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
                          split_rows_overrides)
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
-           "MAX_TRITON_PAIRS"]
+           "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
@@ -182,7 +182,16 @@ def _grouped_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    acc1 = tl.sum(acc, axis=0)  # [BLOCK_N] (one row)
+    _grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+                   SPLIT_K, SPLIT_POW2)
+
+
+@triton.jit
+def _grouped_store(acc1, e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+                   SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr):
+    """Epilogue of the grouped kernels (this module's and `grouped_mma`'s): store FP32 row sums `acc1` [BLOCK_N] of
+    y[pair, offs_n], merging K splits through the arrival counters (the last program to arrive sums the partials
+    in split order), rounded to y's dtype; NaN where the pair's expert index was invalid (`e_ok` False)."""
     out_ok = offs_n < N_OUT
     y_ptrs = y_ptr + pair.to(tl.int64) * N_OUT + offs_n
     if SPLIT_K == 1:
@@ -195,7 +204,7 @@ def _grouped_gemv_kernel(
         tl.debug_barrier()
         tile = pair * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        total = tl.zeros_like(acc1)
         if arrived == SPLIT_K - 1:
             # All partials in one load, summed by a fixed tree over the split axis (deterministic); .cg reads L2.
             sp = tl.arange(0, SPLIT_POW2)
@@ -228,6 +237,32 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
     return dict(plan, grid=(n_tiles, split_k, pairs))
 
 
+#: Whether CUDA launches take the word-decode tensor-core kernel (`grouped_mma`) where it applies
+#: (`grouped_mma.mma_words_eligible`, compute capability >= 9.0) when `mma_words` is not given.
+MMA_WORDS_DEFAULT = False
+
+
+def _take_mma_words(x, weight, act_quant, overrides) -> bool:
+    """Pop `mma_words` from `overrides` and decide whether this launch runs `grouped_mma`; then only its plan keys
+    (`grouped_mma.MMA_WORDS_KEYS`, sm_count) may remain. Raises ValueError for mma_words=True where the kernel
+    does not compute the reference's numbers, or for tile-loop options next to it."""
+    from . import grouped_mma
+    asked = overrides.pop("mma_words", None)
+    eligible = grouped_mma.mma_words_eligible(x, weight, act_quant)
+    if asked and not eligible:
+        raise ValueError("mma_words=True needs act_quant=True, bf16 or fp32 x and a weight readable as int32 words "
+                         f"(got act_quant={act_quant}, x {x.dtype}, weight strides {weight.stride()})")
+    if asked is None:
+        asked = (MMA_WORDS_DEFAULT and eligible and x.device.type == "cuda" and not is_interpreted(_grouped_gemv_kernel)
+                 and torch.cuda.get_device_capability(x.device)[0] >= 9 and not overrides)
+    if asked:
+        bad = sorted(set(overrides) - set(grouped_mma.MMA_WORDS_KEYS) - {"sm_count"})
+        if bad:
+            raise ValueError(f"options {bad} do not apply to mma_words=True (its keys: "
+                             f"{list(grouped_mma.MMA_WORDS_KEYS) + ['sm_count']})")
+    return bool(asked)
+
+
 def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
                               act_quant: bool, **overrides) -> torch.Tensor:
     """Run the grouped Triton GEMV on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
@@ -236,15 +271,17 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
     (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `quant_gemv.gemv_plan`
     heuristic; `rows=True` runs the row-streaming kernel of `gemv_rows` instead (one launch for every pair; options
-    as in `quant_gemv.split_rows_overrides`; measured slower on the H200).
+    as in `quant_gemv.split_rows_overrides`; measured slower on the H200); `mma_words=True` runs the word-decode
+    tensor-core kernel of `grouped_mma` (overrides then `grouped_mma.MMA_WORDS_KEYS`; default `MMA_WORDS_DEFAULT`).
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
         (token, expert) pairs, for mma=True with x not bf16, for invalid plan values and for mixing the tile-loop and
         row-streaming options.
     """
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
+    words_mode = _take_mma_words(x, weight, act_quant, overrides)
     check_mma_dtype(x, overrides)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = split_rows_overrides(overrides, 1, True)
+    rows = None if words_mode else split_rows_overrides(overrides, 1, True)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
@@ -267,6 +304,14 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         return gemv_rows.launch_rows(x2, weight, scale, act_quant, True, plan, indices=idx,
                                      x_row_div=k if shared else 1, pairs=pairs).reshape(n, k, out)
     y = _empty((n, k, out), x.dtype, x.device)
+    if words_mode:
+        from . import grouped_mma
+        plan = grouped_mma.grouped_mma_plan(pairs, out, kk, **overrides)
+        n_tiles, split_k, _ = plan["grid"]
+        part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
+        grouped_mma.launch_grouped_mma(x2, weight, scale, idx, y.view(pairs, out), part, cnt, k if shared else 1,
+                                       plan, use_pdl_for(grouped_mma._grouped_mma_kernel, x.device))
+        return y
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
