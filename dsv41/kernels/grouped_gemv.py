@@ -248,13 +248,12 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
     does not compute the reference's numbers, or for tile-loop options next to it."""
     from . import grouped_mma
     asked = overrides.pop("mma_words", None)
-    eligible = grouped_mma.mma_words_eligible(x, weight, act_quant)
-    if asked and not eligible:
+    if asked is None:
+        asked = (MMA_WORDS_DEFAULT and not overrides and grouped_mma.mma_words_supported(x.device)
+                 and grouped_mma.mma_words_eligible(x, weight, act_quant))
+    elif asked and not grouped_mma.mma_words_eligible(x, weight, act_quant):
         raise ValueError("mma_words=True needs act_quant=True, bf16 or fp32 x and a weight readable as int32 words "
                          f"(got act_quant={act_quant}, x {x.dtype}, weight strides {weight.stride()})")
-    if asked is None:
-        asked = (MMA_WORDS_DEFAULT and eligible and x.device.type == "cuda" and not is_interpreted(_grouped_gemv_kernel)
-                 and torch.cuda.get_device_capability(x.device)[0] >= 9 and not overrides)
     if asked:
         bad = sorted(set(overrides) - set(grouped_mma.MMA_WORDS_KEYS) - {"sm_count"})
         if bad:

@@ -30,6 +30,8 @@ it shares).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,7 @@ import triton.language as tl
 from ._common import e4m3_round, exp2_int, is_interpreted, next_power_of_2, ue8m0_exponent
 from .grouped_gemv import _grouped_store
 
-__all__ = ["grouped_mma_plan", "mma_words_eligible", "launch_grouped_mma", "MMA_WORDS_KEYS"]
+__all__ = ["grouped_mma_plan", "mma_words_eligible", "mma_words_supported", "launch_grouped_mma", "MMA_WORDS_KEYS"]
 
 #: Defaults of `grouped_mma_plan`: 64-row tiles (one warpgroup's MMA), 256 codes (128 bytes) of K per tile, three
 #: pipeline stages, the grid sized for four resident programs per SM. Not yet tuned on the H200.
@@ -96,6 +98,20 @@ def grouped_mma_plan(pairs: int, n: int, k: int, *, sm_count: int | None = None,
                 grid=(n_tiles, split, pairs))
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def mma_words_supported(device: torch.device) -> bool:
+    """Whether the word-decode kernel is the default choice on `device`: a CUDA GPU of compute capability >= 9.0
+    (Hopper's warpgroup MMA, on which it was measured), the kernel compiled (not interpreted). False elsewhere,
+    meta tensors included."""
+    if device.type != "cuda" or is_interpreted(_grouped_mma_kernel):
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
 def mma_words_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> bool:
     """Whether `launch_grouped_mma` computes the reference's numbers for these arguments: act_quant, x bf16 or
     fp32, and a packed weight [E, out, K/2] readable as int32 words (contiguous along K, K/2 a multiple of 4
@@ -104,7 +120,7 @@ def mma_words_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -
         return False
     return (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 4 == 0
             and weight.stride(0) % 4 == 0 and weight.stride(1) % 4 == 0
-            and (weight.data_ptr() + 0) % 4 == 0)
+            and weight.data_ptr() % 4 == 0)
 
 
 @triton.jit
