@@ -48,6 +48,8 @@ _BLOCK_K = 256
 _STAGES = 3
 _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132
+#: Warps per program when not given: None = 4 for BLOCK_N <= 64, else 8.
+_NUM_WARPS = None
 #: The N width of the MMA: at least 16 (the smallest tl.dot), at least one column per 32-block of a tile.
 _MIN_MMA_N = 16
 #: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `mma_words` itself and `sm_count`).
@@ -74,7 +76,8 @@ def grouped_mma_plan(pairs: int, n: int, k: int, *, sm_count: int | None = None,
     block_k = _BLOCK_K if block_k is None else block_k
     stages = _STAGES if stages is None else stages
     per_sm = _PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-    num_warps = (4 if block_n <= 64 else 8) if num_warps is None else num_warps
+    if num_warps is None:
+        num_warps = _NUM_WARPS if _NUM_WARPS is not None else (4 if block_n <= 64 else 8)
     if block_n & (block_n - 1) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n={block_n} must be a power of two in 16..256")
     if block_k & (block_k - 1) or not 32 <= block_k <= 1024:
