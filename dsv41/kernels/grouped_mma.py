@@ -160,20 +160,37 @@ def _code_of_column(p):
 
 
 @triton.jit
-def _x_block_operand(x_row, k0, K, NKB: tl.constexpr, MMA_N: tl.constexpr, EVEN: tl.constexpr):
-    """(B [NKB * 32, MMA_N] fp16, x scales [MMA_N] fp32) of x[k0 : k0 + 32 NKB] after the 1x32 FP8 fake
-    quantisation (as `quant_gemv._fake_quant_fp8_1x32`), rows in the weight tile's column order
-    (`_code_of_column`): B[c, j] = q[k(c)] (the E4M3 value) where c // 32 == j, else
-    0; scale j = 2^sx of block j (0 for columns without a block). Columns past K read 0 (unless EVEN: none)."""
-    jn = tl.arange(0, MMA_N)
+def _x_tile(x_row, k0, K, NKB: tl.constexpr, EVEN: tl.constexpr):
+    """FP32 x[k0 : k0 + 32 NKB] as [NKB, 32], each group of eight in the weight tile's column order
+    (`_code_of_column`); 0 past K (unless EVEN: never past K)."""
     kb = tl.arange(0, NKB)
     j32 = tl.arange(0, 32)
-    # x in the tile's column order (`_code_of_column`): a permutation inside each group of eight.
     offs = k0 + kb[:, None] * 32 + ((j32 // 8) * 8 + _code_of_column(j32 % 8))[None, :]
     if EVEN:
-        xv = tl.load(x_row + offs).to(tl.float32)
-    else:
-        xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        return tl.load(x_row + offs).to(tl.float32)
+    return tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scale_tile(s_rows, n_ok, k0, K, NKB: tl.constexpr, MMA_N: tl.constexpr, EVEN: tl.constexpr):
+    """UE8M0 bytes [BLOCK_N, MMA_N] of the tile at k0: column j < NKB is 32-block j, other columns 0."""
+    jn = tl.arange(0, MMA_N)
+    if EVEN:
+        # Every row and block in range (an invalid expert reads expert 0's rows; its y row is NaN anyway).
+        if NKB == MMA_N:
+            return tl.load(s_rows + (k0 // 32 + jn)[None, :])
+        return tl.load(s_rows + (k0 // 32 + jn)[None, :], mask=(jn < NKB)[None, :], other=0)
+    return tl.load(s_rows + (k0 // 32 + jn)[None, :], mask=n_ok[:, None] & ((jn < NKB) & (k0 + jn * 32 < K))[None, :],
+                   other=0)
+
+
+@triton.jit
+def _x_block_operand(xv, NKB: tl.constexpr, MMA_N: tl.constexpr):
+    """(B [NKB * 32, MMA_N] fp16, x scales [MMA_N] fp32) of an `_x_tile` after the 1x32 FP8 fake quantisation (as
+    `quant_gemv._fake_quant_fp8_1x32`): B[c, j] = q of tile column c (the E4M3 value) where c // 32 == j, else 0;
+    scale j = 2^sx of block j (0 for columns without a block)."""
+    jn = tl.arange(0, MMA_N)
+    kb = tl.arange(0, NKB)
     amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-4)
     e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
     q = tl.minimum(tl.maximum(xv * exp2_int(254 - e)[:, None], -448.0), 448.0)
@@ -218,23 +235,26 @@ def _grouped_mma_kernel(
     s_rows = s_ptr + e_safe * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
     KW = K // 8
     acc = tl.zeros([BLOCK_N, MMA_N], dtype=tl.float32)
+    # The scales and x of a tile are read one iteration ahead (synchronous loads the pipeliner does not stage
+    # would otherwise wait a full memory round trip inside every iteration); the weight words are staged by the
+    # pipeliner (STAGES - 1 tiles in flight). The last iteration re-reads its own tile instead of one past the range.
+    k_start = pid_k * K_ITERS * BLOCK_K
+    s_next = _scale_tile(s_rows, n_ok, k_start, K, NKB, MMA_N, EVEN)
+    x_next = _x_tile(x_row, k_start, K, NKB, EVEN)
     for it in tl.range(0, K_ITERS, num_stages=STAGES):
-        k0 = (pid_k * K_ITERS + it) * BLOCK_K
+        k0 = k_start + it * BLOCK_K
+        s_raw = s_next
+        xv = x_next
+        k1 = tl.where(it + 1 < K_ITERS, k0 + BLOCK_K, k0)
+        s_next = _scale_tile(s_rows, n_ok, k1, K, NKB, MMA_N, EVEN)
+        x_next = _x_tile(x_row, k1, K, NKB, EVEN)
         kw = k0 // 8 + wi
         if EVEN:
-            # Every row and K tile in range (an invalid expert reads expert 0's rows; its y row is NaN anyway):
-            # unmasked, vectorised loads.
             words = tl.load(w_rows + kw[None, :])
-            if NKB == MMA_N:
-                s_raw = tl.load(s_rows + (k0 // 32 + jn)[None, :])
-            else:
-                s_raw = tl.load(s_rows + (k0 // 32 + jn)[None, :], mask=(jn < NKB)[None, :], other=0)
         else:
             words = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
-            s_raw = tl.load(s_rows + (k0 // 32 + jn)[None, :],
-                            mask=n_ok[:, None] & ((jn < NKB) & (k0 + jn * 32 < K))[None, :], other=0)
         a = _words_to_fp16_tile(words.to(tl.uint32, bitcast=True), BLOCK_N, BLOCK_K)
-        b, sx = _x_block_operand(x_row, k0, K, NKB, MMA_N, EVEN)
+        b, sx = _x_block_operand(xv, NKB, MMA_N)
         if DOT_F32:
             # The interpreter's half-precision tl.dot is not trusted (see quant_gemv._mma_tile): the same exact
             # fp16 values multiplied in FP32.
