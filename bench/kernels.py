@@ -77,7 +77,8 @@ SWEEP = [(128, 128, 4, 1, 4, False),
          dict(tma=True, block_n=128, stages=4, programs_per_sm=2),
          dict(tma=True, block_n=32, stages=4, programs_per_sm=6)]
 #: The grouped GEMV also tries the word-decode tensor-core kernel (`dsv41/kernels/grouped_mma.py`, a dict with
-#: `mma_words`: block_n, block_k, stages, programs_per_sm, num_warps).
+#: `mma_words`: block_n, block_k, stages, programs_per_sm, num_warps); every one of these plans was slower than the
+#: CUDA-core default at both h200 shapes (50-72 vs 37 us, bench/results/2026-12-01_h200_s18).
 GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)] + [  # the TMA GEMV takes block FP8 only
     dict(mma_words=True, block_n=64, block_k=256, stages=3, programs_per_sm=4),
     dict(mma_words=True, block_n=64, block_k=256, stages=4, programs_per_sm=3),

@@ -238,7 +238,8 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
 
 
 #: Whether CUDA launches take the word-decode tensor-core kernel (`grouped_mma`) where it applies
-#: (`grouped_mma.mma_words_eligible`, compute capability >= 9.0) when `mma_words` is not given.
+#: (`grouped_mma.mma_words_eligible`, compute capability >= 9.0) when `mma_words` is not given. Off: it measured
+#: 50-72 us against this module's 37 us at the h200 decode shapes (bench/results/2026-12-01_h200_s18).
 MMA_WORDS_DEFAULT = False
 
 

@@ -25,7 +25,17 @@ would round in fp16; fp16 x follows the reference's fp16 roundings on the CUDA-c
 
 Op: none of its own. `grouped_gemv.triton_grouped_linear_fp4(..., mma_words=True)` launches it (arguments, index
 handling with NaN rows for an invalid expert, and split-K merging exactly as the CUDA-core kernel, whose epilogue
-it shares).
+it shares). It is not the default (`grouped_gemv.MMA_WORDS_DEFAULT`): measured slower.
+
+Measured on the H200 (bench/results/2026-12-01_h200_s18, `bench/kernels.py --pdl --sweep`, CUDA-graph replay, 6 of
+96 experts beyond L2): at the h200 decode shapes every swept plan took 50-72 us against 37 us for the CUDA-core
+kernel (w1/w3 [2304, 5120]: 55.4 us at best, 64 x 256 tiles, 4 stages, 3 programs per SM; w2 [5120, 2304]: 50.5
+us). Its K loop has 3.6-4.9 instructions per code in the sm_90 SASS (Triton 3.9, offline), about what the
+CUDA-core kernel issues, so it saves no issue slots; and a program streams its K range with STAGES - 1 tiles in
+flight behind a CTA barrier per tile (the A operand goes registers -> shared memory -> registers for the MMA),
+while the CUDA-core kernel keeps 2,160 short independent programs in flight. Reading the scales and x one tile
+ahead moved w2 from 55 to 50.5 us. What would have to change for it to win: the decoded pairs placed straight
+in the MMA's register fragment (no shared-memory round trip), more tiles in flight per SM.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from .grouped_gemv import _grouped_store
 __all__ = ["grouped_mma_plan", "mma_words_eligible", "mma_words_supported", "launch_grouped_mma", "MMA_WORDS_KEYS"]
 
 #: Defaults of `grouped_mma_plan`: 64-row tiles (one warpgroup's MMA), 256 codes (128 bytes) of K per tile, three
-#: pipeline stages, the grid sized for four resident programs per SM. Not yet tuned on the H200.
+#: pipeline stages, the grid sized for four resident programs per SM (swept on the H200: module docstring).
 _BLOCK_N = 64
 _BLOCK_K = 256
 _STAGES = 3
