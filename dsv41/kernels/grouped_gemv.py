@@ -149,16 +149,7 @@ def _grouped_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.arange(0, NKB)
     j32 = tl.arange(0, 32)
-    if USE_PDL:
-        # The expert index is the previous kernel's output (router top-k): wait before reading it.
-        tl.extra.cuda.gdc_wait()
-    e = tl.load(idx_ptr + pair)
-    e = tl.where(e < 0, e + E, e)
-    # Index validity as a vector (the interpreter mis-types scalar-bool & block-bool).
-    e_vec = offs_n.to(tl.int64) * 0 + e
-    e_ok = (e_vec >= 0) & (e_vec < E)
-    e_safe = tl.where((e >= 0) & (e < E), e, 0).to(tl.int64)
-    n_ok = (offs_n < N_OUT) & e_ok
+    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_exp = w_ptr + e_safe * stride_we
     s_exp = s_ptr + e_safe * stride_se
@@ -184,6 +175,23 @@ def _grouped_gemv_kernel(
 
     _grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
                    SPLIT_K, SPLIT_POW2)
+
+
+@triton.jit
+def _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL: tl.constexpr):
+    """(e_ok [BLOCK_N] bool, e_safe int64, n_ok [BLOCK_N] bool) of the grouped kernels' (token, expert) `pair`:
+    its expert index (negatives wrapped as `weight[indices]` does), whether it is inside [0, E), the index to read
+    (0 for an invalid one, whose y row becomes NaN) and the rows offs_n to compute (< N_OUT, valid expert)."""
+    if USE_PDL:
+        # The expert index is the previous kernel's output (router top-k): wait before reading it.
+        tl.extra.cuda.gdc_wait()
+    e = tl.load(idx_ptr + pair)
+    e = tl.where(e < 0, e + E, e)
+    # Index validity as a vector (the interpreter mis-types scalar-bool & block-bool).
+    e_vec = offs_n.to(tl.int64) * 0 + e
+    e_ok = (e_vec >= 0) & (e_vec < E)
+    e_safe = tl.where((e >= 0) & (e < E), e, 0).to(tl.int64)
+    return e_ok, e_safe, (offs_n < N_OUT) & e_ok
 
 
 @triton.jit

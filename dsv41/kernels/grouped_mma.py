@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ._common import e4m3_round, exp2_int, is_interpreted, next_power_of_2, ue8m0_exponent
-from .grouped_gemv import _grouped_store
+from .grouped_gemv import _grouped_store, _pair_expert
 
 __all__ = ["grouped_mma_plan", "mma_words_eligible", "mma_words_supported", "launch_grouped_mma", "MMA_WORDS_KEYS"]
 
@@ -231,15 +231,7 @@ def _grouped_mma_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wi = tl.arange(0, WORDS)
     jn = tl.arange(0, MMA_N)
-    if USE_PDL:
-        # The expert index is the previous kernel's output (router top-k): wait before reading it.
-        tl.extra.cuda.gdc_wait()
-    e = tl.load(idx_ptr + pair)
-    e = tl.where(e < 0, e + E, e)
-    e_vec = offs_n.to(tl.int64) * 0 + e
-    e_ok = (e_vec >= 0) & (e_vec < E)
-    e_safe = tl.where((e >= 0) & (e < E), e, 0).to(tl.int64)
-    n_ok = (offs_n < N_OUT) & e_ok
+    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_rows = w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + e_safe * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
