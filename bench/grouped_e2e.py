@@ -9,12 +9,13 @@ command line without this wrapper.
     python3 bench/grouped_e2e.py SWEEP.json -- --preset small --backends dsv41 ... --json OUT.json
 
 The chosen configuration and its sweep times are printed and written under `grouped_mma_config` in the JSON.
-Exits 3 when the sweep has no mma_words row.
+Exits 3 when no mma_words configuration of the sweep has rows for both shapes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     print(f"grouped_mma config {cfg}, sweep times (us) {times}")
     from dsv41.bench import main as bench_main
     rc = bench_main(rest)
-    if "--json" in rest:
+    if "--json" in rest and os.path.exists(rest[rest.index("--json") + 1]):
         path = rest[rest.index("--json") + 1]
         with open(path) as f:
             doc = json.load(f)

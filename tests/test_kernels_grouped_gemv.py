@@ -297,10 +297,11 @@ MMA_WORDS_CASES = [
     (1, 2, 8, 64, 256, torch.float32, True, {"block_n": 64}),                # one tile, fp32 x
     (3, 2, 5, 40, 96, torch.bfloat16, True, {"block_n": 16, "block_k": 64}),   # odd out, K tail, 3 out tiles
     (2, 3, 5, 72, 640, torch.bfloat16, False, {"block_n": 32, "block_k": 128, "programs_per_sm": 64,
-                                                "sm_count": 1}),             # x per expert, 5 K tiles, 1 program
+                                                "sm_count": 1}),             # x per expert, 5 K tiles in 3 splits
     (1, 6, 9, 40, 640, torch.float32, True, {"block_n": 16, "block_k": 64, "programs_per_sm": 1,
-                                              "sm_count": 40, "stages": 2}),  # 10 K tiles in 4 uneven splits
+                                              "sm_count": 40, "stages": 2}),  # 10 K tiles in 2 splits of 5
     (2, 2, 4, 48, 1024, torch.bfloat16, True, {"block_n": 16, "block_k": 512}),  # 16 blocks: MMA_N = 16, no pad
+    (1, 2, 3, 24, 1056, torch.float32, True, {"block_n": 16, "block_k": 1024}),  # MMA_N = 32, K tail
 ]
 
 
@@ -325,7 +326,9 @@ def test_word_decode_mma_split_k_is_deterministic_and_marks_bad_experts(poisoned
     w, s = make_experts(5, 40, 512, gen)
     idx = make_indices(2, 3, 5, gen)
     x = make_x(2, 3, 512, torch.bfloat16, True, gen)
-    split = dict(block_n=16, block_k=64, programs_per_sm=1, sm_count=24)  # 3 out tiles x 6 pairs: 8 K tiles in 2
+    split = dict(block_n=16, block_k=64, programs_per_sm=1, sm_count=48)  # 3 out tiles x 6 pairs: 8 K tiles in 2
+    from dsv41.kernels import grouped_mma as gm
+    assert gm.grouped_mma_plan(6, 40, 512, **split)["SPLIT_K"] == 2
     a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split)
     assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split))
     assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
@@ -352,6 +355,11 @@ def test_word_decode_mma_refuses_what_it_cannot_compute_exactly():
         gg.triton_grouped_linear_fp4(x, odd, s, idx, True, mma_words=True)
     with pytest.raises(ValueError, match=r"options \['k_iters'\] do not apply to mma_words=True"):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, k_iters=2)
+    with pytest.raises(ValueError, match=r"\['programs_per_sm'\] need mma_words=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=False, programs_per_sm=2)
+    for bad in (dict(stages=2.5), dict(block_n=64.0), dict(block_k="256")):
+        with pytest.raises(ValueError, match="must be an int"):
+            gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **bad)
 
 
 def test_word_decode_mma_plan():

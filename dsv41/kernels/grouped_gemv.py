@@ -247,7 +247,8 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
 
 #: Whether CUDA launches take the word-decode tensor-core kernel (`grouped_mma`) where it applies
 #: (`grouped_mma.mma_words_eligible`, compute capability >= 9.0) when `mma_words` is not given. Off: it measured
-#: 50-72 us against this module's 37 us at the h200 decode shapes (bench/results/2026-12-01_h200_s18).
+#: 50-72 us against this module's 37 us at the h200 decode shapes (bench/results/2026-12-01_h200_s18). Applies
+#: only to calls with no other override (a plan option picks the kernel it belongs to).
 MMA_WORDS_DEFAULT = False
 
 
@@ -264,10 +265,19 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
         raise ValueError("mma_words=True needs act_quant=True, bf16 or fp32 x and a weight readable as int32 words "
                          f"(got act_quant={act_quant}, x {x.dtype}, weight strides {weight.stride()})")
     if asked:
+        # Options set to None / False say "not this"; they do not conflict.
+        for key in [k for k, v in overrides.items() if v is None or v is False]:
+            if key not in grouped_mma.MMA_WORDS_KEYS:
+                del overrides[key]
         bad = sorted(set(overrides) - set(grouped_mma.MMA_WORDS_KEYS) - {"sm_count"})
         if bad:
             raise ValueError(f"options {bad} do not apply to mma_words=True (its keys: "
                              f"{list(grouped_mma.MMA_WORDS_KEYS) + ['sm_count']})")
+    else:
+        only = sorted(set(overrides) & {"programs_per_sm"})
+        if only and not overrides.get("rows"):
+            raise ValueError(f"{only} need mma_words=True here (the word-decode kernel; the row-streaming kernel, "
+                             "rows=True, takes them too)")
     return bool(asked)
 
 

@@ -18,7 +18,9 @@ the arithmetic moves to an MMA and the decode works on 32-bit words:
 - Loads: the K loop is software-pipelined (`tl.range(num_stages=STAGES)`: cp.async copies of STAGES - 1 tiles in
   flight), the grid sized for `programs_per_sm` resident programs as `gemv_tma.tma_gemv_plan` does.
 
-Numerics: the same numbers as `grouped_gemv.reference_grouped_linear_fp4` up to FP32 summation order (block sums
+Numerics (for UE8M0 weight scale bytes up to 240, as in `quant_gemv`: above that the FP32 product of the power-of-two
+scales overflows, in the CUDA-core kernel too): the same numbers as `grouped_gemv.reference_grouped_linear_fp4` up
+to FP32 summation order (block sums
 of exact products, scaled by powers of two, summed over blocks in FP32), then one rounding to x's dtype. Taken only
 for act_quant=True and bf16 / fp32 x: without the activation quantisation x is not an E4M3 value and its products
 would round in fp16; fp16 x follows the reference's fp16 roundings on the CUDA-core path.
@@ -79,9 +81,13 @@ def grouped_mma_plan(pairs: int, n: int, k: int, *, sm_count: int | None = None,
     - STAGES (default 3): tiles in flight + 1. num_warps: 4 (BLOCK_N <= 64) or 8.
     Returns a dict with BLOCK_N, BLOCK_K, MMA_N, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, num_warps and grid
     (n tiles, K splits, pairs).
-    Raises: ValueError for block_n not a power of two in 16..256, block_k not a power of two in 32..1024, stages
+    Raises: ValueError for a value that is not an int, block_n not a power of two in 16..256, block_k not a power of two in 32..1024, stages
     < 1, programs_per_sm < 1, sm_count < 1, num_warps not in 4, 8.
     """
+    for name, value in (("block_n", block_n), ("block_k", block_k), ("stages", stages),
+                        ("programs_per_sm", programs_per_sm), ("num_warps", num_warps), ("sm_count", sm_count)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{name}={value!r} must be an int")
     block_n = _BLOCK_N if block_n is None else block_n
     block_k = _BLOCK_K if block_k is None else block_k
     stages = _STAGES if stages is None else stages
@@ -126,9 +132,9 @@ def mma_words_supported(device: torch.device) -> bool:
 
 
 def mma_words_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> bool:
-    """Whether `launch_grouped_mma` computes the reference's numbers for these arguments: act_quant, x bf16 or
-    fp32, and a packed weight [E, out, K/2] readable as int32 words (contiguous along K, K/2 a multiple of 4
-    bytes, 4-byte aligned address and strides)."""
+    """Whether `launch_grouped_mma` takes these arguments: act_quant and x bf16 or fp32 (where it computes the
+    reference's numbers), and a packed weight [E, out, K/2] readable in place as int32 words (a layout
+    restriction: contiguous along K, K/2 a multiple of 4 bytes, 4-byte aligned address and strides)."""
     if not act_quant or x.dtype not in (torch.bfloat16, torch.float32):
         return False
     return (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 4 == 0
