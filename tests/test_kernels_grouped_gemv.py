@@ -357,9 +357,6 @@ def test_word_decode_mma_refuses_what_it_cannot_compute_exactly():
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, k_iters=2)
     with pytest.raises(ValueError, match=r"\['programs_per_sm'\] need mma_words=True"):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=False, programs_per_sm=2)
-    for bad in (dict(stages=2.5), dict(block_n=64.0), dict(block_k="256")):
-        with pytest.raises(ValueError, match="must be an int"):
-            gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **bad)
 
 
 def test_word_decode_mma_plan():
@@ -374,6 +371,9 @@ def test_word_decode_mma_plan():
     assert gm.grouped_mma_plan(1, 64, 1024, block_k=1024)["MMA_N"] == 32
     for bad in (dict(block_n=48), dict(block_k=16), dict(stages=0), dict(num_warps=2), dict(programs_per_sm=0)):
         with pytest.raises(ValueError):
+            gm.grouped_mma_plan(6, 2304, 5120, **bad)
+    for bad in (dict(stages=2.5), dict(block_n=64.0), dict(block_k="256"), dict(stages=True)):
+        with pytest.raises(ValueError, match="must be an int"):
             gm.grouped_mma_plan(6, 2304, 5120, **bad)
 
 
