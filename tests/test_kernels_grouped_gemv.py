@@ -488,7 +488,7 @@ def test_cuda_grouped_gemv_at_h200_decode_shapes(name, out, kdim, shared):
 
 @_needs_gpu
 @pytest.mark.parametrize("name,out,kdim,shared", [("w1", 2304, 5120, True), ("w2", 5120, 2304, False)])
-def test_cuda_word_decode_mma_at_h200_decode_shapes(name, out, kdim, shared):
+def test_cuda_word_decode_mma_at_h200_decode_shapes(name, out, kdim, shared, poisoned_outputs):
     # The tensor-core path of dsv41/kernels/grouped_mma.py, compiled (packed-word decode, fp16 MMA), with every
     # E2M1 code present; PDL on, as in the decode graph.
     from dsv41 import kernels

@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import e4m3_round, exp2_int, is_interpreted, next_power_of_2, ue8m0_exponent
+from ._common import exp2_int, is_interpreted, next_power_of_2
 from .grouped_gemv import _grouped_store, _pair_expert
+from .quant_gemv import _fp8_1x32_parts
 
 __all__ = ["grouped_mma_plan", "mma_words_eligible", "mma_words_supported", "launch_grouped_mma", "MMA_WORDS_KEYS"]
 
@@ -81,8 +82,8 @@ def grouped_mma_plan(pairs: int, n: int, k: int, *, sm_count: int | None = None,
     - STAGES (default 3): tiles in flight + 1. num_warps: 4 (BLOCK_N <= 64) or 8.
     Returns a dict with BLOCK_N, BLOCK_K, MMA_N, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, num_warps and grid
     (n tiles, K splits, pairs).
-    Raises: ValueError for a value that is not an int, block_n not a power of two in 16..256, block_k not a power of two in 32..1024, stages
-    < 1, programs_per_sm < 1, sm_count < 1, num_warps not in 4, 8.
+    Raises: ValueError for a value that is not an int, block_n not a power of two in 16..256, block_k not a power
+    of two in 32..1024, stages < 1, programs_per_sm < 1, sm_count < 1, num_warps not in 4, 8.
     """
     for name, value in (("block_n", block_n), ("block_k", block_k), ("stages", stages),
                         ("programs_per_sm", programs_per_sm), ("num_warps", num_warps), ("sm_count", sm_count)):
@@ -137,9 +138,13 @@ def mma_words_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -
     restriction: contiguous along K, K/2 a multiple of 4 bytes, 4-byte aligned address and strides)."""
     if not act_quant or x.dtype not in (torch.bfloat16, torch.float32):
         return False
+    return _word_layout(weight) and weight.data_ptr() % 4 == 0
+
+
+def _word_layout(weight: torch.Tensor) -> bool:
+    # [E, out, K/2] bytes that view as int32 words: contiguous along K, K/2 and both outer strides multiples of 4.
     return (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 4 == 0
-            and weight.stride(0) % 4 == 0 and weight.stride(1) % 4 == 0
-            and weight.data_ptr() % 4 == 0)
+            and weight.stride(0) % 4 == 0 and weight.stride(1) % 4 == 0)
 
 
 @triton.jit
@@ -203,15 +208,13 @@ def _scale_tile(s_rows, n_ok, k0, K, NKB: tl.constexpr, MMA_N: tl.constexpr, EVE
 @triton.jit
 def _x_block_operand(xv, NKB: tl.constexpr, MMA_N: tl.constexpr):
     """(B [NKB * 32, MMA_N] fp16, x scales [MMA_N] fp32) of an `_x_tile` after the 1x32 FP8 fake quantisation (as
-    `quant_gemv._fake_quant_fp8_1x32`): B[c, j] = q of tile column c (the E4M3 value) where c // 32 == j, else 0;
+    `quant_gemv._fp8_1x32_parts`): B[c, j] = q of tile column c (the E4M3 value) where c // 32 == j, else 0;
     scale j = 2^sx of block j (0 for columns without a block)."""
     jn = tl.arange(0, MMA_N)
     kb = tl.arange(0, NKB)
-    amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-4)
-    e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
-    q = tl.minimum(tl.maximum(xv * exp2_int(254 - e)[:, None], -448.0), 448.0)
-    qr = e4m3_round(tl.abs(q))
-    q16 = tl.where(q < 0, -qr, qr).to(tl.float16)
+    q, e = _fp8_1x32_parts(xv)
+    e = tl.reshape(e, [NKB])
+    q16 = q.to(tl.float16)
     on = jn[:, None] == kb[None, :]  # [MMA_N, NKB]: column j takes block j
     bt = tl.where(on[:, :, None], q16[None, :, :], 0.0)  # [MMA_N, NKB, 32]
     b = tl.trans(tl.reshape(bt, [MMA_N, NKB * 32]))
@@ -236,7 +239,6 @@ def _grouped_mma_kernel(
     pair = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wi = tl.arange(0, WORDS)
-    jn = tl.arange(0, MMA_N)
     e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_rows = w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
@@ -287,8 +289,7 @@ def launch_grouped_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     split-K workspace of `_common.split_k_workspace`. Returns y. Raises ValueError for a weight that cannot be
     read as words. Other arguments are checked by the caller (`grouped_gemv.triton_grouped_linear_fp4`).
     """
-    if not (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 4 == 0
-            and weight.stride(0) % 4 == 0 and weight.stride(1) % 4 == 0):
+    if not _word_layout(weight):
         raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as int32 "
                          "words (needs contiguous K, K/2 and the strides multiples of 4 bytes)")
     words = weight.view(torch.int32)

@@ -218,15 +218,23 @@ def _decode_codes(w_raw, FP4: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.const
 
 @triton.jit
 def _fake_quant_fp8_1x32(x):
-    """formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2), as values: amax floored
-    at 1e-4, UE8M0 ceil scale from the IEEE bits of amax / 448 (correctly rounded division), q = clamp(x / scale,
-    +-448) -> E4M3 RNE, times the scale."""
+    """formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2), as values: q times its
+    scale (`_fp8_1x32_parts`)."""
+    q, e = _fp8_1x32_parts(x)
+    return q * exp2_int(e)
+
+
+@triton.jit
+def _fp8_1x32_parts(x):
+    """(q, e) of formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2): amax floored at
+    1e-4, UE8M0 ceil scale byte e (int32, axis 1 kept with size 1) from the IEEE bits of amax / 448 (correctly
+    rounded division), q = clamp(x / 2^(e-127), +-448) -> E4M3 RNE (fp32 values)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), 1e-4)
     e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
     # The floor keeps e in [105, 247], so 2^(127-e) is a normal number and x * 2^(127-e) is exact.
     q = tl.minimum(tl.maximum(x * exp2_int(254 - e), -448.0), 448.0)
     qr = e4m3_round(tl.abs(q))
-    return tl.where(q < 0, -qr, qr) * exp2_int(e)
+    return tl.where(q < 0, -qr, qr), e
 
 
 @triton.jit
