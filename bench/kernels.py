@@ -85,7 +85,13 @@ GROUPED_SWEEP = [c for c in SWEEP if not isinstance(c, dict)] + [  # the TMA GEM
     dict(mma_words=True, block_n=64, block_k=256, stages=3, programs_per_sm=6),
     dict(mma_words=True, block_n=128, block_k=256, stages=3, programs_per_sm=2, num_warps=8),
     dict(mma_words=True, block_n=64, block_k=512, stages=2, programs_per_sm=3),
-    dict(mma_words=True, block_n=128, block_k=512, stages=2, programs_per_sm=1, num_warps=8)]
+    dict(mma_words=True, block_n=128, block_k=512, stages=2, programs_per_sm=1, num_warps=8),
+    # The CUDA-core word-decode kernel (dsv41/kernels/grouped_words.py, the default for bf16 / fp32 x).
+    dict(words=True, block_n=16, block_k=256, num_warps=1),
+    dict(words=True, block_n=32, block_k=256, num_warps=1, k_iters=2),
+    dict(words=True, block_n=64, block_k=256, num_warps=1),
+    dict(words=True, block_n=64, block_k=128, num_warps=4, k_iters=4, x_perm=True),
+    dict(words=True, block_n=128, block_k=256, num_warps=4, x_perm=True)]
 
 
 def _sweep_overrides(bn, bk, nw, st, density, mma, maxnreg=None):
@@ -108,6 +114,8 @@ def sweep_overrides(cfg, fp4: bool):
     cfg = dict(cfg)
     if cfg.get("mma_words"):
         return cfg, "sweep mma_words" + "".join(f" {k}={v}" for k, v in cfg.items() if k != "mma_words")
+    if cfg.get("words"):
+        return cfg, "sweep words" + "".join(f" {k}={v}" for k, v in cfg.items() if k != "words")
     if cfg.get("tma"):
         if fp4:
             return None
@@ -256,6 +264,9 @@ def _plan_grid(over: dict, m: int, n: int, k: int, fp4: bool, pairs: int = 0) ->
     over = dict(over)
     if torch.cuda.is_available():  # as the launchers do: the plan is sized to this GPU's SMs
         over.setdefault("sm_count", qg.device_sm_count(torch.device("cuda")))
+    if over.pop("words", None):
+        from dsv41.kernels.grouped_words import grouped_words_plan
+        return list(grouped_words_plan(max(pairs, 1), n, k, **over)["grid"])
     if over.pop("mma_words", None):
         from dsv41.kernels.grouped_mma import grouped_mma_plan
         return list(grouped_mma_plan(max(pairs, 1), n, k, **over)["grid"])
@@ -291,12 +302,20 @@ def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
         return dict(base, variant=variant, bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
                     eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw, **extra)
 
-    plan = gg.grouped_gemv_plan(topk, n, k)
+    from dsv41.kernels import grouped_words
+    words = gg.takes_words_by_default(x, w, True, topk)
+    plan = grouped_words.grouped_words_plan(topk, n, k) if words else gg.grouped_gemv_plan(topk, n, k)
+    tile = gg.grouped_gemv_plan(topk, n, k)
     rows = [row("triton (graph)", _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True)
                                                 for i in idxs], reps_ms),
+                kernel_used="grouped_words" if words else "grouped_gemv",
                 plan={kk: (list(v) if kk == "grid" else v) for kk, v in plan.items()}),
             row("triton (eager, incl. launch)", _bench(lambda: gg.triton_grouped_linear_fp4(x, w, s, idxs[0], True),
                                                        reps_ms))]
+    if words:  # the tile kernel it replaced, same plan heuristic as before
+        rows.append(row("tile kernel, words=False (graph)", _bench_graph(
+            [lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, words=False) for i in idxs], reps_ms),
+            plan={kk: (list(v) if kk == "grid" else v) for kk, v in tile.items()}))
     if sweep:
         for cfg in GROUPED_SWEEP:
             over, label = sweep_overrides(cfg, True)

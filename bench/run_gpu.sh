@@ -37,9 +37,13 @@ for s in $sections; do
       python3 bench/kernels.py --pdl --sweep --only ${SWEEP_SHAPES:-grouped_w1w3 grouped_w2 wq_b wo_b wq_a shared_w1 expert_w1 head} \
         --json "$OUTDIR/kernels_sweep_pdl.json" 2>&1 | tail -120 ;;
     grouped)
-      # The grouped FP4 expert GEMV: its GPU tests (CUDA-core and word-decode tensor-core kernels, h200 shapes)
-      # and the launch-plan sweep of both kernels at the h200 decode shapes, PDL on (dsv41/kernels/grouped_mma.py).
-      python3 -m pytest -q tests/test_kernels_grouped_gemv.py -k cuda 2>&1 | tail -8 | tee "$OUTDIR/gpu_tests_grouped.log"
+      # The grouped FP4 expert GEMV: its GPU tests (word-decode CUDA-core default, tile and word-decode tensor-core
+      # kernels, h200 shapes, every sweep configuration) and the launch-plan sweep of the kernels at the h200 decode
+      # shapes, PDL on (dsv41/kernels/grouped_words.py, grouped_mma.py); then the word-decode probe (act_quant on
+      # and off, small preset shapes too).
+      python3 -m pytest -q tests/test_kernels_grouped_gemv.py tests/test_kernels_gpu_families.py -k "cuda or grouped" \
+        2>&1 | tail -8 | tee "$OUTDIR/gpu_tests_grouped.log"
+      python3 bench/grouped_words_probe.py --small --json "$OUTDIR/grouped_words_probe.json" 2>&1 | tail -12
       python3 bench/kernels.py --pdl --sweep --only grouped_w1w3 grouped_w2 \
         --json "$OUTDIR/kernels_grouped_sweep.json" 2>&1 | tail -40 ;;
     families)

@@ -31,6 +31,8 @@ def main(folder: str) -> None:
         elif "rows" in d:  # bench/kernels.py: the plan's row and the best sweep row per (kernel, shape, M)
             best: dict = {}
             for k in d["rows"]:
+                if not {"kernel", "shape", "M", "variant"} <= k.keys():  # a probe's rows (own table printed)
+                    continue
                 key = (k["kernel"], k["shape"], k["M"])
                 if k["variant"] == "triton (graph)" or k["variant"].startswith("sweep"):
                     slot = best.setdefault(key, {})

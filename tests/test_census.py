@@ -82,6 +82,23 @@ def test_split_k_gemv_is_one_launch_and_its_counters_are_not_a_fill():
     assert op_launches("dsv41::linear_fp8_block", [x, w, s, True]) == 1
 
 
+def test_grouped_fp4_gemv_counts_its_activation_preparation_launch():
+    # The default grouped expert GEMV on bf16 x at the h200 shapes (dsv41/kernels/grouped_words.py): FP8
+    # quantisation of x first (one launch), then the GEMV; without act_quant the GEMV alone; fp16 x takes the tile
+    # kernel (one launch).
+    x = torch.empty(1, 5120, dtype=torch.bfloat16)
+    w = torch.empty(96, 2304, 2560, dtype=torch.uint8)
+    s = torch.empty(96, 2304, 160, dtype=torch.uint8)
+    idx = torch.empty(1, 6, dtype=torch.int64)
+    assert op_launches("dsv41::grouped_linear_fp4", [x, w, s, idx, True]) == 2
+    assert op_launches("dsv41::grouped_linear_fp4", [x, w, s, idx, False]) == 1
+    assert op_launches("dsv41::grouped_linear_fp4", [x.half(), w, s, idx, True]) == 1
+    # The `small` preset's w1 (4 of 32 experts, [512, 1024]): below WORDS_MIN_CODES_ACT_QUANT, the tile kernel.
+    xs, ws, ss = torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(32, 512, 512, dtype=torch.uint8), \
+        torch.empty(32, 512, 32, dtype=torch.uint8)
+    assert op_launches("dsv41::grouped_linear_fp4", [xs, ws, ss, idx[:, :4], True]) == 1
+
+
 def test_census_reads_shapes_only_and_launches_nothing():
     from triton.runtime import jit
     before = jit.KernelInterface.__dict__["__getitem__"]

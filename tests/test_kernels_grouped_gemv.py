@@ -377,6 +377,130 @@ def test_word_decode_mma_plan():
             gm.grouped_mma_plan(6, 2304, 5120, **bad)
 
 
+# ------------------------------------------------------------------------------------------- word-decode CUDA cores
+WORDS_CASES = [
+    # (N, k, E, out, K, dtype, x per token, act_quant, overrides): dsv41/kernels/grouped_words.py
+    (1, 2, 8, 64, 256, torch.float32, True, True, {}),                                   # default plan, 2 row tiles
+    (3, 2, 5, 40, 96, torch.bfloat16, True, True, {"block_n": 16, "block_k": 64}),       # odd out, K tail, 2 splits
+    (2, 3, 5, 72, 640, torch.bfloat16, False, False, {"block_k": 128, "k_iters": 2}),    # 5 K tiles in 3 splits
+    (1, 6, 9, 40, 160, torch.float32, True, False, {"x_perm": True, "num_warps": 2}),    # permuted x, no act quant
+    (2, 2, 4, 48, 1024, torch.bfloat16, True, True, {"block_n": 16, "block_k": 512, "x_perm": True,
+                                                      "num_warps": 4}),
+    (1, 2, 3, 24, 1056, torch.float32, False, True, {"block_k": 1024}),                  # one split, K tail
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", WORDS_CASES, ids=_case_id)
+def test_word_decode_cuda_core_kernel_matches_float64_reference(case, poisoned_outputs):
+    n, k, e, out, kdim, dtype, shared, act_quant, overrides = case
+    gen = torch.Generator().manual_seed(n * 991 + out * 3 + kdim)
+    w, s = make_experts(e, out, kdim, gen)
+    # Every one of the 16 E2M1 codes in every nibble position of a word (random bytes alone could miss one).
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    idx = make_indices(n, k, e, gen, negative=True)
+    x = make_x(n, k, kdim, dtype, shared, gen)
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, act_quant, words=True, **overrides)
+    assert y.shape == (n, k, out) and y.dtype == dtype
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, act_quant))
+
+
+@interpreted
+def test_word_decode_split_k_is_deterministic_and_marks_bad_experts(poisoned_outputs):
+    gen = torch.Generator().manual_seed(41)
+    w, s = make_experts(5, 40, 512, gen)
+    idx = make_indices(2, 3, 5, gen)
+    x = make_x(2, 3, 512, torch.bfloat16, True, gen)
+    split = dict(block_n=16, block_k=64, k_iters=3)  # 8 K tiles in splits of 3 + 3 + 2
+    from dsv41.kernels import grouped_words as gw
+    assert gw.grouped_words_plan(6, 40, 512, **split)["SPLIT_K"] == 3
+    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, **split)
+    assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, **split))
+    assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
+    for bad in (5, -6, 1 << 40):
+        b = idx.clone()
+        b[1, 2] = bad
+        y = gg.triton_grouped_linear_fp4(x, w, s, b, True, words=True, **split)
+        assert torch.isnan(y[1, 2]).all()
+        keep = torch.ones(2, 3, dtype=torch.bool)
+        keep[1, 2] = False
+        assert torch.equal(y[keep], a[keep])
+
+
+@interpreted
+def test_the_default_launch_takes_the_word_decode_kernel_where_it_applies(monkeypatch, poisoned_outputs):
+    # bf16 / fp32 x with a word-readable weight and no plan options: grouped_words (with act_quant only from
+    # WORDS_MIN_CODES_ACT_QUANT codes per call); fp16 x, a weight at an odd byte offset, words=False or a tile-loop
+    # option: the tile kernel. Every result checked against float64.
+    from dsv41.kernels import grouped_words as gw
+    assert gg.WORDS_DEFAULT is True
+    calls = []
+    real = gw.launch_grouped_words
+    monkeypatch.setattr(gw, "launch_grouped_words", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(42)
+    w, s = make_experts(4, 40, 128, gen)
+    odd = torch.empty(w.numel() + 1, dtype=torch.uint8)[1:].view(w.shape)
+    odd.copy_(w)
+    idx = make_indices(2, 3, 4, gen)
+    codes = 6 * 40 * 128
+    for dtype, weight, aq, least, over, want_words in (
+            (torch.bfloat16, w, False, None, {}, True), (torch.float32, w, False, None, {}, True),
+            (torch.bfloat16, w, True, None, {}, False),          # act_quant below the size threshold
+            (torch.bfloat16, w, True, codes, {}, True), (torch.float32, w, True, codes + 1, {}, False),
+            (torch.float16, w, False, None, {}, False), (torch.bfloat16, odd, False, None, {}, False),
+            (torch.bfloat16, w, False, None, {"words": False}, False),
+            (torch.bfloat16, w, False, None, {"block_k": 64}, False)):
+        if least is not None:
+            monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", least)
+        calls.clear()
+        x = make_x(2, 3, 128, dtype, True, gen)
+        if not over:
+            assert gg.takes_words_by_default(x, weight, aq, 6) == want_words
+        y = gg.triton_grouped_linear_fp4(x, weight, s, idx, aq, **over)
+        assert bool(calls) == want_words, (dtype, aq, least, over)
+        assert_close_to_ref(y, *ref_grouped(x, w, s, idx, aq))
+        monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 1 << 23)
+
+
+def test_word_decode_refuses_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(43)
+    w, s = make_experts(4, 40, 128, gen)
+    idx = make_indices(2, 3, 4, gen)
+    x = make_x(2, 3, 128, torch.bfloat16, True, gen)
+    with pytest.raises(ValueError, match=r"words=True needs bf16 or fp32 x .*float16"):
+        gg.triton_grouped_linear_fp4(x.half(), w, s, idx, True, words=True)
+    odd = torch.empty(w.numel() + 1, dtype=torch.uint8)[1:].view(w.shape)
+    with pytest.raises(ValueError, match="weight readable as int32 words"):
+        gg.triton_grouped_linear_fp4(x, odd, s, idx, True, words=True)
+    with pytest.raises(ValueError, match=r"options \['stages'\] do not apply to words=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, stages=3)
+    with pytest.raises(ValueError, match="pick different kernels"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, mma_words=True)
+
+
+def test_word_decode_plan():
+    from dsv41.kernels import grouped_words as gw
+
+    # h200 decode, 6 experts: w1/w3 [2304, 5120] in 32 x 256 tiles, one per one-warp program; w2 [5120, 2304].
+    plan = gw.grouped_words_plan(6, 2304, 5120)
+    assert plan["grid"] == (72, 20, 6) and plan["K_ITERS"] == 1 and plan["num_warps"] == 1
+    assert plan["SPLIT_POW2"] == 32 and plan["X_PERM"] is False
+    assert gw.grouped_words_plan(6, 5120, 2304)["grid"] == (160, 9, 6)
+    plan = gw.grouped_words_plan(2, 40, 640, block_n=16, block_k=128, k_iters=2)
+    assert plan["grid"] == (3, 3, 2) and plan["K_ITERS"] == 2 and plan["SPLIT_POW2"] == 4
+    assert gw.grouped_words_plan(1, 64, 256, k_iters=9)["K_ITERS"] == 1  # capped at the K tiles
+    for bad in (dict(block_n=48), dict(block_n=512), dict(block_k=16), dict(k_iters=0), dict(num_warps=3)):
+        with pytest.raises(ValueError):
+            gw.grouped_words_plan(6, 2304, 5120, **bad)
+    for bad in (dict(k_iters=2.0), dict(block_n="32"), dict(num_warps=True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            gw.grouped_words_plan(6, 2304, 5120, **bad)
+    with pytest.raises(ValueError, match="x_perm=1 must be a bool"):
+        gw.grouped_words_plan(6, 2304, 5120, x_perm=1)
+    with pytest.raises(ValueError, match="at most 65535"):
+        gw.grouped_words_plan(1, 32, 32 * 65536, block_k=32)
+
+
 # ------------------------------------------------------------------------------------------- launch plan
 def test_decode_plan_gives_every_sm_work():
     # h200 preset decode, batch 1: k = 6 experts; w1/w3 [2304, 5120], w2 [5120, 2304]. The default plan (tile at
@@ -473,17 +597,28 @@ _needs_gpu = pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU and TRITON_IN
 
 
 @_needs_gpu
+@pytest.mark.parametrize("act_quant", [True, False], ids=["aq", "no_aq"])
+@pytest.mark.parametrize("over", [{}, {"words": False}], ids=["default_words", "tile"])
 @pytest.mark.parametrize("name,out,kdim,shared", [("w1", 2304, 5120, True), ("w2", 5120, 2304, False)])
-def test_cuda_grouped_gemv_at_h200_decode_shapes(name, out, kdim, shared):
-    # h200 preset, batch-1 decode: 6 of 96 experts; the float64 reference runs on the CPU copy.
+def test_cuda_grouped_gemv_at_h200_decode_shapes(name, out, kdim, shared, over, act_quant, poisoned_outputs):
+    # h200 preset, batch-1 decode: 6 of 96 experts, every E2M1 code present; the default launch (word-decode
+    # kernel) and the tile kernel, PDL on as in the decode graph; the float64 reference runs on the CPU copy.
+    from dsv41 import kernels
+
     gen = torch.Generator().manual_seed(12)
     w, s = make_experts(96, out, kdim, gen)
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
     idx = make_indices(1, 6, 96, gen)
+    idx[0, 0] = 0
     x = make_x(1, 6, kdim, torch.bfloat16, shared, gen)
     dev = torch.device("cuda")
-    y = torch.ops.dsv41.grouped_linear_fp4(x.to(dev), w.to(dev), s.to(dev), idx.to(dev), True)
+    kernels.set_pdl(True)
+    try:
+        y = gg.triton_grouped_linear_fp4(x.to(dev), w.to(dev), s.to(dev), idx.to(dev), act_quant, **over)
+    finally:
+        kernels.set_pdl(False)
     assert y.shape == (1, 6, out) and y.dtype == torch.bfloat16
-    assert_close_to_ref(y.cpu(), *ref_grouped(x, w, s, idx, True))
+    assert_close_to_ref(y.cpu(), *ref_grouped(x, w, s, idx, act_quant))
 
 
 @_needs_gpu
@@ -509,14 +644,20 @@ def test_cuda_word_decode_mma_at_h200_decode_shapes(name, out, kdim, shared, poi
 
 
 @_needs_gpu
-def test_cuda_pdl_and_graph_replay_match_and_bad_index_gives_nan():
+@pytest.mark.parametrize("least", [None, 0], ids=["default", "words_with_act_quant"])
+def test_cuda_pdl_and_graph_replay_match_and_bad_index_gives_nan(least, monkeypatch):
+    # At this size the op's default is the tile kernel; WORDS_MIN_CODES_ACT_QUANT = 0 makes it the word-decode
+    # kernel with its activation quantisation launch (two PDL launches in the graph).
     from dsv41 import kernels
 
+    if least is not None:
+        monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", least)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(13)
     w, s = (t.to(dev) for t in make_experts(16, 256, 512, gen))
     idx = make_indices(2, 3, 16, gen).to(dev)
     x = make_x(2, 3, 512, torch.bfloat16, True, gen).to(dev)
+    assert gg.takes_words_by_default(x, w, True, 6) == (least == 0)
 
     def step():
         return torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True)
@@ -543,3 +684,5 @@ def test_cuda_pdl_and_graph_replay_match_and_bad_index_gives_nan():
     bad[0, 1] = 16
     y = torch.ops.dsv41.grouped_linear_fp4(x, w, s, bad, True)
     assert torch.isnan(y[0, 1]).all() and not torch.isnan(y[1]).any()
+    y64, abs64 = ref_grouped(x.cpu(), w.cpu(), s.cpu(), idx.cpu(), True)
+    assert_close_to_ref(want.cpu(), y64, abs64)

@@ -7,7 +7,8 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
 - `dsv41::linear_upcast` (upcast_gemv.py): FP32 GEMV reading a bf16 / fp16 weight once, the upcast_linear target.
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
-  `grouped_mma.py` holds its opt-in tensor-core variant (`mma_words=True`; slower on the H200, not the default).
+  Its default kernel for bf16 / fp32 x is the word-decode CUDA-core GEMV of `grouped_words.py`; `grouped_mma.py`
+  holds an opt-in tensor-core variant (`mma_words=True`; slower on the H200, not the default).
 - `dsv41::mhc_mixes`, `dsv41::mhc_collapse_rmsnorm`, `dsv41::mhc_expand` (mhc.py): mHC coefficients, pre-mix + RMSNorm, post-mix.
 - `dsv41::moe_router`, `dsv41::moe_combine` (moe.py): MoE router (GEMV + sqrt-softplus + biased top-k) and tail.
 - `dsv41::indexer_scores`, `dsv41::indexer_candidates`, `dsv41::indexer_topk` (indexer.py): CSA2 index scores, candidate blocks, top-k.

@@ -28,7 +28,11 @@ capture; the kernel never reads outside `weight` / `scale` (an invalid expert's 
 NaN to every element of y[n, j, :] whose index is invalid, so the error shows up in the output, not as a silent
 wrong expert or a memory fault.
 
-Kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
+Kernels. For bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call) CUDA launches
+run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 /
+31.4 us at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
+`words=False` keeps the tile kernel, which also takes fp16 x and weights that cannot be read as int32 words.
+Tile kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
 tiles of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
 inside, FP32 accumulation; or `quant_gemv._mma_tile` on the tensor cores with `mma=True`); the K splits of an
 output tile combine through the split-K arrival counters of `_common.split_k_counters`, exactly as `quant_gemv`
@@ -61,7 +65,8 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
                          split_rows_overrides)
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
-           "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT"]
+           "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT",
+           "takes_words_by_default"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
@@ -251,6 +256,17 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
 #: only to calls with no other override (a plan option picks the kernel it belongs to).
 MMA_WORDS_DEFAULT = False
 
+#: Whether launches take the CUDA-core word-decode kernel (`grouped_words`) where it applies
+#: (`grouped_words.words_eligible`: bf16 / fp32 x, a weight readable as int32 words) when `words` is not given.
+#: Applies only to calls with no other override (a plan option picks the kernel it belongs to). Measured on the
+#: H200 (bench/results/2026-12-01_h200_s19, CUDA-graph replay, PDL): h200 decode shapes 32.1 / 31.4 us against
+#: 37.1 / 36.7 us for the tile kernel (w1 / w2, act_quant); without act_quant 31.7 / 31.4 against 33.6 / 33.7.
+WORDS_DEFAULT = True
+#: With act_quant the word-decode kernel adds a launch (the activation quantisation, `grouped_words.prepare_x`);
+#: below this many codes per call (pairs x out x K) the default stays on the tile kernel: at the `small` shapes
+#: (4 x 512 x 1024 = 2.1 M codes) it measured 5.3 / 5.1 us against 5.0 / 5.0 us, at h200's 70.8 M it wins.
+WORDS_MIN_CODES_ACT_QUANT = 1 << 23
+
 
 def _take_mma_words(x, weight, act_quant, overrides) -> bool:
     """Pop `mma_words` from `overrides` and decide whether this launch runs `grouped_mma`; then only its plan keys
@@ -281,6 +297,38 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
     return bool(asked)
 
 
+def takes_words_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
+    """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `WORDS_DEFAULT`, x and
+    weight it takes (`grouped_words.words_eligible`), and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes
+    (pairs x out x K; weight [E, out, K/2], x [..., K])."""
+    from . import grouped_words
+    big = not act_quant or pairs * weight.shape[1] * x.shape[-1] >= WORDS_MIN_CODES_ACT_QUANT
+    return WORDS_DEFAULT and big and grouped_words.words_eligible(x, weight)
+
+
+def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
+    """Pop `words` from `overrides` and decide whether this launch runs `grouped_words` (by default: `WORDS_DEFAULT`,
+    no other override, eligible arguments, and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes over the
+    `pairs` (token, expert) pairs); then only its plan keys (`grouped_words.WORDS_KEYS`, sm_count) may remain.
+    Raises ValueError for words=True with x or weight it does not take, or next to options of another kernel."""
+    from . import grouped_words
+    asked = overrides.pop("words", None)
+    if asked is None:
+        asked = not overrides and takes_words_by_default(x, weight, act_quant, pairs)
+    elif asked and not grouped_words.words_eligible(x, weight):
+        raise ValueError("words=True needs bf16 or fp32 x and a weight readable as int32 words "
+                         f"(got x {x.dtype}, weight strides {weight.stride()})")
+    if asked:
+        for key in [k for k, v in overrides.items() if v is None or v is False]:
+            if key not in grouped_words.WORDS_KEYS:
+                del overrides[key]
+        bad = sorted(set(overrides) - set(grouped_words.WORDS_KEYS) - {"sm_count"})
+        if bad:
+            raise ValueError(f"options {bad} do not apply to words=True (its keys: "
+                             f"{list(grouped_words.WORDS_KEYS) + ['sm_count']})")
+    return bool(asked)
+
+
 def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
                               act_quant: bool, **overrides) -> torch.Tensor:
     """Run the grouped Triton GEMV on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
@@ -288,18 +336,24 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
     (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `quant_gemv.gemv_plan`
-    heuristic; `rows=True` runs the row-streaming kernel of `gemv_rows` instead (one launch for every pair; options
+    heuristic and pick the tile kernel; `words=True` / `words=False` force / refuse the word-decode kernel of
+    `grouped_words` (the default where `takes_words_by_default`; overrides then `grouped_words.WORDS_KEYS`);
+    `rows=True` runs the row-streaming kernel of `gemv_rows` instead (one launch for every pair; options
     as in `quant_gemv.split_rows_overrides`; measured slower on the H200); `mma_words=True` runs the word-decode
     tensor-core kernel of `grouped_mma` (overrides then `grouped_mma.MMA_WORDS_KEYS`; default `MMA_WORDS_DEFAULT`).
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
-        (token, expert) pairs, for mma=True with x not bf16, for invalid plan values and for mixing the tile-loop and
-        row-streaming options.
+        (token, expert) pairs, for mma=True with x not bf16, for words=True with fp16 x or a weight that is not
+        word-readable, for words=True next to mma_words=True, for invalid plan values and for mixing the options
+        of different kernels.
     """
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
+    if overrides.get("words") and overrides.get("mma_words"):
+        raise ValueError("words=True and mma_words=True pick different kernels; give one")
     words_mode = _take_mma_words(x, weight, act_quant, overrides)
+    cuda_words = False if words_mode else _take_words(x, weight, act_quant, n * k, overrides)
     check_mma_dtype(x, overrides)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = None if words_mode else split_rows_overrides(overrides, 1, True)
+    rows = None if words_mode or cuda_words else split_rows_overrides(overrides, 1, True)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
@@ -329,6 +383,16 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
         grouped_mma.launch_grouped_mma(x2, weight, scale, idx, y.view(pairs, out), part, cnt, k if shared else 1,
                                        plan, use_pdl_for(grouped_mma._grouped_mma_kernel, x.device))
+        return y
+    if cuda_words:
+        from . import grouped_words
+        plan = grouped_words.grouped_words_plan(pairs, out, kk, **overrides)
+        n_tiles, split_k, _ = plan["grid"]
+        pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
+        xw = grouped_words.prepare_x(x2, act_quant, plan["X_PERM"], _empty, pdl)
+        part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
+        grouped_words.launch_grouped_words(xw, weight, scale, idx, y.view(pairs, out), part, cnt,
+                                           k if shared else 1, plan, pdl)
         return y
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]

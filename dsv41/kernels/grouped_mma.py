@@ -1,8 +1,9 @@
 """Grouped FP4 expert GEMV on the tensor cores: packed-word E2M1 decode and a block-diagonal activation operand.
 
-Why. The CUDA-core kernel of `grouped_gemv` spends about 4.8 instructions per FP4 code (unpack a nibble, build the
-fp16 bits, convert to FP32, multiply-add, reduce) and reached 24 % of the copy bandwidth on the h200 expert shapes
-(37 us for 38 MB, bench/results/2026-11-30_h200_s7_gemv): it is bound by instruction issue, not by memory. Here
+Why. The tile kernel of `grouped_gemv` issues 9.2 warp instructions per FP4 code (Nsight Compute,
+bench/results/2026-12-01_h200_s19: unpack a nibble, build the fp16 bits, convert to FP32, multiply-add, reduce) and
+reached 24 % of the copy bandwidth on the h200 expert shapes (37 us for 38 MB, bench/results/2026-11-30_h200_s7_gemv):
+it is bound by instruction issue, not by memory. Here
 the arithmetic moves to an MMA and the decode works on 32-bit words:
 
 - Decode: eight codes per int32 word. With `u = word << 4s` the nibbles 3 - s and 7 - s sit in bits 12..15 and
