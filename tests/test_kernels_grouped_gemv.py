@@ -309,15 +309,38 @@ MMA_WORDS_CASES = [
 @pytest.mark.parametrize("case", MMA_WORDS_CASES, ids=lambda c: _case_id((*c[:7], True, c[7])))
 def test_word_decode_mma_matches_float64_reference(case, poisoned_outputs):
     n, k, e, out, kdim, dtype, shared, overrides = case
-    gen = torch.Generator().manual_seed(n * 977 + out * 5 + kdim)
+    _assert_all_codes_case_matches((n, k, e, out, kdim, dtype, shared, True), n * 977 + out * 5 + kdim,
+                                   mma_words=True, **overrides)
+
+
+def _assert_all_codes_case_matches(case, seed, **over):
+    """One launch of `case` (N, k, E, out, K, dtype, x per token, act_quant) with every one of the 16 E2M1 codes in
+    every nibble position of a word (random bytes alone could miss one) and negative indices, against float64."""
+    n, k, e, out, kdim, dtype, shared, act_quant = case
+    gen = torch.Generator().manual_seed(seed)
     w, s = make_experts(e, out, kdim, gen)
-    # Every one of the 16 E2M1 codes in every nibble position of a word (random bytes alone could miss one).
     w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
     idx = make_indices(n, k, e, gen, negative=True)
     x = make_x(n, k, kdim, dtype, shared, gen)
-    y = gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **overrides)
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, act_quant, **over)
     assert y.shape == (n, k, out) and y.dtype == dtype
-    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, True))
+    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, act_quant))
+
+
+def _assert_deterministic_with_nan_rows_for_bad_experts(x, w, s, idx, bad_values, **over):
+    """Two launches give the same bits, close to float64; an expert index in `bad_values` at (1, 2) makes that row
+    NaN and leaves every other row exactly as before (act_quant on, x per token, idx [2, 3])."""
+    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, **over)
+    assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, **over))
+    assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[1, 2] = False
+    for bad in bad_values:
+        b = idx.clone()
+        b[1, 2] = bad
+        y = gg.triton_grouped_linear_fp4(x, w, s, b, True, **over)
+        assert torch.isnan(y[1, 2]).all()
+        assert torch.equal(y[keep], a[keep])
 
 
 @interpreted
@@ -329,16 +352,7 @@ def test_word_decode_mma_split_k_is_deterministic_and_marks_bad_experts(poisoned
     split = dict(block_n=16, block_k=64, programs_per_sm=1, sm_count=48)  # 3 out tiles x 6 pairs: 8 K tiles in 2
     from dsv41.kernels import grouped_mma as gm
     assert gm.grouped_mma_plan(6, 40, 512, **split)["SPLIT_K"] == 2
-    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split)
-    assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, mma_words=True, **split))
-    assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
-    bad = idx.clone()
-    bad[1, 2] = 5
-    y = gg.triton_grouped_linear_fp4(x, w, s, bad, True, mma_words=True, **split)
-    assert torch.isnan(y[1, 2]).all()
-    keep = torch.ones(2, 3, dtype=torch.bool)
-    keep[1, 2] = False
-    assert torch.equal(y[keep], a[keep])
+    _assert_deterministic_with_nan_rows_for_bad_experts(x, w, s, idx, (5,), mma_words=True, **split)
 
 
 def test_word_decode_mma_refuses_what_it_cannot_compute_exactly():
@@ -394,15 +408,7 @@ WORDS_CASES = [
 @pytest.mark.parametrize("case", WORDS_CASES, ids=_case_id)
 def test_word_decode_cuda_core_kernel_matches_float64_reference(case, poisoned_outputs):
     n, k, e, out, kdim, dtype, shared, act_quant, overrides = case
-    gen = torch.Generator().manual_seed(n * 991 + out * 3 + kdim)
-    w, s = make_experts(e, out, kdim, gen)
-    # Every one of the 16 E2M1 codes in every nibble position of a word (random bytes alone could miss one).
-    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
-    idx = make_indices(n, k, e, gen, negative=True)
-    x = make_x(n, k, kdim, dtype, shared, gen)
-    y = gg.triton_grouped_linear_fp4(x, w, s, idx, act_quant, words=True, **overrides)
-    assert y.shape == (n, k, out) and y.dtype == dtype
-    assert_close_to_ref(y, *ref_grouped(x, w, s, idx, act_quant))
+    _assert_all_codes_case_matches(case[:8], n * 991 + out * 3 + kdim, words=True, **overrides)
 
 
 @interpreted
@@ -414,17 +420,7 @@ def test_word_decode_split_k_is_deterministic_and_marks_bad_experts(poisoned_out
     split = dict(block_n=16, block_k=64, k_iters=3)  # 8 K tiles in splits of 3 + 3 + 2
     from dsv41.kernels import grouped_words as gw
     assert gw.grouped_words_plan(6, 40, 512, **split)["SPLIT_K"] == 3
-    a = gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, **split)
-    assert torch.equal(a, gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, **split))
-    assert_close_to_ref(a, *ref_grouped(x, w, s, idx, True))
-    for bad in (5, -6, 1 << 40):
-        b = idx.clone()
-        b[1, 2] = bad
-        y = gg.triton_grouped_linear_fp4(x, w, s, b, True, words=True, **split)
-        assert torch.isnan(y[1, 2]).all()
-        keep = torch.ones(2, 3, dtype=torch.bool)
-        keep[1, 2] = False
-        assert torch.equal(y[keep], a[keep])
+    _assert_deterministic_with_nan_rows_for_bad_experts(x, w, s, idx, (5, -6, 1 << 40), words=True, **split)
 
 
 @interpreted
@@ -476,6 +472,9 @@ def test_word_decode_refuses_what_it_cannot_take():
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, stages=3)
     with pytest.raises(ValueError, match="pick different kernels"):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, mma_words=True)
+    for words in (None, False):  # x_perm without the kernel it belongs to
+        with pytest.raises(ValueError, match=r"\['x_perm'\] apply to the word-decode kernel only"):
+            gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=words, x_perm=True)
 
 
 def test_word_decode_plan():

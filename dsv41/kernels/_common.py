@@ -34,7 +34,8 @@ import triton.language as tl
 
 __all__ = [
     "set_pdl", "pdl_enabled", "launch_pdl_supported", "is_interpreted", "use_pdl_for", "require_launchable",
-    "check_tensor", "check_same_device", "next_power_of_2", "split_k_counters", "prepare_device", "COUNTER_SLOTS",
+    "check_tensor", "check_same_device", "check_int_options", "next_power_of_2", "split_k_counters",
+    "prepare_device", "COUNTER_SLOTS",
     "round_bf16", "round_to", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
     "e2m1_value_scaled_down", "E2M1_HALF_SCALE", "fp4_block_scale", "e2m1_code", "register_cuda", "CUDA_HOSTS",
     "census_active",
@@ -151,6 +152,14 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors must be on one device: {listing}")
     return first
+
+
+def check_int_options(**values) -> None:
+    """Raise ValueError naming the first launch-plan option of `values` that is neither None nor an int (a bool is
+    not an int here): plan heuristics take block sizes, warps and counts as Python ints only."""
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{name}={value!r} must be an int")
 
 
 def next_power_of_2(n: int) -> int:

@@ -281,14 +281,7 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
         raise ValueError("mma_words=True needs act_quant=True, bf16 or fp32 x and a weight readable as int32 words "
                          f"(got act_quant={act_quant}, x {x.dtype}, weight strides {weight.stride()})")
     if asked:
-        # Options set to None / False say "not this"; they do not conflict.
-        for key in [k for k, v in overrides.items() if v is None or v is False]:
-            if key not in grouped_mma.MMA_WORDS_KEYS:
-                del overrides[key]
-        bad = sorted(set(overrides) - set(grouped_mma.MMA_WORDS_KEYS) - {"sm_count"})
-        if bad:
-            raise ValueError(f"options {bad} do not apply to mma_words=True (its keys: "
-                             f"{list(grouped_mma.MMA_WORDS_KEYS) + ['sm_count']})")
+        _keep_only(overrides, grouped_mma.MMA_WORDS_KEYS, "mma_words")
     else:
         only = sorted(set(overrides) & {"programs_per_sm"})
         if only and not overrides.get("rows"):
@@ -319,14 +312,23 @@ def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
         raise ValueError("words=True needs bf16 or fp32 x and a weight readable as int32 words "
                          f"(got x {x.dtype}, weight strides {weight.stride()})")
     if asked:
-        for key in [k for k, v in overrides.items() if v is None or v is False]:
-            if key not in grouped_words.WORDS_KEYS:
-                del overrides[key]
-        bad = sorted(set(overrides) - set(grouped_words.WORDS_KEYS) - {"sm_count"})
-        if bad:
-            raise ValueError(f"options {bad} do not apply to words=True (its keys: "
-                             f"{list(grouped_words.WORDS_KEYS) + ['sm_count']})")
+        _keep_only(overrides, grouped_words.WORDS_KEYS, "words")
+    else:
+        only = sorted(k for k in grouped_words.WORDS_ONLY_KEYS if overrides.get(k) is not None)
+        if only:
+            raise ValueError(f"{only} apply to the word-decode kernel only (words=True)")
     return bool(asked)
+
+
+def _keep_only(overrides: dict, keys, flag: str) -> None:
+    """Leave only `keys` and sm_count in `overrides` for the kernel `flag`=True picked. Options set to None / False
+    say "not this" and are dropped; any other option is a ValueError naming it."""
+    for key in [k for k, v in overrides.items() if v is None or v is False]:
+        if key not in keys:
+            del overrides[key]
+    bad = sorted(set(overrides) - set(keys) - {"sm_count"})
+    if bad:
+        raise ValueError(f"options {bad} do not apply to {flag}=True (its keys: {list(keys) + ['sm_count']})")
 
 
 def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, is_interpreted, next_power_of_2
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
 from .grouped_gemv import _grouped_store, _pair_expert
 from .quant_gemv import _fp8_1x32_parts
 
@@ -86,10 +86,8 @@ def grouped_mma_plan(pairs: int, n: int, k: int, *, sm_count: int | None = None,
     Raises: ValueError for a value that is not an int, block_n not a power of two in 16..256, block_k not a power
     of two in 32..1024, stages < 1, programs_per_sm < 1, sm_count < 1, num_warps not in 4, 8.
     """
-    for name, value in (("block_n", block_n), ("block_k", block_k), ("stages", stages),
-                        ("programs_per_sm", programs_per_sm), ("num_warps", num_warps), ("sm_count", sm_count)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"{name}={value!r} must be an int")
+    check_int_options(block_n=block_n, block_k=block_k, stages=stages, programs_per_sm=programs_per_sm,
+                      num_warps=num_warps, sm_count=sm_count)
     block_n = _BLOCK_N if block_n is None else block_n
     block_k = _BLOCK_K if block_k is None else block_k
     stages = _STAGES if stages is None else stages

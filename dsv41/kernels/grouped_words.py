@@ -45,11 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, is_interpreted, next_power_of_2
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
 from .grouped_gemv import _grouped_store, _pair_expert
 from .quant_gemv import _fake_quant_fp8_1x32
 
-__all__ = ["grouped_words_plan", "words_eligible", "launch_grouped_words", "prepare_x", "WORDS_KEYS"]
+__all__ = ["grouped_words_plan", "words_eligible", "launch_grouped_words", "prepare_x", "WORDS_KEYS", "WORDS_ONLY_KEYS"]
 
 #: Defaults of `grouped_words_plan`: one-warp programs of 32 rows x 256 codes (swept on the H200 at the h200 shapes,
 #: bench/results/2026-12-01_h200_s19: 31-33 us; 64- to 128-row programs of 2-4 warps took 37-60 us).
@@ -59,6 +59,8 @@ _K_ITERS = 1
 _NUM_WARPS = 1
 #: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `words` itself and `sm_count`).
 WORDS_KEYS = ("block_n", "block_k", "k_iters", "num_warps", "x_perm")
+#: Those of `WORDS_KEYS` no other kernel of `triton_grouped_linear_fp4` takes.
+WORDS_ONLY_KEYS = ("x_perm",)
 #: Codes of K per program of the activation preparation kernel.
 _PREP_BLOCK = 1024
 #: Whether the activations are permuted for 16-byte loads (`_x_prep_kernel`) by default. Off: at the default plan
@@ -83,10 +85,7 @@ def grouped_words_plan(pairs: int, n: int, k: int, *, block_n: int | None = None
     """
     if x_perm is not None and not isinstance(x_perm, bool):
         raise ValueError(f"x_perm={x_perm!r} must be a bool")
-    for name, value in (("block_n", block_n), ("block_k", block_k), ("k_iters", k_iters),
-                        ("num_warps", num_warps), ("sm_count", sm_count)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"{name}={value!r} must be an int")
+    check_int_options(block_n=block_n, block_k=block_k, k_iters=k_iters, num_warps=num_warps, sm_count=sm_count)
     block_n = _BLOCK_N if block_n is None else block_n
     block_k = _BLOCK_K if block_k is None else block_k
     k_iters = _K_ITERS if k_iters is None else k_iters
