@@ -396,7 +396,7 @@ WORDS_CASES = [
     # (N, k, E, out, K, dtype, x per token, act_quant, overrides): dsv41/kernels/grouped_words.py
     (1, 2, 8, 64, 256, torch.float32, True, True, {}),                                   # default plan, 2 row tiles
     (3, 2, 5, 40, 96, torch.bfloat16, True, True, {"block_n": 16, "block_k": 64}),       # odd out, K tail, 2 splits
-    (2, 3, 5, 72, 640, torch.bfloat16, False, False, {"block_k": 128, "k_iters": 2}),    # 5 K tiles in 3 splits
+    (2, 3, 5, 24, 640, torch.bfloat16, False, False, {"block_k": 128, "k_iters": 2}),    # 5 K tiles in 3 splits
     (1, 6, 9, 40, 160, torch.float32, True, False, {"x_perm": True, "num_warps": 2}),    # permuted x, no act quant
     (2, 2, 4, 48, 1024, torch.bfloat16, True, True, {"block_n": 16, "block_k": 512, "x_perm": True,
                                                       "num_warps": 4}),
@@ -414,12 +414,12 @@ def test_word_decode_cuda_core_kernel_matches_float64_reference(case, poisoned_o
 @interpreted
 def test_word_decode_split_k_is_deterministic_and_marks_bad_experts(poisoned_outputs):
     gen = torch.Generator().manual_seed(41)
-    w, s = make_experts(5, 40, 512, gen)
+    w, s = make_experts(5, 16, 512, gen)
     idx = make_indices(2, 3, 5, gen)
     x = make_x(2, 3, 512, torch.bfloat16, True, gen)
     split = dict(block_n=16, block_k=64, k_iters=3)  # 8 K tiles in splits of 3 + 3 + 2
     from dsv41.kernels import grouped_words as gw
-    assert gw.grouped_words_plan(6, 40, 512, **split)["SPLIT_K"] == 3
+    assert gw.grouped_words_plan(6, 16, 512, **split)["SPLIT_K"] == 3
     _assert_deterministic_with_nan_rows_for_bad_experts(x, w, s, idx, (5, -6, 1 << 40), words=True, **split)
 
 
@@ -458,6 +458,33 @@ def test_the_default_launch_takes_the_word_decode_kernel_where_it_applies(monkey
         monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 1 << 23)
 
 
+@interpreted
+def test_word_decode_scale_bytes_zero_and_overflow_match_the_tile_kernel(poisoned_outputs):
+    # UE8M0 byte 0 is a zero scale (the reference's ue8m0_to_float); bytes above 240 overflow the FP32 scale product
+    # to inf in both kernels (never a finite wrong number). Bytes per 32-block: 0, 127, 241, 255.
+    gen = torch.Generator().manual_seed(44)
+    w, _ = make_experts(2, 16, 128, gen)
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    idx = torch.tensor([[0, 1]])
+    x = torch.randn(1, 128, generator=gen).bfloat16()
+    x[0, :32] = 3e38  # a block whose scale is 0 contributes exactly nothing, however large x is
+    s = torch.full((2, 16, 4), 127, dtype=torch.uint8)
+    s[..., 0] = 0
+    y = gg.triton_grouped_linear_fp4(x, w, s, idx, False, words=True)
+    x0 = x.clone()
+    x0[0, :32] = 0
+    # The float64 reference reads byte 0 as 2^-127, which is nothing next to x = 0 but not next to x = 3e38.
+    assert_close_to_ref(y, *ref_grouped(x0, w, s, idx, False))
+    assert torch.equal(y, gg.triton_grouped_linear_fp4(x0, w, s, idx, False, words=True))
+    assert torch.isfinite(gg.reference_grouped_linear_fp4(x, w, s, idx, False)).all()
+    for byte in (241, 255):
+        s2 = s.clone()
+        s2[..., 2] = byte
+        a = gg.triton_grouped_linear_fp4(x, w, s2, idx, False, words=True).float()
+        b = gg.triton_grouped_linear_fp4(x, w, s2, idx, False, words=False).float()
+        assert not torch.isfinite(a).all() and torch.equal(torch.isfinite(a), torch.isfinite(b)), byte
+
+
 def test_word_decode_refuses_what_it_cannot_take():
     gen = torch.Generator().manual_seed(43)
     w, s = make_experts(4, 40, 128, gen)
@@ -472,6 +499,11 @@ def test_word_decode_refuses_what_it_cannot_take():
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, stages=3)
     with pytest.raises(ValueError, match="pick different kernels"):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, mma_words=True)
+    for flag in (1, "no"):
+        with pytest.raises(ValueError, match="must be True, False or None"):
+            gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=flag)
+    with pytest.raises(ValueError, match=r"options \['programs_per_sm'\] do not apply to words=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=True, programs_per_sm=2)
     for words in (None, False):  # x_perm without the kernel it belongs to
         with pytest.raises(ValueError, match=r"\['x_perm'\] apply to the word-decode kernel only"):
             gg.triton_grouped_linear_fp4(x, w, s, idx, True, words=words, x_perm=True)

@@ -28,8 +28,8 @@ capture; the kernel never reads outside `weight` / `scale` (an invalid expert's 
 NaN to every element of y[n, j, :] whose index is invalid, so the error shows up in the output, not as a silent
 wrong expert or a memory fault.
 
-Kernels. For bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call) CUDA launches
-run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 /
+Kernels. For bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call), when no plan
+option is given, launches run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 /
 31.4 us at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
 `words=False` keeps the tile kernel, which also takes fp16 x and weights that cannot be read as int32 words.
 Tile kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
@@ -258,7 +258,8 @@ MMA_WORDS_DEFAULT = False
 
 #: Whether launches take the CUDA-core word-decode kernel (`grouped_words`) where it applies
 #: (`grouped_words.words_eligible`: bf16 / fp32 x, a weight readable as int32 words) when `words` is not given.
-#: Applies only to calls with no other override (a plan option picks the kernel it belongs to). Measured on the
+#: Applies only to calls with no other override (a plan option picks the kernel it belongs to) and, with act_quant,
+#: from `WORDS_MIN_CODES_ACT_QUANT` codes per call. Measured on the
 #: H200 (bench/results/2026-12-01_h200_s19, CUDA-graph replay, PDL): h200 decode shapes 32.1 / 31.4 us against
 #: 37.1 / 36.7 us for the tile kernel (w1 / w2, act_quant); without act_quant 31.7 / 31.4 against 33.6 / 33.7.
 WORDS_DEFAULT = True
@@ -284,7 +285,7 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
         _keep_only(overrides, grouped_mma.MMA_WORDS_KEYS, "mma_words")
     else:
         only = sorted(set(overrides) & {"programs_per_sm"})
-        if only and not overrides.get("rows"):
+        if only and not overrides.get("rows") and not overrides.get("words"):
             raise ValueError(f"{only} need mma_words=True here (the word-decode kernel; the row-streaming kernel, "
                              "rows=True, takes them too)")
     return bool(asked)
@@ -306,6 +307,8 @@ def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
     Raises ValueError for words=True with x or weight it does not take, or next to options of another kernel."""
     from . import grouped_words
     asked = overrides.pop("words", None)
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"words={asked!r} must be True, False or None")
     if asked is None:
         asked = not overrides and takes_words_by_default(x, weight, act_quant, pairs)
     elif asked and not grouped_words.words_eligible(x, weight):

@@ -12,7 +12,7 @@ bytes, builds each fp16 separately and reduces every 32-block across threads wit
   pair equals the two E2M1 values times 2^-14 exactly (codes 1 and 9 are fp16 subnormals). Each half is converted
   to FP32 (`cvt.f32.f16`, inline PTX behind the ASM flag, plain Triton under the interpreter) and multiplied into
   an FP32 FMA chain.
-- Scales: per block of 32 the FP32 block sum is multiplied by 2^(s - 127) * 2^14 (s the UE8M0 byte) and added
+- Scales: per block of 32 the FP32 block sum is multiplied by 2^(s - 127) * 2^14 (s the UE8M0 byte, 0 for s = 0) and added
   to an FP32 accumulator [BLOCK_N, BLOCK_K / 32]; the 32-block sums are added across the tile once, after the loop.
 - Activations (`prepare_x`): with act_quant, the FP8 1x32 fake quantisation of x is one small kernel first
   (`_x_prep_kernel`, FP32 out: q * 2^e is exact in FP32), because quantising inside the GEMV would repeat it in
@@ -28,11 +28,12 @@ registers (maxnreg 64-128), register prefetch of the next K tile, 2-8 warps per 
 measured slower (34-207 us); so did the permuted x at the one-warp plan (33.5 vs 31.7 us), which helps the
 4-warp plans (39 vs 53-60 us).
 
-Numerics: codes, scales and the FP8 activation values are exact in FP32; every product is exact (at most 3 x 4
-significant bits after quantisation, 3 x 8 for bf16 x without it); sums are FP32 in another order than the
-reference's matmul, then rounded once to x's dtype. Taken for bf16 and fp32 x only: fp16 x follows the reference's
-fp16 roundings on `grouped_gemv`'s tile kernel. UE8M0 weight scale bytes above 240 overflow the FP32 scale product,
-as in the other grouped kernels.
+Numerics: codes, scales and the FP8 activation values are exact in FP32; a product of a code (2 significant bits)
+and an activation is exact for FP8-quantised or bf16 x (6 or 10 bits) and rounded once for fp32 x without act_quant,
+unless it falls below FP32's normal range; sums are FP32 in another order than the reference's matmul, then rounded
+once to x's dtype. Taken for bf16 and fp32 x only: fp16 x follows the reference's fp16 roundings on `grouped_gemv`'s
+tile kernel. UE8M0 weight scale bytes above 240 overflow the FP32 scale product to inf (255 is inf itself), as in the
+tile kernel; byte 0 is a zero scale.
 
 Op: none of its own. `grouped_gemv.triton_grouped_linear_fp4` launches it (by default where
 `grouped_gemv.takes_words_by_default`; argument checks, index handling with NaN rows for an invalid expert, and
@@ -203,8 +204,9 @@ def _tile_block_sums(w, sb, k_ok, x_row, k0, kb, wi, X_PERM: tl.constexpr, ASM: 
     p = tl.fma(hi, x6[None], tl.fma(lo, x2[None], p))
     lo, hi = _pair_halves(w, 3, ASM)
     p = tl.fma(hi, x7[None], tl.fma(lo, x3[None], p))
-    # 2^(s - 127) * 2^14: the UE8M0 scale and the decode's 2^-14, one FP32 power of two (s <= 240).
-    return tl.sum(p, axis=2) * exp2_int(sb + 14)
+    # 2^(s - 127) (UE8M0; byte 0 is 0.0, as `ue8m0_to_float` has it) times 2^14 for the decode's 2^-14: exactly the
+    # tile kernel's product, so bytes above 240 overflow to inf there as here.
+    return tl.sum(p, axis=2) * (exp2_int(sb) * 16384.0)
 
 
 @triton.jit
@@ -267,9 +269,9 @@ def launch_grouped_words(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     (`grouped_gemv.triton_grouped_linear_fp4`).
     """
     if not (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 4 == 0 and weight.stride(0) % 4 == 0
-            and weight.stride(1) % 4 == 0):
+            and weight.stride(1) % 4 == 0 and weight.data_ptr() % 4 == 0):
         raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as int32 "
-                         "words (needs contiguous K, K/2 and the strides multiples of 4 bytes)")
+                         "words (needs contiguous K, K/2, the strides and the address multiples of 4 bytes)")
     words = weight.view(torch.int32)
     extra = {"launch_pdl": True} if pdl else {}
     _grouped_words_kernel[plan["grid"]](
