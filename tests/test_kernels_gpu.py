@@ -250,13 +250,18 @@ def test_pdl_launches_give_identical_results_also_in_a_cuda_graph():
         b = torch.ops.dsv41.linear_fp4(x, w4, s4, True)
         c, d = torch.ops.dsv41.rope_fp4_quant(lat, cos, sin, 16, True)
         e = qg.triton_linear_fp8_block(x, w, s, True, tma=True)  # the TMA kernel (by default from 16 MiB)
-        return a, b, c, d, e
+        # L2 prefetch before the PDL wait and the early launch of the next kernel: same arithmetic as e and a.
+        f = qg.triton_linear_fp8_block(x, w, s, True, tma=True, l2_prefetch=2)
+        g = qg.triton_linear_fp8_block(x, w, s, True, tma=False, early_launch=True)
+        h = torch.ops.dsv41.linear_fp4(x, w4, s4, True)  # after an early launch
+        return a, b, c, d, e, f, g, h
 
     kernels.set_pdl(False)
     want = step()
     kernels.set_pdl(True)
     got = step()
     assert all(torch.equal(p, q) for p, q in zip(want, got))
+    assert torch.equal(want[5], want[4]) and torch.equal(want[6], want[0]) and torch.equal(want[7], want[1])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

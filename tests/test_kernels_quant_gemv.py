@@ -536,9 +536,62 @@ def test_tma_gemv_plan_fills_one_wave_of_programs():
     assert tma_gemv_plan(20, 64, 64)["grid"][2] == 3  # x rows tiled by 8
     for bad, match in ((dict(block_n=48), "block_n"), (dict(block_n=512), "block_n"), (dict(stages=0), "stages"),
                        (dict(programs_per_sm=0), "programs_per_sm"), (dict(sm_count=0), "sm_count"),
-                       (dict(num_warps=3), "num_warps")):
+                       (dict(num_warps=3), "num_warps"), (dict(l2_prefetch=-1), "l2_prefetch")):
         with pytest.raises(ValueError, match=match):
             tma_gemv_plan(1, 64, 64, **bad)
+    # PDL prologue options (opt-in): bytes per row prefetched, capped at the program's K range; early launch with it
+    assert (wq_b["L2_PREFETCH"], wq_b["EARLY_LAUNCH"]) == (0, False)
+    pf = tma_gemv_plan(1, 32768, 1280, l2_prefetch=2)
+    assert (pf["L2_PREFETCH"], pf["EARLY_LAUNCH"]) == (256, True)
+    assert tma_gemv_plan(1, 32768, 1280, l2_prefetch=99)["L2_PREFETCH"] == 10 * 128
+    assert tma_gemv_plan(1, 32768, 1280, l2_prefetch=2, early_launch=False)["EARLY_LAUNCH"] is False
+    assert qg.gemv_plan(1, 1280, 5120, False)["EARLY_LAUNCH"] is False
+    assert qg.gemv_plan(1, 1280, 5120, False, early_launch=True)["EARLY_LAUNCH"] is True
+
+
+def _offline_ptx(kern, consts: dict, ptrs: dict, descs: dict = (), num_warps: int = 4) -> str:
+    """PTX of `kern` built offline for sm_90 with `consts` as constexprs, `ptrs` {name: element type} as aligned
+    pointers, `descs` {name: TMA descriptor type} and every other argument an i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    descs = dict(descs)
+    sig = {a: "constexpr" if a in consts else descs.get(a) or ("*" + ptrs[a] if a in ptrs else "i32")
+           for a in kern.arg_names}
+    attrs = {(kern.arg_names.index(a),): [["tt.divisibility", 16]] for a in kern.arg_names if a in ptrs}
+    src = ASTSource(kern, sig, {(kern.arg_names.index(a),): v for a, v in consts.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def test_pdl_prologue_options_order_the_ptx_on_sm90():
+    """l2_prefetch: one bulk L2 prefetch per row, then the early launch, then the PDL wait (TMA kernel, wq_b);
+    early_launch on the tile kernel: the launch comes before the first wait. Without them: the wait comes first and
+    nothing is prefetched."""
+    if IN_INTERPRETER:
+        pytest.skip("builds the kernels for sm_90; TRITON_INTERPRET=1 is set")
+    from dsv41.kernels import gemv_tma as gt
+    ptrs = dict(x_ptr="bf16", w_ptr="u8", s_ptr="u8", y_ptr="bf16", part_ptr="fp32", cnt_ptr="i32")
+    for l2 in (0, 2):
+        plan = gt.tma_gemv_plan(1, 32768, 1280, l2_prefetch=l2)
+        consts = dict(ACT_QUANT=True, SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
+                      STAGES=plan["STAGES"], SCALE_WORDS=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128,
+                      L2_PREFETCH=plan["L2_PREFETCH"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=True)
+        ptx = _offline_ptx(gt._tma_gemv_kernel, consts, ptrs, {"w_desc": "tensordesc<u8[64, 128]>"})
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        prefetch = ptx.find("cp.async.bulk.prefetch.L2.global")
+        assert wait >= 0 and launch >= 0
+        if l2:
+            assert 0 <= prefetch < launch < wait, (prefetch, launch, wait)
+        else:
+            assert prefetch < 0 and wait < launch
+    for early in (False, True):
+        plan = qg.gemv_plan(1, 1280, 5120, False, early_launch=early)
+        consts = dict(FP4=False, ACT_QUANT=True, SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"],
+                      K_ITERS=plan["K_ITERS"], STAGES=1, SCALE_WORDS=False, MMA=False, DOT_F32=False, BLOCK_M=1,
+                      BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], EARLY_LAUNCH=early, USE_PDL=True)
+        ptx = _offline_ptx(qg._quant_gemv_kernel, consts, ptrs, num_warps=plan["num_warps"])
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        assert (launch < wait) == early and wait >= 0 and launch >= 0, (early, launch, wait)
 
 
 def test_tma_option_rules():
@@ -583,6 +636,12 @@ def test_tma_option_rules():
     assert not gt.tma_supported(torch.device("meta"))
     with pytest.raises(ValueError, match="scale_words applies to the TMA kernel only"):
         qg.split_tma_overrides({"scale_words": True}, False, cpu, 1, big)
+    with pytest.raises(ValueError, match="l2_prefetch applies to the TMA kernel only"):
+        qg.split_tma_overrides({"tma": False, "l2_prefetch": 2}, False, cpu, 1, big)
+    assert qg.split_tma_overrides({"tma": True, "l2_prefetch": 2, "early_launch": False}, False, cpu, 1, big) == {
+        "l2_prefetch": 2, "early_launch": False}
+    with pytest.raises(ValueError, match=r"tile-loop options \['early_launch'\]"):
+        qg.split_rows_overrides({"rows": True, "early_launch": True}, 1, False)
     with pytest.raises(ValueError, match="also to the TMA kernel"):
         qg.split_rows_overrides({"programs_per_sm": 2}, 1, False)
 

@@ -38,7 +38,7 @@ __all__ = [
     "prepare_device", "COUNTER_SLOTS",
     "round_bf16", "round_to", "e4m3_round", "ue8m0_exponent", "exp2_int", "e2m1_magnitude", "e2m1_value",
     "e2m1_value_scaled_down", "E2M1_HALF_SCALE", "fp4_block_scale", "e2m1_code", "register_cuda", "CUDA_HOSTS",
-    "census_active",
+    "census_active", "prefetch_l2_rows",
 ]
 
 #: "dsv41::<op>" -> the Python function its CUDA kernel registration runs (`register_cuda`). The launch census
@@ -282,6 +282,21 @@ def ue8m0_exponent(ratio):
     rb = ratio.to(tl.int32, bitcast=True)
     e = ((rb >> 23) & 0xFF) + ((rb & 0x7FFFFF) != 0).to(tl.int32)
     return tl.minimum(tl.maximum(e, 0), 254)
+
+
+@triton.jit
+def prefetch_l2_rows(row_ptrs, nbytes, ok):
+    """Ask L2 for `nbytes` bytes (int32 scalar, rounded down to a multiple of 16) from each of `row_ptrs` where `ok`:
+    one `cp.async.bulk.prefetch.L2.global` per row (PTX ISA 8.0, sm_90+). No data comes back and nothing waits on it,
+    so a kernel calls it on its weights before `gdc_wait()`: the weight read then overlaps the previous kernel's tail
+    instead of starting after it (the PDL prologue of the published bring-up, "the fixed weights are prefetched into
+    L2 during the prologue"). Each pointer must be 16-byte aligned. CUDA only: callers reach it under USE_PDL, which
+    is never set under the interpreter."""
+    size = (nbytes // 16) * 16
+    go = (ok & (size > 0)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [row_ptrs.to(tl.int64, bitcast=True), size + go * 0, go], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -30,6 +30,17 @@ asynchronously by the pipeliner). Out-of-range rows and columns of a tile are ze
 unit (the descriptor carries the weight's shape). Under PDL the program waits before its K loop: a wait inside the
 loop stops the pipeliner (Triton 3.6-3.9), so weight copies do not overlap the previous kernel here.
 
+PDL prologue (opt-in, measured slower). `l2_prefetch=T` asks L2 for the first T K tiles of the program's rows before
+`gdc_wait()` (`_common.prefetch_l2_rows`, one bulk prefetch per row) and `early_launch=True` (the default with it)
+lets the next kernel launch before the K loop, so that its own prologue overlaps this grid's last programs. H200,
+Triton 3.6, PDL, CUDA-graph chains (bench/pdl_prefetch_probe.py, bench/results/2026-12-02_h200_s20): slower at
+every shape and in one layer's five-GEMV chain: wq_b 15.8 us plain, 17.1 early launch only, 18.5 / 18.8 / 19.8 /
+23.2 us with 1 / 2 / 4 / all tiles; wo_b 18.4 vs 19.8-26.1 us; head 178 vs 178-295 us; the layer chain 58.1 vs
+61.6-79.5 us. The next programs wait on SM slots this grid's programs hold, and the prefetched bytes compete with
+this grid's own stream for the same DRAM bandwidth. Hazard of `early_launch`: a PDL-launched kernel that skips its
+own `gdc_wait()` (Inductor omits it when the kernel reads nothing its predecessor wrote) may then start before the
+kernel two launches back has finished; the compiled model never passes these options.
+
 TMA needs: the weight contiguous along K, its address and row stride multiples of 16 bytes, K >= 16 (`tma_eligible`);
 the CUDA launcher falls back to the tile kernel otherwise. Under TRITON_INTERPRET=1 (CPU) the kernel runs when asked
 for (`tma=True`), which is how the tests check it at odd shapes.
@@ -43,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
+from ._common import exp2_int, is_interpreted, next_power_of_2, prefetch_l2_rows, split_k_workspace, use_pdl_for
 from .quant_gemv import (_fake_quant_fp8_1x32, _load_scale_tile, _program_tile, _store_gemv_result, _tile_products,
                          scale_words)
 
@@ -61,12 +72,16 @@ _DEFAULT_SMS = 132
 #: Scales as int32 words (asynchronous copies) or bytes: bytes, as the H200 probe ran (see `tma_gemv_plan`).
 _SCALE_WORDS = False
 #: Override keys of `triton_linear_fp8_block` that shape the TMA plan (besides `tma` itself and `sm_count`).
-TMA_KEYS = ("block_n", "stages", "programs_per_sm", "num_warps", "scale_words")
+TMA_KEYS = ("block_n", "stages", "programs_per_sm", "num_warps", "scale_words", "l2_prefetch", "early_launch")
+#: K tiles (128 bytes) of each of its rows a program asks L2 for before the PDL wait (`l2_prefetch`): none, as
+#: measured (module docstring "PDL prologue"). `early_launch` defaults to on with the prefetch, off without.
+_L2_PREFETCH = 0
 
 
 def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_n: int | None = None,
                   stages: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
-                  scale_words: bool | None = None) -> dict:
+                  scale_words: bool | None = None, l2_prefetch: int | None = None,
+                  early_launch: bool | None = None) -> dict:
     """Launch parameters of the TMA GEMV for x [m, k] and a block-FP8 weight [n, k].
 
     - BLOCK_M = next power of two >= min(m, 8); m tiles = ceil(m / BLOCK_M).
@@ -78,10 +93,16 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
     - STAGES (default 3): tiles in flight + 1 (`tl.range(num_stages=)`).
     - SCALE_WORDS (default `_SCALE_WORDS`): read the scales as int32 words where `quant_gemv.scale_words` allows
       (copied asynchronously by the pipeliner) instead of bytes.
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, SCALE_WORDS, num_warps and
-    grid (n tiles, K splits, m tiles).
+    - L2_PREFETCH (bytes per row, from `l2_prefetch` K tiles, default `_L2_PREFETCH`, at most K_ITERS): under PDL,
+      each program asks L2 for the first tiles of its rows before `gdc_wait()` (`_common.prefetch_l2_rows`): the
+      weight is never the previous kernel's output, so its read starts during that kernel's tail.
+    - EARLY_LAUNCH (default: L2_PREFETCH > 0): under PDL, `gdc_launch_dependents()` before the K loop instead of
+      after it, so that the next kernel's programs are placed (and its own prefetch runs) as this one's finish.
+      Its `gdc_wait()` still waits for this grid to complete: only where programs start moves.
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, SCALE_WORDS, L2_PREFETCH,
+    EARLY_LAUNCH, num_warps and grid (n tiles, K splits, m tiles).
     Raises: ValueError for block_n not a power of two in 8..256 (the TMA box's row limit), stages < 1,
-    programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8.
+    programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8, l2_prefetch < 0.
     """
     block_n = _BLOCK_N if block_n is None else block_n
     stages = _STAGES if stages is None else stages
@@ -97,6 +118,9 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
         raise ValueError(f"sm_count={sm_count} must be >= 1")
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    l2_prefetch = _L2_PREFETCH if l2_prefetch is None else l2_prefetch
+    if l2_prefetch < 0:
+        raise ValueError(f"l2_prefetch={l2_prefetch} must be >= 0 (K tiles per row)")
     block_m = min(next_power_of_2(max(m, 1)), 8)
     m_tiles = -(-max(m, 1) // block_m)
     n_tiles = -(-n // block_n)
@@ -108,6 +132,8 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TMA_BLOCK_K, K_ITERS=k_iters, SPLIT_K=split,
                 SPLIT_POW2=next_power_of_2(split), STAGES=stages, num_warps=num_warps,
                 SCALE_WORDS=_SCALE_WORDS if scale_words is None else bool(scale_words),
+                L2_PREFETCH=min(l2_prefetch, k_iters) * TMA_BLOCK_K,
+                EARLY_LAUNCH=l2_prefetch > 0 if early_launch is None else bool(early_launch),
                 grid=(n_tiles, split, m_tiles))
 
 
@@ -142,14 +168,20 @@ def tma_eligible(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _tma_gemv_kernel(x_ptr, w_desc, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_sn, stride_ym,
-                     ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
+def _tma_gemv_kernel(x_ptr, w_desc, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_sn, stride_ym, ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
                      K_ITERS: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                     EARLY_LAUNCH: tl.constexpr, USE_PDL: tl.constexpr):
     NKB: tl.constexpr = BLOCK_K // 32
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
     if USE_PDL:
+        if L2_PREFETCH > 0:
+            k_lo = pid_k * (K_ITERS * BLOCK_K)
+            prefetch_l2_rows(w_ptr + offs_n.to(tl.int64) * stride_wn + k_lo, tl.minimum(K - k_lo, L2_PREFETCH), n_ok)
+        if EARLY_LAUNCH:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if BLOCK_M == 1 and not X_FP16:
         # Decode (one x row): per-32-block sums times their scale accumulate in [BLOCK_N, NKB], summed over the
@@ -176,7 +208,7 @@ def _tma_gemv_kernel(x_ptr, w_desc, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, st
             s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
             acc = _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
                                  ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB)
-    if USE_PDL:
+    if USE_PDL and not EARLY_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
     _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
@@ -209,8 +241,8 @@ def launch_tma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_
     pdl = pdl_allowed and use_pdl_for(_tma_gemv_kernel, x2.device)
     extra = {"launch_pdl": True} if pdl else {}
     _tma_gemv_kernel[plan["grid"]](
-        x2, desc, s_arg, y, part, cnt, m, n, k, x2.stride(0), s_arg.stride(0), y.stride(0),
+        x2, desc, weight, s_arg, y, part, cnt, m, n, k, x2.stride(0), weight.stride(0), s_arg.stride(0), y.stride(0),
         ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
         STAGES=plan["STAGES"], SCALE_WORDS=words is not None, BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"],
-        BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        BLOCK_K=plan["BLOCK_K"], L2_PREFETCH=plan["L2_PREFETCH"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return y

@@ -262,6 +262,7 @@ MMA_WORDS_DEFAULT = False
 #: from `WORDS_MIN_CODES_ACT_QUANT` codes per call. Measured on the
 #: H200 (bench/results/2026-12-01_h200_s19, CUDA-graph replay, PDL): h200 decode shapes 32.1 / 31.4 us against
 #: 37.1 / 36.7 us for the tile kernel (w1 / w2, act_quant); without act_quant 31.7 / 31.4 against 33.6 / 33.7.
+#: End to end, h200 decode, same lease (bench/results/2026-12-02_h200_s20): 99.8 against 96.2 tok/s.
 WORDS_DEFAULT = True
 #: With act_quant the word-decode kernel adds a launch (the activation quantisation, `grouped_words.prepare_x`);
 #: below this many codes per call (pairs x out x K) the default stays on the tile kernel: at the `small` shapes

@@ -101,6 +101,10 @@ _MMA_STAGES = 3
 #: BLOCK_N 64 the FP8 kernel takes 94 registers and 28 KiB of shared memory at 4 stages, Triton 3.9 for sm_90).
 _PIPELINED_BLOCK_N = 64
 _PROGRAMS_PER_SM = 4
+#: Whether the tile kernel lets the next kernel launch when its programs start (`gemv_plan` EARLY_LAUNCH). Off: on
+#: the H200 (bench/results/2026-12-02_h200_s20, PDL, CUDA-graph chains) it gave shared_w1 7.8 vs 8.2 us and shared_w2
+#: 8.2 vs 8.7 us alone, but one layer's five-GEMV chain took 59.6 vs 58.1 us with it on the tile GEMVs.
+_EARLY_LAUNCH = False
 _DEFAULT_SMS = 132
 
 
@@ -352,7 +356,8 @@ def _quant_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     FP4: tl.constexpr, ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
     K_ITERS: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, MMA: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (n-tile, k-split, m-tile) multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles, each
     # loaded with every request in flight at once; the K splits of one output tile (SPLIT_K = grid dim 1) are
@@ -362,6 +367,10 @@ def _quant_gemv_kernel(
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_PDL and EARLY_LAUNCH:
+        # The next kernel may be placed as soon as every program here has started (its own wait still waits for
+        # this grid to complete), so its pre-wait weight reads overlap this grid's last wave.
+        tl.extra.cuda.gdc_launch_dependents()
     if MMA:
         # bf16 x: tensor-core tiles (`_mma_tile`) in a software-pipelined K loop: the pipeliner copies tile
         # it + STAGES - 1 into shared memory (cp.async) while tile it is multiplied. A PDL wait inside the loop
@@ -394,7 +403,7 @@ def _quant_gemv_kernel(
                              (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
                              FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL, SCALE_WORDS)
 
-    if USE_PDL:
+    if USE_PDL and not EARLY_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
     _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
@@ -426,7 +435,8 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, block_k: int | None = None,
               num_warps: int | None = None, k_iters: int | None = None, stages: int | None = None,
-              sm_count: int | None = None, groups: int = 1, mma: bool = False, maxnreg: int | None = None) -> dict:
+              sm_count: int | None = None, groups: int = 1, mma: bool = False, maxnreg: int | None = None,
+              early_launch: bool | None = None) -> dict:
     """Launch parameters of the GEMV kernel for x [m, k] and an [n, k] weight (the documented heuristic).
 
     Grid = n tiles x K splits x m tiles; a program multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles.
@@ -447,9 +457,12 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
     - `maxnreg`: a cap on registers per thread passed to the compiler (None: its own choice). The default FP8 tile
       takes 120 registers on the H200, which allows 4 programs per SM; 96 allows 5 and 80 allows 6, at the cost of
       spills (measured with ptxas for sm_90: 40 and 124 bytes). For sweeps.
+    - EARLY_LAUNCH (`early_launch`, default `_EARLY_LAUNCH`): under PDL, `gdc_launch_dependents()` when a program
+      starts instead of after its K loop (for sweeps: a PDL-launched kernel that skips its own wait could then
+      start before the kernel two launches back has finished; see `gemv_tma`'s "PDL prologue").
     Explicit arguments override the heuristic (tests and benchmarks use this).
-    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, STAGES, MMA, MAXNREG, SPLIT_K, SPLIT_POW2, num_warps and
-    the grid
+    Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, STAGES, MMA, MAXNREG, EARLY_LAUNCH, SPLIT_K, SPLIT_POW2,
+    num_warps and the grid
     (n tiles, K splits, m tiles).
     Raises: ValueError for a block_n / block_k that is not a power of two (block_k also a multiple of 32),
     k_iters < 1, stages < 1, sm_count < 1 or maxnreg outside 24..255.
@@ -488,7 +501,8 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
     split_k = -(-k_tiles // k_iters)
     k_iters = -(-k_tiles // split_k)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters, STAGES=stages, MMA=bool(mma),
-                MAXNREG=maxnreg, SPLIT_K=split_k,
+                MAXNREG=maxnreg, EARLY_LAUNCH=_EARLY_LAUNCH if early_launch is None else bool(early_launch),
+                SPLIT_K=split_k,
                 SPLIT_POW2=next_power_of_2(split_k), num_warps=num_warps or _NUM_WARPS,
                 grid=(n_tiles, split_k, m_tiles))
 
@@ -540,7 +554,7 @@ def split_rows_overrides(overrides: dict, m: int, fp4: bool) -> dict | None:
     rows; and for invalid option values (TypeError for a non-int one)."""
     rows = overrides.pop("rows", None)
     picked = {key: overrides.pop(key) for key in ROWS_KEYS if key in overrides}
-    tile_keys = sorted(key for key in ("stages", "mma", "block_n", "block_k", "k_iters", "maxnreg")
+    tile_keys = sorted(key for key in ("stages", "mma", "block_n", "block_k", "k_iters", "maxnreg", "early_launch")
                        if overrides.get(key) is not None and overrides.get(key) is not False)
     if rows is None:
         rows = ROWS_DEFAULT and m == 1 and not tile_keys
@@ -589,14 +603,14 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
     the other kernels, which reject what they do not take), `gemv_tma.tma_supported(device)`, m > 1 or the weight
     has >= `TMA_MIN_WEIGHT_BYTES_M1` bytes, and TMA can read the weight as launched (`gemv_tma.tma_eligible`, or a
     last stride != 1, which the launcher copies to a fresh contiguous weight). tma=False: never.
-    Raises ValueError for tma=True with an FP4 weight or with another kernel's option, and for scale_words without
-    tma=True (named).
+    Raises ValueError for tma=True with an FP4 weight or with another kernel's option, and for scale_words or
+    l2_prefetch without tma=True (named).
     """
     tma = overrides.pop("tma", None)
     if not tma:
-        words = overrides.pop("scale_words", None)
-        if words not in (None, False):
-            raise ValueError("scale_words applies to the TMA kernel only (tma=True)")
+        for key in ("scale_words", "l2_prefetch"):
+            if overrides.pop(key, None) not in (None, False, 0):
+                raise ValueError(f"{key} applies to the TMA kernel only (tma=True)")
     if tma:
         if fp4:
             raise ValueError("tma=True (the TMA GEMV) takes block-FP8 weights only, not FP4")
@@ -667,7 +681,7 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         STAGES=plan["STAGES"], SCALE_WORDS=words is not None, MMA=plan["MMA"],
         DOT_F32=is_interpreted(_quant_gemv_kernel), BLOCK_M=plan["BLOCK_M"],
         BLOCK_N=plan["BLOCK_N"],
-        BLOCK_K=plan["BLOCK_K"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        BLOCK_K=plan["BLOCK_K"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return y.reshape(*lead, n)
 
 
@@ -679,8 +693,9 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     to 8). Kernel: with no option, the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight and
     several x rows or a weight of `TMA_MIN_WEIGHT_BYTES_M1` bytes or more, else the tile kernel. `tma=True` forces
     the TMA kernel (also under the interpreter; options block_n, stages, programs_per_sm, num_warps, scale_words,
-    sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
-    block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the tile kernel's `gemv_plan` heuristic;
+    l2_prefetch, early_launch, sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
+    block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg, early_launch) replace the tile kernel's `gemv_plan`
+    heuristic;
     `rows=True` with M = 1 runs the row-streaming kernel instead (`gemv_rows`; its `rows_plan` takes kc, block_r,
     row_iters, prefetch, programs_per_sm, num_warps, sm_count). ValueError for mma=True with x not bf16
     (`check_mma_dtype`), for invalid plan values and for mixing kernels' options (`split_tma_overrides`,
