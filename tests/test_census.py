@@ -97,6 +97,9 @@ def test_grouped_fp4_gemv_counts_its_activation_preparation_launch():
     xs, ws, ss = torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(32, 512, 512, dtype=torch.uint8), \
         torch.empty(32, 512, 32, dtype=torch.uint8)
     assert op_launches("dsv41::grouped_linear_fp4", [xs, ws, ss, idx[:, :4], True]) == 1
+    # The w1 / w3 pair (grouped_pair): one quantisation for both GEMVs at h200; two tile launches at `small`.
+    assert op_launches("dsv41::grouped_linear_fp4_pair", [x, w, s, w, s, idx, True]) == 3
+    assert op_launches("dsv41::grouped_linear_fp4_pair", [xs, ws, ss, ws, ss, idx[:, :4], True]) == 2
 
 
 def test_census_reads_shapes_only_and_launches_nothing():

@@ -306,6 +306,42 @@ def test_grouped_linear_fp4_at_h200_shapes(expert_stacks, case):
     _assert_pair(got, want, y64, 2.0 ** -16 * abs64 + rel * y64.abs() + 1e-30, "grouped_linear_fp4 vs the CPU op")
 
 
+def test_grouped_pair_at_h200_shapes_equals_two_calls_also_in_a_pdl_graph(expert_stacks):
+    # dsv41::grouped_linear_fp4_pair (the grouped_pair pass's op): w1 and w3 of one token, x quantised once; bit
+    # for bit the two single ops, eagerly and replayed from a CUDA graph with PDL; the single ops match float64.
+    from dsv41 import kernels
+    w, s, w_cpu, s_cpu = expert_stacks["w13"]
+    w3, s3 = w.flip(0).contiguous(), s.flip(0).contiguous()  # another expert stack of the same shape
+    idx = _grouped_indices(1, 40).to(DEV)
+    x = (torch.randn(1, w.shape[2] * 2, generator=torch.Generator().manual_seed(41)) * 2).bfloat16().to(DEV)
+
+    def step():
+        return (*torch.ops.dsv41.grouped_linear_fp4_pair(x, w, s, w3, s3, idx, True),
+                torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True),
+                torch.ops.dsv41.grouped_linear_fp4(x, w3, s3, idx, True))
+
+    kernels.set_pdl(True)
+    try:
+        a, b, a1, b1 = step()
+        assert torch.equal(a, a1) and torch.equal(b, b1)
+        GG.assert_close_to_ref(a.cpu(), *GG.ref_grouped(x.cpu(), w_cpu, s_cpu, idx.cpu(), True))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for o in out:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, r) for o, r in zip(out, (a, b, a1, b1)))
+    finally:
+        kernels.set_pdl(False)
+
+
 _BENCH = load_bench("kernels")
 _SWEEP_REF: dict = {}
 

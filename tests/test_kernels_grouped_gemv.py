@@ -459,6 +459,48 @@ def test_the_default_launch_takes_the_word_decode_kernel_where_it_applies(monkey
 
 
 @interpreted
+def test_pair_op_quantises_x_once_and_equals_the_two_calls(monkeypatch, poisoned_outputs):
+    # dsv41::grouped_linear_fp4_pair (the grouped_pair pass's op): with both GEMVs on the word-decode kernel, one
+    # activation preparation; results bit-identical to the two single calls, which match the float64 reference.
+    from dsv41.kernels import grouped_words as gw
+    monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 0)
+    preps = []
+    real = gw.prepare_x
+    monkeypatch.setattr(gw, "prepare_x", lambda *a, **kw: preps.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(45)
+    (w1, s1), (w3, s3) = make_experts(5, 24, 96, gen), make_experts(5, 24, 96, gen)
+    idx = make_indices(2, 3, 5, gen, negative=True)
+    x = make_x(2, 3, 96, torch.bfloat16, True, gen)
+    ya, yb = gg.triton_grouped_linear_fp4_pair(x, w1, s1, w3, s3, idx, True)
+    assert len(preps) == 1
+    assert_close_to_ref(ya, *ref_grouped(x, w1, s1, idx, True))
+    assert_close_to_ref(yb, *ref_grouped(x, w3, s3, idx, True))
+    assert torch.equal(ya, gg.triton_grouped_linear_fp4(x, w1, s1, idx, True))
+    assert torch.equal(yb, gg.triton_grouped_linear_fp4(x, w3, s3, idx, True))
+    # Not both on the word-decode kernel with act_quant (fp16 x: tile kernel; no act_quant; another out size): the
+    # two calls as they are.
+    w5, s5 = make_experts(5, 40, 96, gen)
+    for xx, wb, sb, aq in ((x.half(), w3, s3, True), (x, w3, s3, False), (x, w5, s5, True)):
+        got = gg.triton_grouped_linear_fp4_pair(xx, w1, s1, wb, sb, idx, aq)
+        want = (gg.triton_grouped_linear_fp4(xx, w1, s1, idx, aq), gg.triton_grouped_linear_fp4(xx, wb, sb, idx, aq))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="scale has shape"):
+        gg.triton_grouped_linear_fp4_pair(x, w1, s1, w3, s3[:, :, :2], idx, True)
+
+
+def test_pair_op_reference_is_the_two_references():
+    gen = torch.Generator().manual_seed(46)
+    (w1, s1), (w3, s3) = make_experts(4, 8, 64, gen), make_experts(4, 8, 64, gen)
+    idx = make_indices(2, 2, 4, gen)
+    x = make_x(2, 2, 64, torch.float32, False, gen)
+    a, b = torch.ops.dsv41.grouped_linear_fp4_pair(x, w1, s1, w3, s3, idx, True)
+    assert torch.equal(a, gg.reference_grouped_linear_fp4(x, w1, s1, idx, True))
+    assert torch.equal(b, gg.reference_grouped_linear_fp4(x, w3, s3, idx, True))
+    with pytest.raises(IndexError, match="indices"):
+        torch.ops.dsv41.grouped_linear_fp4_pair(x, w1, s1, w3, s3, idx + 4, True)
+
+
+@interpreted
 def test_word_decode_scale_bytes_zero_and_overflow_match_the_tile_kernel(poisoned_outputs):
     # UE8M0 byte 0 is a zero scale (the reference's ue8m0_to_float); bytes above 240 overflow the FP32 scale product
     # to inf in both kernels (never a finite wrong number). Bytes per 32-block: 0, 127, 241, 255.

@@ -242,7 +242,12 @@ def test_fused_chains_leave_the_post_pass_graph(zoo):
     _, _, _, _, _, report = zoo
     (graph,) = report.graphs
     before, after = graph.graph_before, graph.graph_after
-    assert after.count("torch.ops.dsv41.grouped_linear_fp4.default(") == 5
+    # the model's w1 / w3 (same x, same experts, act_quant) are one dsv41::grouped_linear_fp4_pair after grouped_pair
+    assert after.count("torch.ops.dsv41.grouped_linear_fp4.default(") == 3
+    assert after.count("torch.ops.dsv41.grouped_linear_fp4_pair.default(") == 1
+    (pair,) = report.to_dict()["families"]["grouped_pair"]["sites"]
+    assert pair["location"]["code"] == 'a = torch.einsum("nd,nkfd->nkf", xq, w1)'
+    assert pair["detail"]["second"].startswith("moe.py:") and pair["op"] == "dsv41::grouped_linear_fp4_pair"
     # Only the three look-alikes still multiply gathered, dequantised experts.
     n_mm = lambda g: g.count("torch.ops.aten.bmm.default(") + g.count("torch.ops.aten.mm.default(")  # noqa: E731
     assert n_mm(before) == 8 and n_mm(after) == 3
@@ -319,7 +324,12 @@ def test_tiny_decode_fuses_three_gathered_matmuls_per_moe_layer(tiny_dsv41):
                        'y = torch.einsum("nkf,nkdf->nkd", hq, w2)': 8}
     assert [m for m in fam["near_misses"] if m["pattern"].startswith("gather")] == []
     graph = tiny_dsv41["report"]["graphs"][0]
-    assert graph["graph_after"].count("torch.ops.dsv41.grouped_linear_fp4.default(") == expected
+    # grouped_pair (after dispatch) joins each layer's w1 and w3, which share x and the experts, into one op
+    assert graph["graph_after"].count("torch.ops.dsv41.grouped_linear_fp4.default(") == expected // 3
+    assert graph["graph_after"].count("torch.ops.dsv41.grouped_linear_fp4_pair.default(") == expected // 3
+    pairs = tiny_dsv41["report"]["families"]["grouped_pair"]
+    assert pairs["matches"] == cfg.num_hidden_layers and not pairs["near_misses"]
+    assert {s["location"]["code"] for s in pairs["sites"]} == {'a = torch.einsum("nd,nkfd->nkf", xq, w1)'}
     # each took its bmm and both gathers (codes, scales) out of the graph (other families rewrite other bmms)
     defined = set(re.findall(r"^\s+(\w+) = ", graph["graph_after"], flags=re.M))
     (rec,) = [r for r in graph["records"] if r["family"] == "dispatch"]

@@ -9,6 +9,8 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
   Its default kernel for bf16 / fp32 x is the word-decode CUDA-core GEMV of `grouped_words.py`; `grouped_mma.py`
   holds an opt-in tensor-core variant (`mma_words=True`; slower on the H200, not the default).
+  `dsv41::grouped_linear_fp4_pair` (grouped_gemv.py): two of them on one x and one expert selection (MoE w1 / w3,
+  the grouped_pair target), x FP8-quantised once for both.
 - `dsv41::mhc_mixes`, `dsv41::mhc_collapse_rmsnorm`, `dsv41::mhc_expand` (mhc.py): mHC coefficients, pre-mix + RMSNorm, post-mix.
 - `dsv41::moe_router`, `dsv41::moe_combine` (moe.py): MoE router (GEMV + sqrt-softplus + biased top-k) and tail.
 - `dsv41::indexer_scores`, `dsv41::indexer_candidates`, `dsv41::indexer_topk` (indexer.py): CSA2 index scores, candidate blocks, top-k.

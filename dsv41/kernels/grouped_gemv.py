@@ -65,6 +65,7 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
                          split_rows_overrides)
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
+           "grouped_linear_fp4_pair", "reference_grouped_linear_fp4_pair", "triton_grouped_linear_fp4_pair",
            "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT",
            "takes_words_by_default"]
 
@@ -393,13 +394,9 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     if cuda_words:
         from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, **overrides)
-        n_tiles, split_k, _ = plan["grid"]
         pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
         xw = grouped_words.prepare_x(x2, act_quant, plan["X_PERM"], _empty, pdl)
-        part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
-        grouped_words.launch_grouped_words(xw, weight, scale, idx, y.view(pairs, out), part, cnt,
-                                           k if shared else 1, plan, pdl)
-        return y
+        return _launch_words(xw, weight, scale, idx, y, k if shared else 1, plan, pdl)
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     # Scale words only where the K loop is pipelined (cp.async copies 4+ bytes); the tile-at-once layout keeps
@@ -423,6 +420,58 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     return y
 
 
+def _launch_words(xw, weight, scale, idx, y, x_row_div: int, plan: dict, pdl: bool) -> torch.Tensor:
+    """One `grouped_words` launch into y [N, k, out] from prepared activation rows xw (`grouped_words.prepare_x`)."""
+    from . import grouped_words
+    pairs, out = idx.numel(), weight.shape[1]
+    n_tiles, split_k, _ = plan["grid"]
+    part, cnt = split_k_workspace(_empty, y.device, split_k, (pairs, out), n_tiles * pairs)
+    grouped_words.launch_grouped_words(xw, weight, scale, idx, y.view(pairs, out), part, cnt, x_row_div, plan, pdl)
+    return y
+
+
+def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor,
+                                   weight_b: torch.Tensor, scale_b: torch.Tensor, indices: torch.Tensor,
+                                   act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two grouped FP4 GEMVs of the same x and experts (the MoE's w1 and w3): `(y_a, y_b)` =
+    `(triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant), ... weight_b, scale_b ...)`.
+
+    Where both launches take the word-decode kernel by default with act_quant (`takes_words_by_default`, the same
+    weight shape), x is FP8-quantised once (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy:
+    one launch fewer than two separate calls, the same numbers (the preparation is a pure function of x).
+    Otherwise the two calls run as they would alone.
+    Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls.
+    """
+    n, k, e, out, kk, shared = _check_args(x, weight_a, scale_a, indices)
+    _check_args(x, weight_b, scale_b, indices)
+    pairs = n * k
+    if (act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0
+            and takes_words_by_default(x, weight_a, True, pairs) and takes_words_by_default(x, weight_b, True, pairs)):
+        from . import grouped_words
+        require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4_pair")
+        x2 = x.reshape(n if shared else pairs, kk)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        idx = indices.reshape(pairs).contiguous()
+        plan = grouped_words.grouped_words_plan(pairs, out, kk, sm_count=device_sm_count(x.device))
+        pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
+        xw = grouped_words.prepare_x(x2, True, plan["X_PERM"], _empty, pdl)
+        return tuple(_launch_words(xw, w, s if s.stride(-1) == 1 else s.contiguous(), idx,
+                                   _empty((n, k, out), x.dtype, x.device), k if shared else 1, plan, pdl)
+                     for w, s in ((weight_a, scale_a), (weight_b, scale_b)))
+    return (triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant),
+            triton_grouped_linear_fp4(x, weight_b, scale_b, indices, act_quant))
+
+
+def reference_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor,
+                                      weight_b: torch.Tensor, scale_b: torch.Tensor, indices: torch.Tensor,
+                                      act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch `dsv41::grouped_linear_fp4_pair`: `reference_grouped_linear_fp4` for each weight (see it for
+    shapes, dtypes and errors)."""
+    return (reference_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant),
+            reference_grouped_linear_fp4(x, weight_b, scale_b, indices, act_quant))
+
+
 # ------------------------------------------------------------------------------------------- op
 @torch.library.custom_op("dsv41::grouped_linear_fp4", mutates_args=(), device_types="cpu")
 def grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
@@ -441,3 +490,25 @@ def _grouped_linear_fp4_cuda(x, weight, scale, indices, act_quant):
 @grouped_linear_fp4.register_fake
 def _grouped_linear_fp4_fake(x, weight, scale, indices, act_quant):
     return x.new_empty((indices.shape[0], indices.shape[1], weight.shape[1]))
+
+
+@torch.library.custom_op("dsv41::grouped_linear_fp4_pair", mutates_args=(), device_types="cpu")
+def grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor, weight_b: torch.Tensor,
+                            scale_b: torch.Tensor, indices: torch.Tensor,
+                            act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(grouped_linear_fp4(x, weight_a, scale_a, ...), grouped_linear_fp4(x, weight_b, scale_b, ...))` for one x
+    and one set of experts (MoE w1 / w3; the `grouped_pair` pass); see `triton_grouped_linear_fp4_pair`."""
+    return reference_grouped_linear_fp4_pair(x, weight_a, scale_a, weight_b, scale_b, indices, act_quant)
+
+
+@register_cuda(grouped_linear_fp4_pair, "dsv41::grouped_linear_fp4_pair")
+def _grouped_linear_fp4_pair_cuda(x, weight_a, scale_a, weight_b, scale_b, indices, act_quant):
+    if indices.numel() <= MAX_TRITON_PAIRS:
+        return triton_grouped_linear_fp4_pair(x, weight_a, scale_a, weight_b, scale_b, indices, act_quant)
+    return reference_grouped_linear_fp4_pair(x, weight_a, scale_a, weight_b, scale_b, indices, act_quant)
+
+
+@grouped_linear_fp4_pair.register_fake
+def _grouped_linear_fp4_pair_fake(x, weight_a, scale_a, weight_b, scale_b, indices, act_quant):
+    return (x.new_empty((indices.shape[0], indices.shape[1], weight_a.shape[1])),
+            x.new_empty((indices.shape[0], indices.shape[1], weight_b.shape[1])))

@@ -499,8 +499,11 @@ class RegionEvaluator:
 # ------------------------------------------------------------------------------------------------ editing
 def _fake_mode_of(nodes: Iterable[fx.Node]):
     from torch._guards import detect_fake_mode
-    vals = [tensor_val(n) for n in nodes]
-    mode = detect_fake_mode([v for v in vals if v is not None])
+    vals = []
+    for n in nodes:  # a multi-output op's value is a tuple of tensors (its getitem users read one)
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        vals.extend(x for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, torch.Tensor))
+    mode = detect_fake_mode(vals)
     if mode is None:
         from torch._inductor.virtualized import V
         mode = V.fake_mode

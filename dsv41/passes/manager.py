@@ -19,8 +19,10 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
     9. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
    10. upcast_linear  FP32 matmul by an upcast bf16 / fp16 weight -> GEMV reading the weight once (after moe and
                       mhc, whose router gate and projection have the same spelling inside their chains)
-   11. dispatch       dequantize -> matmul (plain and gathered experts); runs last because it also audits what
-                      stays on a slow path
+   11. dispatch       dequantize -> matmul (plain and gathered experts); runs after the others because it also
+                      audits what stays on a slow path
+   12. grouped_pair   two grouped FP4 expert GEMVs of one activation and one expert selection (MoE w1 / w3) -> one
+                      op that quantises the activation once (after dispatch, which makes the grouped GEMVs)
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
@@ -47,6 +49,7 @@ from .base import FusionFamily, PassRecord
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
 from .engram import EngramFamily
+from .grouped_pair import GroupedPairFamily
 from .indexer import IndexerFamily
 from .mhc import MhcFamily
 from .moe import MoeFamily
@@ -71,6 +74,7 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     SmallOpsFamily.name: SmallOpsFamily,
     UpcastLinearFamily.name: UpcastLinearFamily,
     DispatchFamily.name: DispatchFamily,
+    GroupedPairFamily.name: GroupedPairFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 #: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU: the
@@ -80,7 +84,7 @@ FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 GPU_UNVALIDATED: tuple[str, ...] = ()
 _FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
-              "moe_router", "moe_combine", "grouped_linear_fp4",
+              "moe_router", "moe_combine", "grouped_linear_fp4", "grouped_linear_fp4_pair",
               "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention", "linear_upcast")
 
 
