@@ -484,8 +484,22 @@ def test_pair_op_quantises_x_once_and_equals_the_two_calls(monkeypatch, poisoned
         got = gg.triton_grouped_linear_fp4_pair(xx, w1, s1, wb, sb, idx, aq)
         want = (gg.triton_grouped_linear_fp4(xx, w1, s1, idx, aq), gg.triton_grouped_linear_fp4(xx, wb, sb, idx, aq))
         assert all(torch.equal(g, w) for g, w in zip(got, want))
-    with pytest.raises(ValueError, match="scale has shape"):
+    with pytest.raises(ValueError, match="weight_b / scale_b: scale has shape"):
         gg.triton_grouped_linear_fp4_pair(x, w1, s1, w3, s3[:, :, :2], idx, True)
+    # Where the single calls would take the tensor-core kernel by default (MMA_WORDS_DEFAULT on a GPU it supports),
+    # the pair makes those calls too.
+    from dsv41.kernels import grouped_mma
+    monkeypatch.setattr(gg, "MMA_WORDS_DEFAULT", True)
+    monkeypatch.setattr(grouped_mma, "mma_words_supported", lambda device: True)
+    launched = []
+    real_mma = grouped_mma.launch_grouped_mma
+    monkeypatch.setattr(grouped_mma, "launch_grouped_mma", lambda *a, **kw: launched.append(1) or real_mma(*a, **kw))
+    x256 = make_x(2, 3, 256, torch.bfloat16, True, gen)
+    (w6, s6), (w7, s7) = make_experts(5, 32, 256, gen), make_experts(5, 32, 256, gen)
+    got = gg.triton_grouped_linear_fp4_pair(x256, w6, s6, w7, s7, idx, True)
+    assert len(launched) == 2
+    want = (gg.triton_grouped_linear_fp4(x256, w6, s6, idx, True), gg.triton_grouped_linear_fp4(x256, w7, s7, idx, True))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_pair_op_reference_is_the_two_references():

@@ -536,7 +536,9 @@ def test_tma_gemv_plan_fills_one_wave_of_programs():
     assert tma_gemv_plan(20, 64, 64)["grid"][2] == 3  # x rows tiled by 8
     for bad, match in ((dict(block_n=48), "block_n"), (dict(block_n=512), "block_n"), (dict(stages=0), "stages"),
                        (dict(programs_per_sm=0), "programs_per_sm"), (dict(sm_count=0), "sm_count"),
-                       (dict(num_warps=3), "num_warps"), (dict(l2_prefetch=-1), "l2_prefetch")):
+                       (dict(num_warps=3), "num_warps"), (dict(l2_prefetch=-1), "l2_prefetch"),
+                       (dict(l2_prefetch=1.5), "l2_prefetch"), (dict(l2_prefetch=True), "l2_prefetch"),
+                       (dict(early_launch="no"), "early_launch")):
         with pytest.raises(ValueError, match=match):
             tma_gemv_plan(1, 64, 64, **bad)
     # PDL prologue options (opt-in): bytes per row prefetched, capped at the program's K range; early launch with it
@@ -547,6 +549,12 @@ def test_tma_gemv_plan_fills_one_wave_of_programs():
     assert tma_gemv_plan(1, 32768, 1280, l2_prefetch=2, early_launch=False)["EARLY_LAUNCH"] is False
     assert qg.gemv_plan(1, 1280, 5120, False)["EARLY_LAUNCH"] is False
     assert qg.gemv_plan(1, 1280, 5120, False, early_launch=True)["EARLY_LAUNCH"] is True
+    with pytest.raises(ValueError, match="early_launch=2 must be True, False or None"):
+        qg.gemv_plan(1, 1280, 5120, False, early_launch=2)
+    from dsv41.kernels import grouped_gemv as gg
+    with pytest.raises(ValueError, match="not to the grouped expert GEMV"):  # its tile kernel has no such option
+        gg.grouped_gemv_plan(6, 2304, 5120, early_launch=True)
+    assert "EARLY_LAUNCH" in gg.grouped_gemv_plan(6, 2304, 5120, early_launch=False)
 
 
 def _offline_ptx(kern, consts: dict, ptrs: dict, descs: dict = (), num_warps: int = 4) -> str:

@@ -34,7 +34,7 @@ PDL prologue (opt-in, measured slower). `l2_prefetch=T` asks L2 for the first T 
 `gdc_wait()` (`_common.prefetch_l2_rows`, one bulk prefetch per row) and `early_launch=True` (the default with it)
 lets the next kernel launch before the K loop, so that its own prologue overlaps this grid's last programs. H200,
 Triton 3.6, PDL, CUDA-graph chains (bench/pdl_prefetch_probe.py, bench/results/2026-12-02_h200_s20): slower at
-every shape and in one layer's five-GEMV chain: wq_b 15.8 us plain, 17.1 early launch only, 18.5 / 18.8 / 19.8 /
+every shape but the head (equal) and in one layer's five-GEMV chain: wq_b 15.8 us plain, 17.1 early launch only, 18.5 / 18.8 / 19.8 /
 23.2 us with 1 / 2 / 4 / all tiles; wo_b 18.4 vs 19.8-26.1 us; head 178 vs 178-295 us; the layer chain 58.1 vs
 61.6-79.5 us. The next programs wait on SM slots this grid's programs hold, and the prefetched bytes compete with
 this grid's own stream for the same DRAM bandwidth. Hazard of `early_launch`: a PDL-launched kernel that skips its
@@ -54,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, is_interpreted, next_power_of_2, prefetch_l2_rows, split_k_workspace, use_pdl_for
+from ._common import (check_int_options, exp2_int, is_interpreted, next_power_of_2, prefetch_l2_rows,
+                      split_k_workspace, use_pdl_for)
 from .quant_gemv import (_fake_quant_fp8_1x32, _load_scale_tile, _program_tile, _store_gemv_result, _tile_products,
                          scale_words)
 
@@ -102,7 +103,8 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
     Returns a dict with BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, STAGES, SCALE_WORDS, L2_PREFETCH,
     EARLY_LAUNCH, num_warps and grid (n tiles, K splits, m tiles).
     Raises: ValueError for block_n not a power of two in 8..256 (the TMA box's row limit), stages < 1,
-    programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8, l2_prefetch < 0.
+    programs_per_sm < 1, sm_count < 1, num_warps not in 1, 2, 4, 8, l2_prefetch not an int >= 0, early_launch not
+    a bool or None.
     """
     block_n = _BLOCK_N if block_n is None else block_n
     stages = _STAGES if stages is None else stages
@@ -119,8 +121,11 @@ def tma_gemv_plan(m: int, n: int, k: int, *, sm_count: int | None = None, block_
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     l2_prefetch = _L2_PREFETCH if l2_prefetch is None else l2_prefetch
+    check_int_options(l2_prefetch=l2_prefetch)
     if l2_prefetch < 0:
         raise ValueError(f"l2_prefetch={l2_prefetch} must be >= 0 (K tiles per row)")
+    if early_launch is not None and not isinstance(early_launch, bool):
+        raise ValueError(f"early_launch={early_launch!r} must be True, False or None")
     block_m = min(next_power_of_2(max(m, 1)), 8)
     m_tiles = -(-max(m, 1) // block_m)
     n_tiles = -(-n // block_n)

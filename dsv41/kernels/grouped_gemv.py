@@ -244,8 +244,12 @@ def grouped_gemv_plan(pairs: int, n: int, k: int, **overrides) -> dict:
     `quant_gemv.gemv_plan(1, n, k, fp4=True, groups=pairs)`: one x row per pair, the K split sized over every
     pair's tiles (the heuristic and its H200 measurements are documented there); the grid is (n tiles, K splits,
     pairs). `overrides` (block_n, block_k, num_warps, k_iters, stages, sm_count, mma, maxnreg) are passed on. Returns
-    gemv_plan's dict with `grid` replaced. Raises ValueError as gemv_plan does.
+    gemv_plan's dict with `grid` replaced. Raises ValueError as gemv_plan does, and for early_launch (a plan option
+    of `quant_gemv`'s own kernel, which the grouped tile kernel does not have).
     """
+    if overrides.get("early_launch") not in (None, False):
+        raise ValueError("early_launch applies to quant_gemv's GEMV kernels, not to the grouped expert GEMV")
+    overrides.pop("early_launch", None)
     plan = gemv_plan(1, n, k, True, groups=pairs, **overrides)
     n_tiles, split_k, _ = plan["grid"]
     return dict(plan, grid=(n_tiles, split_k, pairs))
@@ -436,17 +440,22 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
     """Two grouped FP4 GEMVs of the same x and experts (the MoE's w1 and w3): `(y_a, y_b)` =
     `(triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant), ... weight_b, scale_b ...)`.
 
-    Where both launches take the word-decode kernel by default with act_quant (`takes_words_by_default`, the same
-    weight shape), x is FP8-quantised once (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy:
+    Where both launches take the word-decode kernel by default with act_quant (`takes_words_by_default`, not the
+    tensor-core `grouped_mma` by `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy:
     one launch fewer than two separate calls, the same numbers (the preparation is a pure function of x).
     Otherwise the two calls run as they would alone.
-    Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls.
+    Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls
+    (a ValueError about the second weight starts with "weight_b / scale_b").
     """
     n, k, e, out, kk, shared = _check_args(x, weight_a, scale_a, indices)
-    _check_args(x, weight_b, scale_b, indices)
+    try:
+        _check_args(x, weight_b, scale_b, indices)
+    except ValueError as err:
+        raise ValueError(f"weight_b / scale_b: {err}") from None
     pairs = n * k
-    if (act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0
-            and takes_words_by_default(x, weight_a, True, pairs) and takes_words_by_default(x, weight_b, True, pairs)):
+    if (act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0 and kk > 0
+            and all(takes_words_by_default(x, w, True, pairs) and not _take_mma_words(x, w, True, {})
+                    for w in (weight_a, weight_b))):
         from . import grouped_words
         require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4_pair")
         x2 = x.reshape(n if shared else pairs, kk)

@@ -465,7 +465,7 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
     num_warps and the grid
     (n tiles, K splits, m tiles).
     Raises: ValueError for a block_n / block_k that is not a power of two (block_k also a multiple of 32),
-    k_iters < 1, stages < 1, sm_count < 1 or maxnreg outside 24..255.
+    k_iters < 1, stages < 1, sm_count < 1, maxnreg outside 24..255 or early_launch not a bool or None.
     """
     stages = (_MMA_STAGES if mma else 1) if stages is None else stages
     if stages < 1:
@@ -474,6 +474,8 @@ def gemv_plan(m: int, n: int, k: int, fp4: bool, *, block_n: int | None = None, 
         raise ValueError(f"sm_count={sm_count} must be >= 1")
     if maxnreg is not None and not 24 <= maxnreg <= 255:
         raise ValueError(f"maxnreg={maxnreg} must be in 24..255 (registers per thread)")
+    if early_launch is not None and not isinstance(early_launch, bool):
+        raise ValueError(f"early_launch={early_launch!r} must be True, False or None")
     block_m = min(next_power_of_2(max(m, 1)), MAX_TRITON_M)
     if block_n is None:
         block_n = _BLOCK_N[fp4] if stages == 1 else _PIPELINED_BLOCK_N
@@ -597,7 +599,8 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
     to run for x with `m` rows and `weight` (uint8 [N, K or K/2]), else None (the overrides are then left for the
     other kernels).
 
-    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps, scale_words and sm_count (popped);
+    tma=True: the TMA kernel with block_n, stages, programs_per_sm, num_warps, scale_words, l2_prefetch,
+    early_launch and sm_count (popped);
     the launcher raises if the weight cannot be read by TMA. tma=None (the default): the TMA kernel for a block-FP8
     weight when `TMA_DEFAULT`, no other option than sm_count is set (any other, even misspelt, leaves the choice to
     the other kernels, which reject what they do not take), `gemv_tma.tma_supported(device)`, m > 1 or the weight

@@ -29,8 +29,11 @@ Near-misses (reported, not fused), for two ops with the same x and indices nodes
     weight_shape      their weights differ in shape or dtype (one plan, one launch shape each)
     operand_order     an input of the later op is computed after the earlier op
 
-Bytes per match (sympy in B, L): the activation preparation each op runs, read x (its dtype) + write the FP32 copy;
-before twice, after once. The weights and outputs do not change.
+Bytes per match (sympy in B): the activation preparation each op runs, read x (its dtype) + write the FP32 copy;
+before twice, after once, where the word-decode kernel takes both launches by the compiled dtype and size
+(`detail["shares_act_quant"]`; 0 and 0 otherwise: below `grouped_gemv.WORDS_MIN_CODES_ACT_QUANT` codes, e.g. the
+`small` and `tiny` presets, or for fp16 x, both GEMVs quantise inside the tile kernel and the op saves nothing). The
+weights and outputs do not change.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
 import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
@@ -78,28 +82,34 @@ class GroupedPairFamily(FusionFamily):
         single, pair_op = dsv41_op("grouped_linear_fp4"), dsv41_op("grouped_linear_fp4_pair")
         if single is None or pair_op is None:
             return PassRecord(self.name, True, note="dsv41::grouped_linear_fp4(_pair) not registered")
+        # Every pair is decided on the graph as it is, then rewritten: a rewrite replaces an output that a later
+        # group may read as its x.
         order = {n: i for i, n in enumerate(graph.nodes)}
         by_inputs: dict = {}
         for n in _grouped_nodes(graph, single):
             x, _, _, idx, _ = _args(n)
             by_inputs.setdefault((x, idx), []).append(n)
-        matches, misses = [], []
+        pairs, why_not = [], {}
         for nodes in by_inputs.values():
             waiting: list[fx.Node] = []
             for n in nodes:
-                partner, why = None, None
+                partner = None
                 for cand in waiting:
                     why = self._mismatch(cand, n, order)
                     if why is None:
                         partner = cand
                         break
+                    why_not.setdefault(n, why)
                 if partner is None:
-                    if why is not None:
-                        misses.append(NearMiss(self.name, _PATTERN, why[0], why[1], SourceLocation.from_node(n)))
                     waiting.append(n)
                     continue
                 waiting.remove(partner)
-                matches.append(self._fuse(graph, partner, n, pair_op))
+                pairs.append((partner, n))
+        paired = {n for pair in pairs for n in pair}
+        # A near-miss names a GEMV that found a candidate but stays alone (not one that paired later).
+        misses = [NearMiss(self.name, _PATTERN, why[0], why[1], SourceLocation.from_node(n))
+                  for n, why in why_not.items() if n not in paired]
+        matches = [self._fuse(graph, a, b, pair_op) for a, b in pairs]
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
 
     @staticmethod
@@ -130,14 +140,28 @@ class GroupedPairFamily(FusionFamily):
         graph.erase_node(b)
         graph.erase_node(a)
 
-        xv = tensor_val(x)
+        xv, wv = tensor_val(x), tensor_val(wa)
         kk = int(concrete_shape(xv)[-1])
-        rows, subs = token_rows(concrete_shape(xv)[:-1])
-        prep = rows * kk * (xv.element_size() + 4)  # read x, write its FP32 quantised copy
+        e, out = (int(v) for v in concrete_shape(wv)[:2])
+        n_tok, topk = (int(v) for v in concrete_shape(tensor_val(idx)))
+        tokens, subs = token_rows((n_tok,))  # rows of x: one per token, or one per (token, expert)
+        rows = tokens * (topk if xv.dim() == 3 else 1)
+        # The shared preparation exists only where both launches take the word-decode kernel on CUDA: by the
+        # shapes and dtypes known here (the layout is checked at run time); otherwise the op makes the two calls.
+        shares = _shares_preparation(xv.dtype, n_tok * topk, out, kk)
+        prep = rows * kk * (xv.element_size() + 4) if shares else sympy.Integer(0)  # read x, write the FP32 copy
+        loc_b = SourceLocation.from_node(b)
         return MatchRecord(
             self.name, "grouped_linear_fp4_pair(act_quant=True)", "dsv41::grouped_linear_fp4_pair",
             SourceLocation.from_node(a), (a.name, b.name), (node_label(a), node_label(b)),
             str(sympy.expand(2 * prep)), str(sympy.expand(prep)), tuple(sorted(subs.items())),
-            (("K", kk), ("out", int(concrete_shape(tensor_val(wa))[1])), ("experts", int(concrete_shape(
-                tensor_val(wa))[0])), ("second", SourceLocation.from_node(b).short()
-                                      if SourceLocation.from_node(b) else None)))
+            (("K", kk), ("out", out), ("experts", e), ("shares_act_quant", shares),
+             ("second", loc_b.short() if loc_b else None)))
+
+
+def _shares_preparation(dtype: torch.dtype, pairs: int, out: int, k: int) -> bool:
+    """Whether the pair's CUDA launches quantise x once instead of twice, by dtype and size
+    (`grouped_gemv.takes_words_by_default` without the layout check, which needs the real tensors)."""
+    from dsv41.kernels import grouped_gemv as gg
+    return (gg.WORDS_DEFAULT and not gg.MMA_WORDS_DEFAULT and dtype in (torch.bfloat16, torch.float32)
+            and pairs * out * k >= gg.WORDS_MIN_CODES_ACT_QUANT)
