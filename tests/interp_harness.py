@@ -94,13 +94,15 @@ def poison_outputs(monkeypatch, module) -> None:
     monkeypatch.setattr(module, "_empty", poisoned)
 
 
-def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None = None, num_warps: int = 4) -> str:
-    """TTIR of `kernel` built offline for sm_90 (Triton's own ptxas; no GPU needed), for checks of what the
-    compiled kernel does that the interpreter cannot show (e.g. TF32 rounding, which it skips).
+def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None = None, num_warps: int = 4,
+              stage: str = "ttir") -> str:
+    """TTIR (or another `stage` of `CompiledKernel.asm`, e.g. "ptx") of `kernel` built offline for sm_90 (Triton's
+    own ptxas; no GPU needed), for checks of what the compiled kernel does that the interpreter cannot show (e.g.
+    TF32 rounding, which it skips; the order of PDL and prefetch instructions).
 
     ptr_types: {pointer argument: Triton element type, e.g. "bf16"}; consts: {constexpr argument: value};
-    scalar_types: {scalar argument: Triton type} for non-i32 scalars. Skips the calling test under
-    TRITON_INTERPRET=1, where `kernel` is not a compilable JITFunction.
+    scalar_types: {other argument: Triton type} for non-i32 ones (e.g. "tensordesc<u8[64, 128]>" for a TMA
+    descriptor). Skips the calling test under TRITON_INTERPRET=1, where `kernel` is not a compilable JITFunction.
     """
     if IN_INTERPRETER:
         pytest.skip("builds the kernel for sm_90; TRITON_INTERPRET=1 is set")
@@ -111,4 +113,4 @@ def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None =
     sig = {n: "constexpr" if n in consts else ("*" + ptr_types[n] if n in ptr_types else scalar_types.get(n, "i32"))
            for n in kernel.arg_names}
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ttir"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm[stage]

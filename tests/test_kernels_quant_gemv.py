@@ -557,26 +557,11 @@ def test_tma_gemv_plan_fills_one_wave_of_programs():
     assert "EARLY_LAUNCH" in gg.grouped_gemv_plan(6, 2304, 5120, early_launch=False)
 
 
-def _offline_ptx(kern, consts: dict, ptrs: dict, descs: dict = (), num_warps: int = 4) -> str:
-    """PTX of `kern` built offline for sm_90 with `consts` as constexprs, `ptrs` {name: element type} as aligned
-    pointers, `descs` {name: TMA descriptor type} and every other argument an i32."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    descs = dict(descs)
-    sig = {a: "constexpr" if a in consts else descs.get(a) or ("*" + ptrs[a] if a in ptrs else "i32")
-           for a in kern.arg_names}
-    attrs = {(kern.arg_names.index(a),): [["tt.divisibility", 16]] for a in kern.arg_names if a in ptrs}
-    src = ASTSource(kern, sig, {(kern.arg_names.index(a),): v for a, v in consts.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
-
 def test_pdl_prologue_options_order_the_ptx_on_sm90():
     """l2_prefetch: one bulk L2 prefetch per row, then the early launch, then the PDL wait (TMA kernel, wq_b);
     early_launch on the tile kernel: the launch comes before the first wait. Without them: the wait comes first and
     nothing is prefetched."""
-    if IN_INTERPRETER:
-        pytest.skip("builds the kernels for sm_90; TRITON_INTERPRET=1 is set")
+    from interp_harness import sm90_ttir
     from dsv41.kernels import gemv_tma as gt
     ptrs = dict(x_ptr="bf16", w_ptr="u8", s_ptr="u8", y_ptr="bf16", part_ptr="fp32", cnt_ptr="i32")
     for l2 in (0, 2):
@@ -584,7 +569,7 @@ def test_pdl_prologue_options_order_the_ptx_on_sm90():
         consts = dict(ACT_QUANT=True, SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
                       STAGES=plan["STAGES"], SCALE_WORDS=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128,
                       L2_PREFETCH=plan["L2_PREFETCH"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=True)
-        ptx = _offline_ptx(gt._tma_gemv_kernel, consts, ptrs, {"w_desc": "tensordesc<u8[64, 128]>"})
+        ptx = sm90_ttir(gt._tma_gemv_kernel, ptrs, consts, {"w_desc": "tensordesc<u8[64, 128]>"}, stage="ptx")
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         prefetch = ptx.find("cp.async.bulk.prefetch.L2.global")
         assert wait >= 0 and launch >= 0
@@ -597,7 +582,7 @@ def test_pdl_prologue_options_order_the_ptx_on_sm90():
         consts = dict(FP4=False, ACT_QUANT=True, SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"],
                       K_ITERS=plan["K_ITERS"], STAGES=1, SCALE_WORDS=False, MMA=False, DOT_F32=False, BLOCK_M=1,
                       BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], EARLY_LAUNCH=early, USE_PDL=True)
-        ptx = _offline_ptx(qg._quant_gemv_kernel, consts, ptrs, num_warps=plan["num_warps"])
+        ptx = sm90_ttir(qg._quant_gemv_kernel, ptrs, consts, num_warps=plan["num_warps"], stage="ptx")
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert (launch < wait) == early and wait >= 0 and launch >= 0, (early, launch, wait)
 

@@ -294,6 +294,7 @@ def prefetch_l2_rows(row_ptrs, nbytes, ok):
     is never set under the interpreter."""
     size = (nbytes // 16) * 16
     go = (ok & (size > 0)).to(tl.int32)
+    # `size + go * 0`: the scalar size broadcast to the rows' shape, as inline_asm_elementwise takes one per element
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r,r", [row_ptrs.to(tl.int64, bitcast=True), size + go * 0, go], dtype=tl.int32, is_pure=False, pack=1)

@@ -29,8 +29,9 @@ NaN to every element of y[n, j, :] whose index is invalid, so the error shows up
 wrong expert or a memory fault.
 
 Kernels. For bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call), when no plan
-option is given, launches run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 /
-31.4 us at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
+option is given, launches run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp
+programs; measured 32.1 / 31.4 us at the h200 shapes against 37.1 / 36.7 us for the tile kernel below,
+bench/results/2026-12-01_h200_s19);
 `words=False` keeps the tile kernel, which also takes fp16 x and weights that cannot be read as int32 words.
 Tile kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
 tiles of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
@@ -67,7 +68,7 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "grouped_linear_fp4_pair", "reference_grouped_linear_fp4_pair", "triton_grouped_linear_fp4_pair",
            "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT",
-           "takes_words_by_default"]
+           "takes_words_by_default", "words_by_default_for"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
@@ -297,13 +298,19 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
     return bool(asked)
 
 
+def words_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: int, k: int) -> bool:
+    """The part of `takes_words_by_default` that shapes and dtypes decide (what a compile-time pass can know):
+    `WORDS_DEFAULT`, x bf16 or fp32, and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes (pairs x out x K)."""
+    big = not act_quant or pairs * out * k >= WORDS_MIN_CODES_ACT_QUANT
+    return WORDS_DEFAULT and big and dtype in (torch.bfloat16, torch.float32)
+
+
 def takes_words_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
-    """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `WORDS_DEFAULT`, x and
-    weight it takes (`grouped_words.words_eligible`), and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes
-    (pairs x out x K; weight [E, out, K/2], x [..., K])."""
+    """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `words_by_default_for`
+    (weight [E, out, K/2], x [..., K]) and a layout it reads (`grouped_words.words_eligible`)."""
     from . import grouped_words
-    big = not act_quant or pairs * weight.shape[1] * x.shape[-1] >= WORDS_MIN_CODES_ACT_QUANT
-    return WORDS_DEFAULT and big and grouped_words.words_eligible(x, weight)
+    return (words_by_default_for(x.dtype, act_quant, pairs, weight.shape[1], x.shape[-1])
+            and grouped_words.words_eligible(x, weight))
 
 
 def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
@@ -441,8 +448,9 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
     `(triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant), ... weight_b, scale_b ...)`.
 
     Where both launches take the word-decode kernel by default with act_quant (`takes_words_by_default`, not the
-    tensor-core `grouped_mma` by `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy:
-    one launch fewer than two separate calls, the same numbers (the preparation is a pure function of x).
+    tensor-core `grouped_mma` by `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once
+    (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy: one launch fewer than two separate calls,
+    the same numbers (the preparation is a pure function of x).
     Otherwise the two calls run as they would alone.
     Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls
     (a ValueError about the second weight starts with "weight_b / scale_b").

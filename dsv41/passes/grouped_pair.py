@@ -161,7 +161,6 @@ class GroupedPairFamily(FusionFamily):
 
 def _shares_preparation(dtype: torch.dtype, pairs: int, out: int, k: int) -> bool:
     """Whether the pair's CUDA launches quantise x once instead of twice, by dtype and size
-    (`grouped_gemv.takes_words_by_default` without the layout check, which needs the real tensors)."""
+    (`grouped_gemv.words_by_default_for`; the layout is checked at run time, on the real tensors)."""
     from dsv41.kernels import grouped_gemv as gg
-    return (gg.WORDS_DEFAULT and not gg.MMA_WORDS_DEFAULT and dtype in (torch.bfloat16, torch.float32)
-            and pairs * out * k >= gg.WORDS_MIN_CODES_ACT_QUANT)
+    return not gg.MMA_WORDS_DEFAULT and gg.words_by_default_for(dtype, True, pairs, out, k)
