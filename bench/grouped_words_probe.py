@@ -19,6 +19,10 @@ SWEEP = [dict(block_n=bn, block_k=bk, k_iters=ki, num_warps=nw, x_perm=xp)
                                 (16, 512, 1, 1), (32, 256, 2, 1), (32, 128, 2, 1), (64, 128, 1, 1), (64, 256, 1, 2),
                                 (32, 256, 1, 2), (64, 128, 4, 4), (128, 256, 1, 4)]
          for xp in (True, False)]
+#: Plans of the tensor-core fragment kernel (`grouped_frag.py`) tried with --frag.
+FRAG_SWEEP = [dict(num_warps=nw, split_k=sk, prefetch=pf) for nw, sk in [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1),
+                                                                          (4, 2), (8, 1)]
+              for pf in (False, True)]
 
 
 def main():
@@ -27,6 +31,7 @@ def main():
     ap.add_argument("--reps-ms", type=float, default=200)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--small", action="store_true", help="also the `small` preset shapes (4 of 32 experts)")
+    ap.add_argument("--frag", action="store_true", help="also the fragment kernel (frag=True) and FRAG_SWEEP")
     a = ap.parse_args()
     set_pdl(True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -45,7 +50,9 @@ def main():
                 for _ in range(_copies_for(per_call))]
         for aq in (True, False):
             ref = gg.reference_grouped_linear_fp4(x.float(), w, s, idxs[0], aq).double()
-            cfgs = [("tile", dict(words=False)), ("words", {})]
+            cfgs = [("tile", dict(words=False)), ("words", dict(words=True)), ("default", {})]
+            if a.frag and aq:
+                cfgs += [("frag", dict(frag=True))] + [("frag", dict(frag=True, **c)) for c in FRAG_SWEEP]
             if a.sweep and name.startswith("grouped"):
                 cfgs += [("words", dict(words=True, **c)) for c in SWEEP]
             for kind, cfg in cfgs:
@@ -66,6 +73,15 @@ def main():
         del w, s
     out = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, copy_bw_TBps=bw / 1e12, pdl=True, rows=rows)
+    for name in [sh[0] for sh in shapes]:
+        for aq in (True, False):
+            for kind in ("tile", "words", "default", "frag"):
+                rs = [r for r in rows if r["shape"] == name and r["act_quant"] == aq and r["kernel"] == kind]
+                if rs:
+                    best = min(rs, key=lambda r: r["time_us"])
+                    print(f"SUMMARY {name} aq={aq} {kind:8s} best {best['time_us']:.1f} us "
+                          f"({100 * best['frac']:.0f} %) err {max(r['max_rel_err'] for r in rs):.1e} "
+                          f"{ {k: v for k, v in best.items() if k in ('num_warps', 'split_k', 'prefetch')} }")
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
     print(f"copy bandwidth {bw/1e12:.2f} TB/s")
@@ -73,7 +89,7 @@ def main():
         for aq in (True, False):
             rs = sorted([r for r in rows if r["shape"] == name and r["act_quant"] == aq], key=lambda r: r["time_us"])
             tile = [r for r in rs if r["kernel"] == "tile"]
-            keys = ("block_n", "block_k", "k_iters", "num_warps", "x_perm")
+            keys = ("block_n", "block_k", "k_iters", "num_warps", "x_perm", "split_k", "prefetch")
             print(name, "aq", aq, "tile", f"{tile[0]['time_us']:.1f}" if tile else "-", "best:",
                   [(r["kernel"], {k: v for k, v in r.items() if k in keys}, round(r["time_us"], 1)) for r in rs[:3]])
 

@@ -302,17 +302,19 @@ def bench_grouped(name, n, k, bw, reps_ms, sweep, gen, experts=96, topk=6):
         return dict(base, variant=variant, bytes=moved, time_us=t * 1e6, floor_us=moved / bw * 1e6,
                     eff_bw_TBps=moved / t / 1e12, frac_of_copy=moved / t / bw, **extra)
 
-    from dsv41.kernels import grouped_words
+    from dsv41.kernels import grouped_frag, grouped_words
+    frag = gg.takes_frag_by_default(x, w, True, topk)
     words = gg.takes_words_by_default(x, w, True, topk)
-    plan = grouped_words.grouped_words_plan(topk, n, k) if words else gg.grouped_gemv_plan(topk, n, k)
+    plan = (grouped_frag.grouped_frag_plan(topk, n, k) if frag else grouped_words.grouped_words_plan(topk, n, k)
+            if words else gg.grouped_gemv_plan(topk, n, k))
     tile = gg.grouped_gemv_plan(topk, n, k)
     rows = [row("triton (graph)", _bench_graph([lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True)
                                                 for i in idxs], reps_ms),
-                kernel_used="grouped_words" if words else "grouped_gemv",
+                kernel_used="grouped_frag" if frag else "grouped_words" if words else "grouped_gemv",
                 plan={kk: (list(v) if kk == "grid" else v) for kk, v in plan.items()}),
             row("triton (eager, incl. launch)", _bench(lambda: gg.triton_grouped_linear_fp4(x, w, s, idxs[0], True),
                                                        reps_ms))]
-    if words:  # the tile kernel it replaced, same plan heuristic as before
+    if words or frag:  # the tile kernel they replaced, same plan heuristic as before
         rows.append(row("tile kernel, words=False (graph)", _bench_graph(
             [lambda i=i: gg.triton_grouped_linear_fp4(x, w, s, i, True, words=False) for i in idxs], reps_ms),
             plan={kk: (list(v) if kk == "grid" else v) for kk, v in tile.items()}))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -46,6 +46,11 @@ for s in $sections; do
       python3 bench/grouped_words_probe.py --small --json "$OUTDIR/grouped_words_probe.json" 2>&1 | tail -12
       python3 bench/kernels.py --pdl --sweep --only grouped_w1w3 grouped_w2 \
         --json "$OUTDIR/kernels_grouped_sweep.json" 2>&1 | tail -40 ;;
+    frag)
+      # The tensor-core fragment kernel of the grouped FP4 expert GEMV (dsv41/kernels/grouped_frag.py): its GPU
+      # tests, then the probe against the tile and word-decode kernels with its plan sweep (h200 and small shapes).
+      python3 -m pytest -q tests/test_kernels_grouped_frag.py ${FRAG_TESTS_EXTRA:-} 2>&1 | tail -8 | tee "$OUTDIR/gpu_tests_frag.log"
+      python3 bench/grouped_words_probe.py --frag --small --json "$OUTDIR/grouped_frag_probe.json" 2>&1 | grep -E "SUMMARY|Error|error|copy" | tail -40 ;;
     prefetch)
       # PDL prologue of the block-FP8 GEMVs: L2 prefetch of the weights before the wait and the early launch of the
       # next kernel (dsv41/kernels/gemv_tma.py, quant_gemv.py), their GPU tests first.

@@ -25,6 +25,13 @@ interpreted = _harness.interpreted
 _record_node = _harness.record_node_fixture()
 
 
+@pytest.fixture(autouse=True)
+def _no_fragment_kernel(monkeypatch):
+    """This module tests the tile and word-decode kernels and their defaults; the tensor-core fragment kernel,
+    which comes first by default where it applies, has tests/test_kernels_grouped_frag.py."""
+    monkeypatch.setattr(gg, "FRAG_DEFAULT", False)
+
+
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every output/workspace the launcher allocates starts as NaN."""

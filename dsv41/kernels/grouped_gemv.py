@@ -28,10 +28,12 @@ capture; the kernel never reads outside `weight` / `scale` (an invalid expert's 
 NaN to every element of y[n, j, :] whose index is invalid, so the error shows up in the output, not as a silent
 wrong expert or a memory fault.
 
-Kernels. For bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call), when no plan
-option is given, launches run the word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp
-programs; measured 32.1 / 31.4 us at the h200 shapes against 37.1 / 36.7 us for the tile kernel below,
-bench/results/2026-12-01_h200_s19);
+Kernels. With act_quant, bf16 / fp32 x and at least `WORDS_MIN_CODES_ACT_QUANT` codes per call, when no plan option
+is given, launches run the tensor-core fragment GEMV of `grouped_frag.py` (E2M1 decoded to E4M3 straight into
+`mma.sync` fragments; 19.3 / 19.6 us at the h200 shapes, `FRAG_DEFAULT`; `frag=False` refuses it). Otherwise, for
+bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call), launches run the
+word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 / 31.4 us
+at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
 `words=False` keeps the tile kernel, which also takes fp16 x and weights that cannot be read as int32 words.
 Tile kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
 tiles of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
@@ -67,8 +69,8 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "grouped_linear_fp4_pair", "reference_grouped_linear_fp4_pair", "triton_grouped_linear_fp4_pair",
-           "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT",
-           "takes_words_by_default", "words_by_default_for"]
+           "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT", "FRAG_DEFAULT",
+           "takes_words_by_default", "words_by_default_for", "takes_frag_by_default", "frag_by_default_for"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
@@ -298,6 +300,54 @@ def _take_mma_words(x, weight, act_quant, overrides) -> bool:
     return bool(asked)
 
 
+#: Whether launches with act_quant take the tensor-core fragment kernel (`grouped_frag`: E2M1 decoded to E4M3 in
+#: registers, inline `mma.sync`) where it applies (`grouped_frag.frag_eligible`, `grouped_frag.frag_supported`,
+#: at least `WORDS_MIN_CODES_ACT_QUANT` codes per call) when `frag` is not given; it then comes before the
+#: word-decode kernel. Applies only to calls with no other override. Measured on the H200 (CUDA-graph replay, PDL,
+#: bench/results/2026-12-02_h200_s21): h200 w1 / w3 19.3 us, w2 19.6 us against 32.2 / 31.6 us for `grouped_words`,
+#: activation launches included; end to end (h200, same lease) 111.4 against 99.25 tok/s. At `small` it measured
+#: 3.7 / 3.6 us against the tile kernel's 5.0 / 4.9 us but stays below the size threshold (launch census unchanged).
+FRAG_DEFAULT = True
+
+
+def frag_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: int, k: int) -> bool:
+    """The part of `takes_frag_by_default` that shapes and dtypes decide (what a compile-time pass can know):
+    `FRAG_DEFAULT`, act_quant, x bf16 or fp32 and at least `WORDS_MIN_CODES_ACT_QUANT` codes (pairs x out x K)."""
+    return (FRAG_DEFAULT and bool(act_quant) and pairs * out * k >= WORDS_MIN_CODES_ACT_QUANT
+            and dtype in (torch.bfloat16, torch.float32))
+
+
+def takes_frag_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
+    """Whether a launch with no plan option runs the fragment kernel (`grouped_frag`): `frag_by_default_for`
+    (weight [E, out, K/2], x [..., K]), a layout it reads and a device it runs on."""
+    from . import grouped_frag
+    return (frag_by_default_for(x.dtype, act_quant, pairs, weight.shape[1], x.shape[-1])
+            and grouped_frag.frag_eligible(x, weight, act_quant) and grouped_frag.frag_supported(x.device))
+
+
+def _take_frag(x, weight, act_quant, pairs, overrides) -> bool:
+    """Pop `frag` from `overrides` and decide whether this launch runs `grouped_frag` (by default
+    `takes_frag_by_default` with no other override); then only its plan keys (`grouped_frag.FRAG_KEYS`, sm_count)
+    may remain. Raises ValueError for frag=True where the kernel does not compute the reference's numbers or the
+    device has no FP8 `mma.sync`, or next to options of another kernel."""
+    from . import grouped_frag
+    asked = overrides.pop("frag", None)
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"frag={asked!r} must be True, False or None")
+    if asked is None:
+        asked = not overrides and takes_frag_by_default(x, weight, act_quant, pairs)
+    elif asked and not grouped_frag.frag_eligible(x, weight, act_quant):
+        raise ValueError("frag=True needs act_quant=True, bf16 or fp32 x and a weight readable as 16-byte vectors "
+                         f"(got act_quant={act_quant}, x {x.dtype}, weight strides {weight.stride()}, address "
+                         f"{'' if weight.data_ptr() % 16 == 0 else 'not '}16-byte aligned)")
+    elif asked and not grouped_frag.frag_supported(x.device):
+        raise ValueError(f"frag=True needs FP8 mma.sync (compute capability 8.9 or later); {x.device} has "
+                         f"{torch.cuda.get_device_capability(x.device)}")
+    if asked:
+        _keep_only(overrides, grouped_frag.FRAG_KEYS, "frag")
+    return bool(asked)
+
+
 def words_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: int, k: int) -> bool:
     """The part of `takes_words_by_default` that shapes and dtypes decide (what a compile-time pass can know):
     `WORDS_DEFAULT`, x bf16 or fp32, and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes (pairs x out x K)."""
@@ -307,10 +357,11 @@ def words_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: i
 
 def takes_words_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
     """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `words_by_default_for`
-    (weight [E, out, K/2], x [..., K]) and a layout it reads (`grouped_words.words_eligible`)."""
+    (weight [E, out, K/2], x [..., K]), a layout it reads (`grouped_words.words_eligible`) and not the fragment
+    kernel (`takes_frag_by_default`)."""
     from . import grouped_words
     return (words_by_default_for(x.dtype, act_quant, pairs, weight.shape[1], x.shape[-1])
-            and grouped_words.words_eligible(x, weight))
+            and grouped_words.words_eligible(x, weight) and not takes_frag_by_default(x, weight, act_quant, pairs))
 
 
 def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
@@ -354,24 +405,28 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
     Same arguments, result and shape/dtype errors as `reference_grouped_linear_fp4`, except that indices are not
     range-checked: an index outside [-E, E) gives NaN in its y[n, j, :] (module docstring). `overrides`
     (block_n, block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg) replace the `quant_gemv.gemv_plan`
-    heuristic and pick the tile kernel; `words=True` / `words=False` force / refuse the word-decode kernel of
-    `grouped_words` (the default where `takes_words_by_default`; overrides then `grouped_words.WORDS_KEYS`);
+    heuristic and pick the tile kernel; `frag=True` / `frag=False` force / refuse the tensor-core fragment kernel of
+    `grouped_frag` (the default where `takes_frag_by_default`; overrides then `grouped_frag.FRAG_KEYS`);
+    `words=True` / `words=False` force / refuse the word-decode kernel of `grouped_words` (the default where
+    `takes_words_by_default`; overrides then `grouped_words.WORDS_KEYS`);
     `rows=True` runs the row-streaming kernel of `gemv_rows` instead (one launch for every pair; options
     as in `quant_gemv.split_rows_overrides`; measured slower on the H200); `mma_words=True` runs the word-decode
     tensor-core kernel of `grouped_mma` (overrides then `grouped_mma.MMA_WORDS_KEYS`; default `MMA_WORDS_DEFAULT`).
     Raises: RuntimeError on CPU tensors without the interpreter; ValueError for more than `MAX_TRITON_PAIRS`
         (token, expert) pairs, for mma=True with x not bf16, for words=True with fp16 x or a weight that is not
-        word-readable, for words=True next to mma_words=True, for invalid plan values and for mixing the options
-        of different kernels.
+        word-readable, for frag=True without act_quant, with fp16 x, a weight not readable as 16-byte vectors or a
+        GPU without FP8 mma.sync, for more than one of words / mma_words / frag set True, for invalid plan values
+        and for mixing the options of different kernels.
     """
     n, k, e, out, kk, shared = _check_args(x, weight, scale, indices)
-    if overrides.get("words") and overrides.get("mma_words"):
-        raise ValueError("words=True and mma_words=True pick different kernels; give one")
+    if sum(bool(overrides.get(f)) for f in ("words", "mma_words", "frag")) > 1:
+        raise ValueError("words=True, mma_words=True and frag=True pick different kernels; give one")
     words_mode = _take_mma_words(x, weight, act_quant, overrides)
-    cuda_words = False if words_mode else _take_words(x, weight, act_quant, n * k, overrides)
+    frag = False if words_mode else _take_frag(x, weight, act_quant, n * k, overrides)
+    cuda_words = False if words_mode or frag else _take_words(x, weight, act_quant, n * k, overrides)
     check_mma_dtype(x, overrides)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    rows = None if words_mode or cuda_words else split_rows_overrides(overrides, 1, True)
+    rows = None if words_mode or cuda_words or frag else split_rows_overrides(overrides, 1, True)
     require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4")
     pairs = n * k
     if pairs > MAX_TRITON_PAIRS:
@@ -402,6 +457,12 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         grouped_mma.launch_grouped_mma(x2, weight, scale, idx, y.view(pairs, out), part, cnt, k if shared else 1,
                                        plan, use_pdl_for(grouped_mma._grouped_mma_kernel, x.device))
         return y
+    if frag:
+        from . import grouped_frag
+        plan = grouped_frag.grouped_frag_plan(pairs, out, kk, **overrides)
+        pdl = use_pdl_for(grouped_frag._grouped_frag_kernel, x.device)
+        xq, xs = grouped_frag.prepare_frag_x(x2, _empty, pdl)
+        return _launch_frag(xq, xs, weight, scale, idx, y, k if shared else 1, plan, pdl)
     if cuda_words:
         from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, **overrides)
@@ -441,15 +502,26 @@ def _launch_words(xw, weight, scale, idx, y, x_row_div: int, plan: dict, pdl: bo
     return y
 
 
+def _launch_frag(xq, xs, weight, scale, idx, y, x_row_div: int, plan: dict, pdl: bool) -> torch.Tensor:
+    """One `grouped_frag` launch into y [N, k, out] from prepared activations (`grouped_frag.prepare_frag_x`)."""
+    from . import grouped_frag
+    pairs, out = idx.numel(), weight.shape[1]
+    n_tiles, split_k, _ = plan["grid"]
+    part, cnt = split_k_workspace(_empty, y.device, split_k, (pairs, out), n_tiles * pairs)
+    grouped_frag.launch_grouped_frag(xq, xs, weight, scale, idx, y.view(pairs, out), part, cnt, x_row_div, plan, pdl)
+    return y
+
+
 def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor,
                                    weight_b: torch.Tensor, scale_b: torch.Tensor, indices: torch.Tensor,
                                    act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Two grouped FP4 GEMVs of the same x and experts (the MoE's w1 and w3): `(y_a, y_b)` =
     `(triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant), ... weight_b, scale_b ...)`.
 
-    Where both launches take the word-decode kernel by default with act_quant (`takes_words_by_default`, not the
-    tensor-core `grouped_mma` by `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once
-    (`grouped_words.prepare_x`, one launch) and both GEMVs read that copy: one launch fewer than two separate calls,
+    Where both launches take the fragment kernel (`takes_frag_by_default`) or the word-decode kernel
+    (`takes_words_by_default`) by default with act_quant (not the tensor-core `grouped_mma` by
+    `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once (`grouped_frag.prepare_frag_x` or
+    `grouped_words.prepare_x`, one launch) and both GEMVs read that copy: one launch fewer than two separate calls,
     the same numbers (the preparation is a pure function of x).
     Otherwise the two calls run as they would alone.
     Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls
@@ -461,21 +533,31 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
     except ValueError as err:
         raise ValueError(f"weight_b / scale_b: {err}") from None
     pairs = n * k
-    if (act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0 and kk > 0
-            and all(takes_words_by_default(x, w, True, pairs) and not _take_mma_words(x, w, True, {})
-                    for w in (weight_a, weight_b))):
-        from . import grouped_words
+    shareable = act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0 and kk > 0
+    frag = shareable and all(takes_frag_by_default(x, w, True, pairs) and not _take_mma_words(x, w, True, {})
+                             for w in (weight_a, weight_b))
+    words = shareable and not frag and all(takes_words_by_default(x, w, True, pairs)
+                                           and not _take_mma_words(x, w, True, {}) for w in (weight_a, weight_b))
+    if frag or words:
         require_launchable(_grouped_gemv_kernel, x.device, "triton_grouped_linear_fp4_pair")
         x2 = x.reshape(n if shared else pairs, kk)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         idx = indices.reshape(pairs).contiguous()
+        ws = [(w, s if s.stride(-1) == 1 else s.contiguous()) for w, s in ((weight_a, scale_a), (weight_b, scale_b))]
+        if frag:
+            from . import grouped_frag
+            plan = grouped_frag.grouped_frag_plan(pairs, out, kk)
+            pdl = use_pdl_for(grouped_frag._grouped_frag_kernel, x.device)
+            xq, xs = grouped_frag.prepare_frag_x(x2, _empty, pdl)
+            return tuple(_launch_frag(xq, xs, w, s, idx, _empty((n, k, out), x.dtype, x.device), k if shared else 1,
+                                      plan, pdl) for w, s in ws)
+        from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, sm_count=device_sm_count(x.device))
         pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
         xw = grouped_words.prepare_x(x2, True, plan["X_PERM"], _empty, pdl)
-        return tuple(_launch_words(xw, w, s if s.stride(-1) == 1 else s.contiguous(), idx,
-                                   _empty((n, k, out), x.dtype, x.device), k if shared else 1, plan, pdl)
-                     for w, s in ((weight_a, scale_a), (weight_b, scale_b)))
+        return tuple(_launch_words(xw, w, s, idx, _empty((n, k, out), x.dtype, x.device), k if shared else 1, plan,
+                                   pdl) for w, s in ws)
     return (triton_grouped_linear_fp4(x, weight_a, scale_a, indices, act_quant),
             triton_grouped_linear_fp4(x, weight_b, scale_b, indices, act_quant))
 

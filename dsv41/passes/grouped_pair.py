@@ -161,6 +161,8 @@ class GroupedPairFamily(FusionFamily):
 
 def _shares_preparation(dtype: torch.dtype, pairs: int, out: int, k: int) -> bool:
     """Whether the pair's CUDA launches quantise x once instead of twice, by dtype and size
-    (`grouped_gemv.words_by_default_for`; the layout is checked at run time, on the real tensors)."""
+    (`grouped_gemv.frag_by_default_for` or `words_by_default_for`; the layout is checked at run time, on the real
+    tensors)."""
     from dsv41.kernels import grouped_gemv as gg
-    return not gg.MMA_WORDS_DEFAULT and gg.words_by_default_for(dtype, True, pairs, out, k)
+    return not gg.MMA_WORDS_DEFAULT and (gg.words_by_default_for(dtype, True, pairs, out, k)
+                                         or gg.frag_by_default_for(dtype, True, pairs, out, k))

@@ -1,0 +1,424 @@
+"""Grouped FP4 expert GEMV on the tensor cores, the E2M1 codes decoded to E4M3 straight into `mma.sync` fragments.
+
+Why. The CUDA-core kernels of the grouped expert GEMV are bound by instructions, not by memory: at the h200 shapes
+the word-decode kernel (`grouped_words`) issues 5.6 instructions per FP4 code and reaches 28 % of copy bandwidth
+(bench/results/2026-12-01_h200_s19). Tensor-core attempts through `tl.dot` / `tl.dot_scaled` (`grouped_mma`)
+lost their gain to the register -> shared-memory -> fragment round trip Triton puts in front of every MMA whose
+operand was computed in registers. Here each thread loads exactly the bytes its own `mma.sync` fragment needs,
+decodes them in registers and issues the MMA itself (inline PTX): no shared memory, about one integer operation
+per code.
+
+The layout (PTX ISA, "Matrix fragments for mma.m16n8k32" with 8-bit A / B; lane = 4 g + t):
+- A (16 weight rows x 32 k-slots, E4M3): a0 / a2 hold row g, k-slots 4t + i / 16 + 4t + i (i = 0..3, one byte
+  each); a1 / a3 the same for row g + 8. B (32 k-slots x 8 columns): b0 / b1 hold column g, k-slots 4t + i /
+  16 + 4t + i. D (16 x 8, FP32): d0, d1 row g, columns 2t, 2t + 1; d2, d3 row g + 8.
+- A dot product is invariant under any permutation of k that A and B share, so the k-slots need not follow K.
+  A warp steps over K in spans of 256 codes (8 blocks of 32). Column n of B is block n of the span: it holds that
+  block's activations in the k-slots whose A bytes came from block n, zeros elsewhere. Thread t decodes its a0 / a1
+  bytes from block t and its a2 / a3 bytes from block t + 4 (16-byte loads: one per row and block), so lane
+  (g, t) with g % 4 == t supplies column g's activations (b0 for g < 4, b1 for g >= 4) and every other lane zeros.
+  Eight MMAs, each taking 4 codes of every block (part p: word p // 2 of the block, its low nibbles for even p,
+  its high nibbles for odd p), accumulate D[r][n] = the dot product of row r with block n, complete for all 16
+  rows and 8 blocks.
+- Decode: a nibble s e1 e0 m becomes the E4M3 byte s 0 0 e1 e0 m 0 0, which is exactly the E2M1 value times
+  2^-6 (subnormal codes included): two shifts and two masks per 4 codes. 2^6 goes back with the scales.
+- Scales: lane (g, t) multiplies D[g][2t + j] and D[g + 8][2t + j] by the weight's UE8M0 scale of that row and
+  block and by the activation block's scale, and adds them to its FP32 accumulators. After the loop the four
+  lanes of a row and the program's warps are summed (deterministic order), and `grouped_gemv._grouped_store`
+  writes y (K splits merged through its arrival counters, NaN rows for an invalid expert).
+- Activations (`prepare_frag_x`): one small launch first FP8-quantises x by 1x32 blocks (`formats.quantize_fp8_1x32`
+  through `quant_gemv._fp8_1x32_parts`) and writes the E4M3 bytes of each block in part order (part p, byte i =
+  code 8 (p // 2) + 2 i + p % 2) with the block scales as FP32, so the active lanes read their B words as 16-byte
+  vectors.
+
+Program (n-tile of 16 rows, K split, pair) of NUM_WARPS warps; warp w of split j takes spans
+it * NUM_WARPS * SPLIT_K + j * NUM_WARPS + w (it < ITERS). Under the interpreter the MMA is emulated with tensor
+operations on the same per-lane registers (`_mma_emulated`), which checks the fragment bookkeeping on the CPU; the
+inline PTX needs sm_89 or later (FP8 `mma.sync`).
+
+Numerics: only act_quant (FP8 activations; the reference fake-quantises every FP4 GEMM input that way). Codes,
+activations and scales are exact; each product of a code and an activation is exact; the MMA adds the 32 products
+of a block with the tensor core's FP32 accumulation (on Hopper not IEEE round-to-nearest at every add: a few units
+of 2^-23 of the block sum), the block sums are scaled and added in FP32 in another order than the reference's
+matmul, then rounded once to x's dtype (bf16 / fp32; fp16 x stays on `grouped_gemv`'s tile kernel, which repeats
+the reference's fp16 roundings). A UE8M0 weight scale byte of 0 is a zero scale (`formats.ue8m0_to_float`).
+
+Op: none of its own. `grouped_gemv.triton_grouped_linear_fp4` launches it (`frag=True`, or by default where
+`grouped_gemv.takes_frag_by_default`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
+from .grouped_gemv import _grouped_store, _pair_expert
+from .quant_gemv import _fp8_1x32_parts
+
+__all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
+           "FRAG_KEYS", "SPAN"]
+
+#: Codes of K one warp covers per step: 8 blocks of 32, the 8 columns of one m16n8k32 MMA.
+SPAN = 256
+#: Rows per program: the MMA's M.
+_ROWS = 16
+#: Most warps per program by default (`grouped_frag_plan`).
+_NUM_WARPS = 4
+#: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `frag` itself and `sm_count`).
+FRAG_KEYS = ("num_warps", "split_k", "prefetch")
+#: Codes of K per program of the activation preparation kernel.
+_PREP_BLOCK = 1024
+
+
+def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = None, split_k: int | None = None,
+                      prefetch: bool | None = None, sm_count: int | None = None) -> dict:
+    """Launch parameters of the fragment kernel for `pairs` (token, expert) pairs of an [n, k] FP4 weight.
+
+    16 rows per program (the MMA's M); num_warps warps per program, each a share of the program's 256-code spans
+    (default: the largest of 4, 2, 1 that divides the spans, so no warp idles in the last step); split_k (default 1)
+    programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp; PREFETCH (prefetch,
+    default: with one warp per program) issues the next span's loads before this span's MMAs (a register double
+    buffer); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs, 20 spans)
+    144 x 1 x 6 = 864 programs of 4 warps, 5 spans per warp; w2 (5120 x 2304, 9 spans) 320 x 1 x 6 programs of one
+    warp, prefetching. Measured on the H200 (bench/results/2026-12-02_h200_s21, PDL, CUDA-graph replay; the
+    activation launch included): w1 / w3 19.3 us at this plan (20.6-29.8 us at 13 others), w2 19.6 us (20.5-33.2).
+    `sm_count` is accepted and unused.
+    Returns a dict with SPANS, ITERS, SPLIT_K, SPLIT_POW2, PREFETCH, num_warps and grid.
+    Raises: ValueError for a value that is not an int (prefetch: not a bool), num_warps not in 1, 2, 4, 8, split_k
+    < 1 or above 65535.
+    """
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch={prefetch!r} must be a bool")
+    check_int_options(num_warps=num_warps, split_k=split_k, sm_count=sm_count)
+    spans = max(1, -(-k // SPAN))
+    if num_warps is None:
+        num_warps = next(w for w in (_NUM_WARPS, 2, 1) if spans % w == 0)
+    prefetch = (num_warps == 1) if prefetch is None else prefetch
+    split_k = 1 if split_k is None else split_k
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    if not 1 <= split_k <= 65535:
+        raise ValueError(f"split_k={split_k} must be in 1..65535")
+    iters = -(-spans // (num_warps * split_k))
+    return dict(SPANS=spans, ITERS=iters, SPLIT_K=split_k, SPLIT_POW2=next_power_of_2(split_k), PREFETCH=prefetch,
+                num_warps=num_warps,
+                grid=(-(-n // _ROWS), split_k, pairs))
+
+
+def frag_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> bool:
+    """Whether `launch_grouped_frag` computes these arguments' numbers: act_quant, x bf16 or fp32, and a packed
+    weight [E, out, K/2] readable as 16-byte vectors (contiguous along K, K/2 and both outer strides multiples of
+    16 bytes, 16-byte aligned address)."""
+    return (bool(act_quant) and x.dtype in (torch.bfloat16, torch.float32) and weight.dim() == 3
+            and weight.stride(-1) == 1 and weight.shape[-1] % 16 == 0 and weight.stride(0) % 16 == 0
+            and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def frag_supported(device: torch.device) -> bool:
+    """Whether the fragment kernel runs on `device`: the interpreter (CPU), meta tensors (the launch census models
+    the H200), or CUDA with compute capability 8.9 or later (FP8 `mma.sync.m16n8k32`)."""
+    if device.type != "cuda":
+        return device.type in ("cpu", "meta")
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
+def _e4m3_bits(q):
+    # E4M3 byte (int32) of fp32 q holding an E4M3 value (|q| <= 448); built from the bits, because the
+    # interpreter's fp32 -> float8e4nv cast rounds wrongly (_common's module docstring).
+    a = tl.abs(q)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((((bits >> 23) - 120) << 3) | ((bits >> 20) & 7))
+    sub = (a * 512.0).to(tl.int32)
+    mag = tl.where(a >= 0.015625, normal, sub)
+    return tl.where(q < 0, mag | 0x80, mag)
+
+
+@triton.jit
+def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # Program (K chunk, row): E4M3 bytes of formats.quantize_fp8_1x32(x[row]) in part order (module docstring) and
+    # the block scales 2^(e - 127) as FP32.
+    NB: tl.constexpr = BLOCK // 32
+    row = tl.program_id(1).to(tl.int64)
+    kb = tl.program_id(0) * NB + tl.arange(0, NB)
+    c = tl.arange(0, 32)
+    offs = kb[:, None] * 32 + c[None, :]
+    ok = offs < K
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    xv = tl.load(x_ptr + row * stride_xr + offs, mask=ok, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    q, e = _fp8_1x32_parts(xv)
+    pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
+    tl.store(q_ptr + row * K + kb[:, None] * 32 + pos[None, :], _e4m3_bits(q).to(tl.uint8), mask=ok)
+    tl.store(s_ptr + row * (K // 32) + kb, tl.reshape(exp2_int(e), [NB]), mask=kb * 32 < K)
+
+
+@triton.jit
+def _split4(v, W: tl.constexpr):
+    # The four int32 words of [32 W, 4] `v` (a thread's own 16-byte vector) as [32 W] tensors.
+    a, b = tl.split(tl.reshape(v, [32 * W, 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _e4m3_of_nibbles(w, HIGH: tl.constexpr):
+    # The low (HIGH False) or high nibbles of the four bytes of uint32 words `w` as four E4M3 bytes, each exactly
+    # its E2M1 value times 2^-6: s e1 e0 m -> s 0 0 e1 e0 m 0 0.
+    if HIGH:
+        return ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+    return ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+
+
+@triton.jit
+def _e4m3_value(b):
+    # FP32 value of E4M3 byte b (int32 0..255, never NaN here).
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -v, v)
+
+
+@triton.jit
+def _lane_bytes(v, W: tl.constexpr):
+    # The four bytes of each lane's word ([32 W]) as FP32 values [W, 8, 4, 4] indexed (warp, lane // 4, lane % 4,
+    # byte).
+    shift = tl.arange(0, 4) * 8
+    return tl.reshape(_e4m3_value((v[:, None] >> shift[None, :]) & 255), [W, 8, 4, 4])
+
+
+@triton.jit
+def _frag_dot(a, b, W: tl.constexpr):
+    # [W, 8 rows, 8 columns]: the contribution of one A register and one B register (the same k-slots) to D, the
+    # sum over t and the byte i of a[w, row, t, i] * b[w, column, t, i].
+    pa = _lane_bytes(a, W)
+    pb = _lane_bytes(b, W)
+    return tl.sum(tl.sum(pa[:, :, None, :, :] * pb[:, None, :, :, :], axis=4), axis=3)
+
+
+@triton.jit
+def _to_lanes(d, W: tl.constexpr):
+    # D [W, 8 rows g, 8 columns] -> (D[g][2t], D[g][2t + 1]) as [32 W] per lane 4 g + t of each warp.
+    even, odd = tl.split(tl.reshape(d, [W, 8, 4, 2]))
+    return tl.reshape(even, [32 * W]), tl.reshape(odd, [32 * W])
+
+
+@triton.jit
+def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr):
+    # mma.sync.m16n8k32 E4M3 -> FP32 of the warps' registers ([32 W] int32 per register), as tensor operations.
+    d_lo = _frag_dot(a0, b0, W) + _frag_dot(a2, b1, W)
+    d_hi = _frag_dot(a1, b0, W) + _frag_dot(a3, b1, W)
+    e0, e1 = _to_lanes(d_lo, W)
+    e2, e3 = _to_lanes(d_hi, W)
+    return c0 + e0, c1 + e1, c2 + e2, c3 + e3
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        # Not pure: a pure elementwise op may be recomputed in another layout to save a layout conversion, and this
+        # one is only right where element [w, l] sits in lane l of warp w.
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+    return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W)
+
+
+@triton.jit
+def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi):
+    # Everything a warp reads for the span of 8 blocks from block blk0 [32 W]: weight words [32 W, 4] of rows
+    # g / g + 8 and blocks t / t + 4; the B words [32 W, 4] of parts 0-3 and 4-7 for b0 (lanes g == t < 4) and
+    # b1 (lanes g == t + 4), zeros elsewhere; the weight scales of blocks 2t, 2t + 1 of both rows as FP32
+    # 2^(s - 127) (byte 0 is 0.0, as formats.ue8m0_to_float) and the activation scales times 2^6 (the decode's
+    # 2^-6), [32 W] each.
+    blk_a = blk0 + t
+    blk_b = blk_a + 4
+    m_a = (blk_a < nkb)[:, None]
+    m_b = (blk_b < nkb)[:, None]
+    off_a = blk_a[:, None] * 4 + wi
+    off_b = blk_b[:, None] * 4 + wi
+    wa_lo = tl.load(w_lo[:, None] + off_a, mask=m_a & ok_lo[:, None], other=0)
+    wb_lo = tl.load(w_lo[:, None] + off_b, mask=m_b & ok_lo[:, None], other=0)
+    wa_hi = tl.load(w_hi[:, None] + off_a, mask=m_a & ok_hi[:, None], other=0)
+    wb_hi = tl.load(w_hi[:, None] + off_b, mask=m_b & ok_hi[:, None], other=0)
+    blk_x = blk0 + g
+    x_ptrs = xq_row + blk_x[:, None] * 8 + wi
+    m_x0 = ((blk_x < nkb) & x_b0)[:, None]
+    m_x1 = ((blk_x < nkb) & x_b1)[:, None]
+    # Two loads per register with disjoint lane masks instead of a select per MMA.
+    x0a = tl.load(x_ptrs, mask=m_x0, other=0)
+    x0b = tl.load(x_ptrs + 4, mask=m_x0, other=0)
+    x1a = tl.load(x_ptrs, mask=m_x1, other=0)
+    x1b = tl.load(x_ptrs + 4, mask=m_x1, other=0)
+    blk_s = blk0 + 2 * t
+    m_s0 = blk_s < nkb
+    m_s1 = blk_s + 1 < nkb
+    # One byte per load: a [32 W, 2] load of unproven alignment would get a layout of two lanes per pair.
+    sl0 = exp2_int(tl.load(s_lo + blk_s, mask=m_s0 & ok_lo, other=0).to(tl.int32))
+    sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=m_s1 & ok_lo, other=0).to(tl.int32))
+    sh0 = exp2_int(tl.load(s_hi + blk_s, mask=m_s0 & ok_hi, other=0).to(tl.int32))
+    sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=m_s1 & ok_hi, other=0).to(tl.int32))
+    sx0 = tl.load(xs_row + blk_s, mask=m_s0, other=0.0) * 64.0
+    sx1 = tl.load(xs_row + blk_s + 1, mask=m_s1, other=0.0) * 64.0
+    return (wa_lo, wb_lo, wa_hi, wb_hi, x0a, x0b, x1a, x1b, sl0, sl1, sh0, sh1, sx0, sx1)
+
+
+@triton.jit
+def _part(d0, d1, d2, d3, wa_lo, wa_hi, wb_lo, wb_hi, b0, b1, HIGH: tl.constexpr, W: tl.constexpr,
+          ASM: tl.constexpr):
+    # One MMA: the low (HIGH False) or high nibbles of the weight words of rows g / g + 8, blocks t / t + 4.
+    a0 = _e4m3_of_nibbles(wa_lo, HIGH).to(tl.int32, bitcast=True)
+    a1 = _e4m3_of_nibbles(wa_hi, HIGH).to(tl.int32, bitcast=True)
+    a2 = _e4m3_of_nibbles(wb_lo, HIGH).to(tl.int32, bitcast=True)
+    a3 = _e4m3_of_nibbles(wb_hi, HIGH).to(tl.int32, bitcast=True)
+    return _mma(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, W, ASM)
+
+
+@triton.jit
+def _span_sums(v, W: tl.constexpr, ASM: tl.constexpr):
+    # (row g, row g + 8) [32 W] FP32: this lane's two block sums of the span per row, scaled (`_span_load`).
+    # Part p is word p // 2 of each block, its low nibbles for even p and its high nibbles for odd p; the eight
+    # parts are written out (no loop variable indexing a tuple, which Triton 3.6's interpreter rejects).
+    wa_lo, wb_lo, wa_hi, wb_hi, x0a, x0b, x1a, x1b, sl0, sl1, sh0, sh1, sx0, sx1 = v
+    al0, al1, al2, al3 = _split4(wa_lo.to(tl.uint32, bitcast=True), W)
+    bl0, bl1, bl2, bl3 = _split4(wb_lo.to(tl.uint32, bitcast=True), W)
+    ah0, ah1, ah2, ah3 = _split4(wa_hi.to(tl.uint32, bitcast=True), W)
+    bh0, bh1, bh2, bh3 = _split4(wb_hi.to(tl.uint32, bitcast=True), W)
+    p0, p1, p2, p3 = _split4(x0a, W)
+    p4, p5, p6, p7 = _split4(x0b, W)
+    q0, q1, q2, q3 = _split4(x1a, W)
+    q4, q5, q6, q7 = _split4(x1b, W)
+    d0 = tl.zeros([32 * W], dtype=tl.float32)
+    d1 = d0
+    d2 = d0
+    d3 = d0
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al0, ah0, bl0, bh0, p0, q0, False, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al0, ah0, bl0, bh0, p1, q1, True, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al1, ah1, bl1, bh1, p2, q2, False, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al1, ah1, bl1, bh1, p3, q3, True, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al2, ah2, bl2, bh2, p4, q4, False, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al2, ah2, bl2, bh2, p5, q5, True, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al3, ah3, bl3, bh3, p6, q6, False, W, ASM)
+    d0, d1, d2, d3 = _part(d0, d1, d2, d3, al3, ah3, bl3, bh3, p7, q7, True, W, ASM)
+    return d0 * sl0 * sx0 + d1 * sl1 * sx1, d2 * sh0 * sx0 + d3 * sh1 * sx1
+
+
+@triton.jit
+def _grouped_frag_kernel(
+    xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr,
+    P, N_OUT, K, E, X_ROW_DIV, stride_we, stride_wn, stride_se, stride_sn,
+    ITERS: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr, ASM: tl.constexpr,
+):
+    # ITERS is a constexpr: Triton 3.6's interpreter cannot take a runtime int as a range bound (numpy 2).
+    # Program (16-row tile, K split, pair) of W warps; w_ptr / xq_ptr as int32 words (strides in words), xq / xs
+    # from `prepare_frag_x`. Tensors [32 W] hold one value per thread.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pair = tl.program_id(2)
+    rows16 = pid_n * 16 + tl.arange(0, 16)
+    e_ok, e_safe, _ = _pair_expert(idx_ptr, pair, E, rows16, N_OUT, USE_PDL)
+    e_flag = tl.max(e_ok.to(tl.int32), axis=0)
+    # One value per thread: element i of a [32 W] tensor is lane i % 32 of warp i // 32 (a 1-D layout has no other
+    # natural order; with a [W, 32] tensor Triton 3.6 put warps along the lane axis and the MMAs got other lanes'
+    # registers).
+    li = tl.arange(0, 32 * W)
+    warp = li // 32
+    lane = li % 32
+    g = lane // 4
+    t = lane % 4
+    wi = tl.arange(0, 4)[None, :]
+    row_lo = pid_n * 16 + g
+    # The expert's validity as a vector (the interpreter mis-types scalar-bool & block-bool).
+    ok_lo = (row_lo < N_OUT) & (row_lo * 0 + e_flag > 0)
+    ok_hi = (row_lo + 8 < N_OUT) & (row_lo * 0 + e_flag > 0)
+    w_lo = w_ptr + e_safe * stride_we + row_lo.to(tl.int64) * stride_wn
+    w_hi = w_lo + 8 * stride_wn
+    s_lo = s_ptr + e_safe * stride_se + row_lo.to(tl.int64) * stride_sn
+    s_hi = s_lo + 8 * stride_sn
+    x_row = (pair // X_ROW_DIV).to(tl.int64)
+    xq_row = xq_ptr + x_row * (K // 4)
+    xs_row = xs_ptr + x_row * (K // 32)
+    x_lane = (g % 4) == t
+    x_b0 = x_lane & (g < 4)
+    x_b1 = x_lane & (g >= 4)
+    nkb = K // 32
+    acc_lo = tl.zeros([32 * W], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * W], dtype=tl.float32)
+    step = W * SPLIT_K
+    blk = (pid_k * W + warp) * 8
+    if PREFETCH:
+        # Register double buffer: the next span's loads are issued before this span's MMAs, so a warp always has
+        # one span's bytes in flight (the trip after the last reads nothing: every block is past K).
+        n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13 = _span_load(
+            w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi)
+        for it in tl.range(0, ITERS, num_stages=1):
+            cur = (n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13)
+            n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13 = _span_load(
+                w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk + (it + 1) * step * 8, nkb, g, t, ok_lo, ok_hi, x_b0,
+                x_b1, wi)
+            lo, hi = _span_sums(cur, W, ASM)
+            acc_lo += lo
+            acc_hi += hi
+    else:
+        for it in tl.range(0, ITERS, num_stages=1):
+            lo, hi = _span_sums(_span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk + it * step * 8, nkb, g, t,
+                                           ok_lo, ok_hi, x_b0, x_b1, wi), W, ASM)
+            acc_lo += lo
+            acc_hi += hi
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    lo8 = tl.sum(tl.sum(tl.reshape(acc_lo, [W, 8, 4]), axis=2), axis=0)
+    hi8 = tl.sum(tl.sum(tl.reshape(acc_hi, [W, 8, 4]), axis=2), axis=0)
+    acc16 = tl.reshape(tl.permute(tl.join(lo8, hi8), (1, 0)), [16])
+    _grouped_store(acc16, e_ok, rows16, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT, SPLIT_K,
+                   SPLIT_POW2)
+
+
+def prepare_frag_x(x2: torch.Tensor, empty, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations the fragment kernel reads, from one launch (PDL-launched when `pdl`): x2 [rows, K] (bf16 /
+    fp32, contiguous along K, K % 32 == 0) FP8-quantised by 1x32 blocks (formats.quantize_fp8_1x32, MODEL.md
+    §2.1) as (E4M3 bytes uint8 [rows, K] in the kernel's part order, block scales 2^(e - 127) fp32 [rows, K/32]).
+    `empty(shape, dtype, device)` allocates the results."""
+    rows, kk = x2.shape
+    q = empty((rows, kk), torch.uint8, x2.device)
+    s = empty((rows, kk // 32), torch.float32, x2.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    _frag_x_kernel[(triton.cdiv(kk, _PREP_BLOCK), rows)](x2, q, s, kk, x2.stride(0), BLOCK=_PREP_BLOCK,
+                                                         USE_PDL=pdl, num_warps=4, **extra)
+    return q, s
+
+
+def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        idx: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor, x_row_div: int,
+                        plan: dict, pdl: bool) -> torch.Tensor:
+    """Launch the fragment kernel into `y` [pairs, out] (bf16 / fp32) with `plan` (`grouped_frag_plan`).
+
+    xq / xs from `prepare_frag_x` (row pair // x_row_div feeds pair); weight uint8 [E, out, K/2] (`frag_eligible`);
+    scale uint8 [E, out, K/32] contiguous along K; idx int64 [pairs]; part / cnt the split-K workspace of
+    `_common.split_k_workspace`. Returns y.
+    Raises ValueError for a weight that cannot be read as 16-byte vectors; other arguments are checked by the
+    caller (`grouped_gemv.triton_grouped_linear_fp4`).
+    """
+    if not (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 16 == 0
+            and weight.stride(0) % 16 == 0 and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0):
+        raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as 16-byte "
+                         "vectors (needs contiguous K, K/2, the strides and the address multiples of 16 bytes)")
+    words = weight.view(torch.int32)
+    extra = {"launch_pdl": True} if pdl else {}
+    _grouped_frag_kernel[plan["grid"]](
+        xq.view(torch.int32), xs, words, scale, idx, y, part, cnt,
+        idx.numel(), weight.shape[1], xq.shape[1], weight.shape[0], x_row_div, words.stride(0), words.stride(1),
+        scale.stride(0), scale.stride(1),
+        ITERS=plan["ITERS"], SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], W=plan["num_warps"],
+        PREFETCH=plan["PREFETCH"], USE_PDL=pdl,
+        ASM=not is_interpreted(_grouped_frag_kernel), num_warps=plan["num_warps"], **extra)
+    return y

@@ -1,0 +1,284 @@
+"""Tests of the tensor-core fragment kernel of dsv41::grouped_linear_fp4 (dsv41/kernels/grouped_frag.py).
+
+Reference: the independent float64 model of tests/test_kernels_grouped_gemv.py (E4M3 / E2M1 grids enumerated from
+their bit layouts, the expert of each (token, slot) picked in a Python loop), never the code under test, with its
+tolerance: |y - ref| <= 2^-16 sum|terms| + half an output ulp.
+
+- Interpreted (`@interpreted`, a TRITON_INTERPRET=1 child pytest): the kernel with its MMA emulated on the same
+  per-lane registers, at small odd shapes (partial row tiles, K tails, one to eight warps, split-K, prefetched spans),
+  every E2M1 code in every nibble position, NaN rows for an invalid expert; the default launch and the pair op.
+- Offline sm_90 build (no GPU): the inline `mma.sync` sits in a one-value-per-thread layout (element i in lane
+  i % 32 of warp i // 32), the weights are read as 16-byte vectors, and nothing spills.
+- On a GPU (skipped here): the h200 shapes at every plan of bench/grouped_words_probe.py's FRAG_SWEEP, a bad expert,
+  the pair op and a PDL CUDA graph; outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from gpu_harness import load_bench, load_reference
+from interp_harness import InterpreterHarness, poison_outputs, sm90_ttir
+
+from dsv41.kernels import grouped_frag as gf
+from dsv41.kernels import grouped_gemv as gg
+
+_harness = InterpreterHarness(__file__)
+interpreted = _harness.interpreted
+_record_node = _harness.record_node_fixture()
+GG = load_reference("test_kernels_grouped_gemv")
+ON_GPU = torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every output/workspace the launcher allocates starts as NaN (floats) or 0xAB (bytes)."""
+    poison_outputs(monkeypatch, gg)
+
+
+def _all_codes_case(n, k, e, out, kdim, dtype, shared, seed, device="cpu", **over):
+    """One frag launch with every E2M1 code in every nibble position and negative indices, against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    w, s = GG.make_experts(e, out, kdim, gen)
+    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    idx = GG.make_indices(n, k, e, gen, negative=True)
+    x = GG.make_x(n, k, kdim, dtype, shared, gen)
+    y = gg.triton_grouped_linear_fp4(x.to(device), w.to(device), s.to(device), idx.to(device), True, frag=True,
+                                     **over)
+    assert y.shape == (n, k, out) and y.dtype == dtype
+    GG.assert_close_to_ref(y.cpu(), *GG.ref_grouped(x, w, s, idx, True))
+
+
+FRAG_CASES = [
+    # (N, k, E, out, K, dtype, x per token, overrides)
+    (1, 2, 5, 40, 512, torch.float32, True, {}),                                    # 2 spans, rows 40..47 off
+    (2, 2, 5, 24, 288, torch.bfloat16, False, {"num_warps": 2, "split_k": 2}),       # x per expert, 9 blocks, split-K
+    (1, 3, 4, 16, 800, torch.float32, True, {"num_warps": 1, "prefetch": True}),     # 25 blocks, prefetched spans
+    (1, 1, 3, 16, 96, torch.bfloat16, True, {"num_warps": 8}),                       # K < one span, 7 idle warps
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", FRAG_CASES, ids=lambda c: GG._case_id((*c[:7], True, c[7])))
+def test_fragment_kernel_matches_float64_reference(case, poisoned_outputs):
+    n, k, e, out, kdim, dtype, shared, over = case
+    _all_codes_case(n, k, e, out, kdim, dtype, shared, n * 977 + out * 5 + kdim, **over)
+
+
+@interpreted
+def test_fragment_kernel_split_k_is_deterministic_and_marks_bad_experts(poisoned_outputs):
+    gen = torch.Generator().manual_seed(51)
+    w, s = GG.make_experts(5, 16, 512, gen)
+    idx = GG.make_indices(2, 3, 5, gen)
+    x = GG.make_x(2, 3, 512, torch.bfloat16, True, gen)
+    GG._assert_deterministic_with_nan_rows_for_bad_experts(x, w, s, idx, (5, -6), frag=True, num_warps=1,
+                                                           split_k=2)
+
+
+@interpreted
+def test_the_default_launch_takes_the_fragment_kernel_where_it_applies(monkeypatch, poisoned_outputs):
+    # act_quant, bf16 / fp32 x, a 16-byte-readable weight, no plan option, at least WORDS_MIN_CODES_ACT_QUANT codes:
+    # grouped_frag; without act_quant, fp16 x, a weight at an odd offset, frag=False, below the size or with
+    # FRAG_DEFAULT off: another kernel. Every result against float64.
+    assert gg.FRAG_DEFAULT is True
+    calls = []
+    real = gf.launch_grouped_frag
+    monkeypatch.setattr(gf, "launch_grouped_frag", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(52)
+    w, s = GG.make_experts(4, 16, 128, gen)
+    odd = torch.empty(w.numel() + 4, dtype=torch.uint8)[4:].view(w.shape)  # 4-byte, not 16-byte aligned
+    odd.copy_(w)
+    idx = GG.make_indices(1, 3, 4, gen)
+    codes = 3 * 16 * 128
+    for dtype, weight, aq, least, default, over, want in (
+            (torch.bfloat16, w, True, codes, True, {}, True), (torch.float32, w, True, 0, True, {}, True),
+            (torch.bfloat16, w, True, codes + 1, True, {}, False), (torch.bfloat16, w, False, 0, True, {}, False),
+            (torch.float16, w, True, 0, True, {}, False), (torch.bfloat16, odd, True, 0, True, {}, False),
+            (torch.bfloat16, w, True, 0, True, {"frag": False}, False), (torch.bfloat16, w, True, 0, False, {}, False),
+            (torch.bfloat16, w, True, 0, True, {"words": True}, False)):
+        monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", least)
+        monkeypatch.setattr(gg, "FRAG_DEFAULT", default)
+        calls.clear()
+        x = GG.make_x(1, 3, 128, dtype, True, gen)
+        if not over:
+            assert gg.takes_frag_by_default(x, weight, aq, 3) == want
+            if want:
+                assert not gg.takes_words_by_default(x, weight, aq, 3)
+        y = gg.triton_grouped_linear_fp4(x, weight, s, idx, aq, **over)
+        assert bool(calls) == want, (dtype, aq, least, default, over)
+        GG.assert_close_to_ref(y, *GG.ref_grouped(x, w, s, idx, aq))
+
+
+@interpreted
+def test_pair_op_quantises_x_once_for_two_fragment_launches(monkeypatch, poisoned_outputs):
+    monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 0)
+    preps = []
+    real = gf.prepare_frag_x
+    monkeypatch.setattr(gf, "prepare_frag_x", lambda *a, **kw: preps.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(53)
+    wa, sa = GG.make_experts(4, 16, 256, gen)
+    wb, sb = GG.make_experts(4, 16, 256, gen)
+    idx = GG.make_indices(1, 2, 4, gen)
+    x = GG.make_x(1, 2, 256, torch.bfloat16, True, gen)
+    ya, yb = gg.triton_grouped_linear_fp4_pair(x, wa, sa, wb, sb, idx, True)
+    assert len(preps) == 1
+    assert torch.equal(ya, gg.triton_grouped_linear_fp4(x, wa, sa, idx, True))
+    assert torch.equal(yb, gg.triton_grouped_linear_fp4(x, wb, sb, idx, True))
+    assert len(preps) == 3
+    GG.assert_close_to_ref(ya, *GG.ref_grouped(x, wa, sa, idx, True))
+    GG.assert_close_to_ref(yb, *GG.ref_grouped(x, wb, sb, idx, True))
+
+
+@interpreted
+def test_fragment_kernel_refuses_what_it_cannot_compute(monkeypatch):
+    gen = torch.Generator().manual_seed(54)
+    w, s = GG.make_experts(4, 16, 128, gen)
+    idx = GG.make_indices(1, 2, 4, gen)
+    x = GG.make_x(1, 2, 128, torch.bfloat16, True, gen)
+    with pytest.raises(ValueError, match="act_quant=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, False, frag=True)
+    with pytest.raises(ValueError, match="float16"):
+        gg.triton_grouped_linear_fp4(x.half(), w, s, idx, True, frag=True)
+    with pytest.raises(ValueError, match="pick different kernels"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag=True, words=True)
+    with pytest.raises(ValueError, match=r"\['block_k'\] do not apply to frag=True"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag=True, block_k=64)
+    with pytest.raises(ValueError, match="frag='yes' must be"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag="yes")
+
+
+def test_fragment_plan():
+    plan = gf.grouped_frag_plan(6, 2304, 5120)
+    assert plan["grid"] == (144, 1, 6) and plan["ITERS"] == 5 and plan["SPANS"] == 20 and plan["num_warps"] == 4
+    assert not plan["PREFETCH"]
+    plan = gf.grouped_frag_plan(6, 5120, 2304)  # 9 spans: one warp per program, prefetching
+    assert plan["grid"] == (320, 1, 6) and plan["num_warps"] == 1 and plan["ITERS"] == 9 and plan["PREFETCH"]
+    plan = gf.grouped_frag_plan(6, 5120, 2304, num_warps=2, split_k=2, prefetch=True)
+    assert plan["grid"] == (320, 2, 6) and plan["ITERS"] == 3 and plan["SPLIT_POW2"] == 2 and plan["PREFETCH"]
+    for bad, match in ((dict(num_warps=3), "num_warps=3"), (dict(split_k=0), "split_k=0"),
+                       (dict(prefetch=1), "prefetch=1"), (dict(num_warps=2.0), "num_warps")):
+        with pytest.raises(ValueError, match=match):
+            gf.grouped_frag_plan(6, 64, 256, **bad)
+
+
+def test_eligibility_follows_alignment_dtype_and_act_quant():
+    w = torch.zeros(2, 16, 64, dtype=torch.uint8)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    assert gf.frag_eligible(x, w, True)
+    assert not gf.frag_eligible(x, w, False)
+    assert not gf.frag_eligible(x.half(), w, True)
+    assert not gf.frag_eligible(x, torch.zeros(2, 16, 72, dtype=torch.uint8)[:, :, :64], True)  # row stride 72 B
+    assert not gf.frag_eligible(x, torch.zeros(2 * 16 * 64 + 4, dtype=torch.uint8)[4:].view(2, 16, 64), True)
+    assert gf.frag_supported(torch.device("cpu")) and gf.frag_supported(torch.device("meta"))
+
+
+@pytest.mark.parametrize("warps,prefetch", [(1, False), (4, False), (4, True)])
+def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warps, prefetch):
+    ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
+               cnt_ptr="i32")
+    consts = dict(ITERS=5, SPLIT_K=1, SPLIT_POW2=1, W=warps, PREFETCH=prefetch, USE_PDL=True, ASM=True)
+    # As launched at the h200 shapes: aligned tensors, K and the weight strides multiples of 16.
+    build = dict(num_warps=warps, aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT"))
+    ttgir = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="ttgir", **build)
+    asm = [ln for ln in ttgir.splitlines() if "elementwise_inline_asm" in ln and "mma.sync" in ln]
+    assert len(asm) == 8, "eight MMAs per span (one loop body)"
+    layouts = set(re.findall(r"tensor<\d+x(?:i32|f32), (#\w+)>", " ".join(asm)))
+    assert len(layouts) == 1, layouts
+    (name,) = layouts
+    decl = re.search(rf"^{name} = (.*)$", ttgir, re.M).group(1)
+    # Element i in lane i % 32 of warp i // 32, as a blocked layout or as the linear layout Triton may print
+    # for it (bases: lanes 1, 2, 4, 8, 16; warps 32, 64, ...).
+    warp_bases = ", ".join(f"[{32 << i}]" for i in range(warps.bit_length() - 1))
+    assert (f"sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}]" in decl
+            or f"register = [], lane = [[1], [2], [4], [8], [16]], warp = [{warp_bases}]" in decl), decl
+    ptx = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="ptx", **build)
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 8
+    assert ptx.count("ld.global.v4.b32") >= (16 if prefetch else 8), "weight and activation words, 16-byte loads"
+    sass = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="sass", **build)
+    assert "STL" not in sass and "LDL" not in sass, "register spills"
+
+
+# ------------------------------------------------------------------------------------------- GPU
+_PROBE = load_bench("grouped_words_probe")
+_REF: dict = {}
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    """h200 expert stacks (96 experts; w1 / w3 [2304, 5120], w2 [5120, 2304]) on the GPU with CPU copies."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU (compiled Triton kernels)")
+    gen = torch.Generator().manual_seed(55)
+    out = {}
+    for name, (n_out, k_in) in {"w13": (2304, 5120), "w2": (5120, 2304)}.items():
+        w, s = GG.make_experts(96, n_out, k_in, gen)
+        w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+        out[name] = (w.cuda(), s.cuda(), w, s)
+    return out
+
+
+@pytest.mark.parametrize("cfg", [{}] + _PROBE.FRAG_SWEEP, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or
+                         "default")
+@pytest.mark.parametrize("name", ["w13", "w2"])
+def test_gpu_fragment_kernel_at_h200_shapes(stacks, name, cfg, monkeypatch):
+    poison_outputs(monkeypatch, gg)
+    w, s, w_cpu, s_cpu = stacks[name]
+    k_in = w.shape[2] * 2
+    idx = torch.tensor([[3, 17, 40, 41, 77, 95]])
+    gen = torch.Generator().manual_seed(56)
+    x = (torch.randn(*((1, k_in) if name == "w13" else (1, 6, k_in)), generator=gen) * 2).bfloat16()
+    if name not in _REF:
+        _REF[name] = GG.ref_grouped(x, w_cpu, s_cpu, idx, True)
+    y = gg.triton_grouped_linear_fp4(x.cuda(), w, s, idx.cuda(), True, frag=True, **cfg)
+    GG.assert_close_to_ref(y.cpu(), *_REF[name])
+    bad = idx.clone()
+    bad[0, 2] = 96
+    yb = gg.triton_grouped_linear_fp4(x.cuda(), w, s, bad.cuda(), True, frag=True, **cfg).cpu()
+    assert torch.isnan(yb[0, 2]).all() and torch.equal(yb[0, [0, 1, 3, 4, 5]], y.cpu()[0, [0, 1, 3, 4, 5]])
+
+
+def test_gpu_fragment_kernel_every_code_fp32_and_two_tokens(monkeypatch):
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU (compiled Triton kernels)")
+    poison_outputs(monkeypatch, gg)
+    for case in FRAG_CASES:
+        n, k, e, out, kdim, dtype, shared, over = case
+        _all_codes_case(n, k, e, out, kdim, dtype, shared, 57 + out, device="cuda", **over)
+    _all_codes_case(2, 6, 16, 64, 1024, torch.float32, False, 58, device="cuda")
+
+
+def test_gpu_fragment_pair_in_a_pdl_graph_equals_eager(stacks):
+    from dsv41 import kernels
+    w, s, w_cpu, s_cpu = stacks["w13"]
+    w3, s3 = w.flip(0).contiguous(), s.flip(0).contiguous()
+    idx = torch.tensor([[5, 9, 33, 60, 61, 90]], device="cuda")
+    x = (torch.randn(1, 5120, generator=torch.Generator().manual_seed(59)) * 2).bfloat16().cuda()
+    assert gg.takes_frag_by_default(x, w, True, 6)
+
+    def step():
+        return (*torch.ops.dsv41.grouped_linear_fp4_pair(x, w, s, w3, s3, idx, True),
+                torch.ops.dsv41.grouped_linear_fp4(x, w, s, idx, True))
+
+    kernels.set_pdl(True)
+    try:
+        a, b, a1 = step()
+        assert torch.equal(a, a1)
+        GG.assert_close_to_ref(a.cpu(), *GG.ref_grouped(x.cpu(), w_cpu, s_cpu, idx.cpu(), True))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for o in out:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, r) for o, r in zip(out, (a, b, a1)))
+    finally:
+        kernels.set_pdl(False)
