@@ -40,10 +40,11 @@ def poisoned_outputs(monkeypatch):
 
 
 def _all_codes_case(n, k, e, out, kdim, dtype, shared, seed, device="cpu", **over):
-    """One frag launch with every E2M1 code in every nibble position and negative indices, against float64."""
+    """One frag launch with every E2M1 code in every nibble position of every expert and negative indices, against
+    float64."""
     gen = torch.Generator().manual_seed(seed)
     w, s = GG.make_experts(e, out, kdim, gen)
-    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    w.view(e, -1)[:, :256] = torch.arange(256, dtype=torch.uint8)  # in every expert: whichever the indices pick
     idx = GG.make_indices(n, k, e, gen, negative=True)
     x = GG.make_x(n, k, kdim, dtype, shared, gen)
     y = gg.triton_grouped_linear_fp4(x.to(device), w.to(device), s.to(device), idx.to(device), True, frag=True,
@@ -83,32 +84,39 @@ def test_the_default_launch_takes_the_fragment_kernel_where_it_applies(monkeypat
     # act_quant, bf16 / fp32 x, a 16-byte-readable weight, no plan option, at least WORDS_MIN_CODES_ACT_QUANT codes:
     # grouped_frag; without act_quant, fp16 x, a weight at an odd offset, frag=False, below the size or with
     # FRAG_DEFAULT off: another kernel. Every result against float64.
+    from dsv41.kernels import grouped_words as gw
     assert gg.FRAG_DEFAULT is True
-    calls = []
+    calls, words = [], []
     real = gf.launch_grouped_frag
     monkeypatch.setattr(gf, "launch_grouped_frag", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real_words = gw.launch_grouped_words
+    monkeypatch.setattr(gw, "launch_grouped_words", lambda *a, **kw: words.append(1) or real_words(*a, **kw))
     gen = torch.Generator().manual_seed(52)
     w, s = GG.make_experts(4, 16, 128, gen)
     odd = torch.empty(w.numel() + 4, dtype=torch.uint8)[4:].view(w.shape)  # 4-byte, not 16-byte aligned
     odd.copy_(w)
     idx = GG.make_indices(1, 3, 4, gen)
     codes = 3 * 16 * 128
-    for dtype, weight, aq, least, default, over, want in (
-            (torch.bfloat16, w, True, codes, True, {}, True), (torch.float32, w, True, 0, True, {}, True),
-            (torch.bfloat16, w, True, codes + 1, True, {}, False), (torch.bfloat16, w, False, 0, True, {}, False),
-            (torch.float16, w, True, 0, True, {}, False), (torch.bfloat16, odd, True, 0, True, {}, False),
-            (torch.bfloat16, w, True, 0, True, {"frag": False}, False), (torch.bfloat16, w, True, 0, False, {}, False),
-            (torch.bfloat16, w, True, 0, True, {"words": True}, False)):
+    # (x dtype, weight, act_quant, size threshold, FRAG_DEFAULT, options, fragment kernel?, word-decode kernel?)
+    for dtype, weight, aq, least, default, over, want, want_words in (
+            (torch.bfloat16, w, True, codes, True, {}, True, False), (torch.float32, w, True, 0, True, {}, True, False),
+            (torch.bfloat16, w, True, codes + 1, True, {}, False, False),
+            (torch.bfloat16, w, False, 0, True, {}, False, True), (torch.float16, w, True, 0, True, {}, False, False),
+            (torch.bfloat16, odd, True, 0, True, {}, False, True),
+            (torch.bfloat16, w, True, 0, True, {"frag": False}, False, True),  # refused: the next default
+            (torch.bfloat16, w, True, 0, False, {}, False, True),
+            (torch.bfloat16, w, True, 0, True, {"words": True}, False, True)):
         monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", least)
         monkeypatch.setattr(gg, "FRAG_DEFAULT", default)
         calls.clear()
+        words.clear()
         x = GG.make_x(1, 3, 128, dtype, True, gen)
         if not over:
             assert gg.takes_frag_by_default(x, weight, aq, 3) == want
             if want:
                 assert not gg.takes_words_by_default(x, weight, aq, 3)
         y = gg.triton_grouped_linear_fp4(x, weight, s, idx, aq, **over)
-        assert bool(calls) == want, (dtype, aq, least, default, over)
+        assert bool(calls) == want and bool(words) == want_words, (dtype, aq, least, default, over)
         GG.assert_close_to_ref(y, *GG.ref_grouped(x, w, s, idx, aq))
 
 
@@ -148,6 +156,45 @@ def test_fragment_kernel_refuses_what_it_cannot_compute(monkeypatch):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag=True, block_k=64)
     with pytest.raises(ValueError, match="frag='yes' must be"):
         gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag="yes")
+    with pytest.raises(ValueError, match=r"\['split_k'\] apply to the fragment kernel only"):
+        gg.triton_grouped_linear_fp4(x, w, s, idx, True, split_k=2)
+
+
+@interpreted
+def test_activation_preparation_matches_the_models_fp8_quantisation(poisoned_outputs):
+    # E4M3 bytes in part order (part p, byte i <- code 8 (p // 2) + 2 i + p % 2 of each block) and scales
+    # 2^(e - 127), against formats.quantize_fp8_1x32 (the model's quantiser, not this kernel's code); blocks of
+    # -0.0, 448 x 2^k, E4M3 subnormals, zeros and random values.
+    from dsv41.model import formats
+    gen = torch.Generator().manual_seed(60)
+    mag = torch.exp2(torch.randint(-12, 12, (3, 5, 1), generator=gen).float())
+    x = (torch.randn(3, 5, 32, generator=gen) * mag).reshape(3, 160)
+    x[0, :32] = -0.0
+    x[1, 32:64] = torch.tensor([448.0 * 2 ** 5, 2.0 ** -9 * 2 ** 5, -(2.0 ** -7) * 2 ** 5] * 10 + [0.0, -1.0])
+    x[2, 64:96] = 0.0
+    codes, e = formats.quantize_fp8_1x32(x)
+    xq, xs = gf.prepare_frag_x(x, gg._empty, False)
+    c = torch.arange(32)
+    pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
+    want = torch.empty_like(codes).view(3, 5, 32)
+    want[..., pos] = codes.view(3, 5, 32)
+    # -0.0 may come out as +0.0 (0x80 vs 0x00): the same product in every MMA.
+    unsign_zero = lambda b: torch.where(b == 0x80, torch.zeros_like(b), b)  # noqa: E731
+    assert torch.equal(unsign_zero(xq.view(3, 5, 32)), unsign_zero(want))
+    assert (want[0, 0] == 0x80).all()  # the model keeps the sign: the comparison above is not vacuous
+    assert torch.equal(xs, torch.exp2(e.float() - 127))
+
+
+@interpreted
+@pytest.mark.parametrize("kernel", [{"frag": True}, {"words": True}, {"words": False}], ids=["frag", "words", "tile"])
+def test_a_nan_activation_gives_nan_rows_like_the_reference(kernel, poisoned_outputs):
+    gen = torch.Generator().manual_seed(61)
+    w, s = GG.make_experts(3, 16, 64, gen)
+    idx = GG.make_indices(1, 2, 3, gen)
+    x = GG.make_x(1, 2, 64, torch.float32, True, gen)
+    x[0, 40] = float("nan")
+    assert torch.isnan(gg.reference_grouped_linear_fp4(x, w, s, idx, True)).all()
+    assert torch.isnan(gg.triton_grouped_linear_fp4(x, w, s, idx, True, **kernel)).all()
 
 
 def test_fragment_plan():

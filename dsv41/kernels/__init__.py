@@ -7,7 +7,8 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
 - `dsv41::linear_upcast` (upcast_gemv.py): FP32 GEMV reading a bf16 / fp16 weight once, the upcast_linear target.
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
-  Its default kernel with FP8-quantised activations (act_quant) is the tensor-core GEMV of `grouped_frag.py`
+  Its default kernel with FP8-quantised activations (act_quant, from `WORDS_MIN_CODES_ACT_QUANT` codes per call; the
+  `small` and `tiny` shapes stay on the tile kernel) is the tensor-core GEMV of `grouped_frag.py`
   (E2M1 -> E4M3 decoded into `mma.sync` fragments, inline PTX); otherwise, for bf16 / fp32 x, the word-decode
   CUDA-core GEMV of `grouped_words.py`. `grouped_mma.py` holds an opt-in `tl.dot_scaled` variant (`mma_words=True`;
   slower on the H200, not the default).

@@ -41,7 +41,10 @@ activations and scales are exact; each product of a code and an activation is ex
 of a block with the tensor core's FP32 accumulation (on Hopper not IEEE round-to-nearest at every add: a few units
 of 2^-23 of the block sum), the block sums are scaled and added in FP32 in another order than the reference's
 matmul, then rounded once to x's dtype (bf16 / fp32; fp16 x stays on `grouped_gemv`'s tile kernel, which repeats
-the reference's fp16 roundings). A UE8M0 weight scale byte of 0 is a zero scale (`formats.ue8m0_to_float`).
+the reference's fp16 roundings). A UE8M0 weight scale byte of 0 is a zero scale (`formats.ue8m0_to_float`); bytes
+near 255 can overflow the FP32 product of a block sum and its scales to inf where the reference's result is finite
+(as in `grouped_gemv`'s other kernels). A NaN activation makes its block's E4M3 byte NaN, so every output row is NaN,
+as in the reference.
 
 Op: none of its own. `grouped_gemv.triton_grouped_linear_fp4` launches it (`frag=True`, or by default where
 `grouped_gemv.takes_frag_by_default`).
@@ -58,7 +61,7 @@ from .grouped_gemv import _grouped_store, _pair_expert
 from .quant_gemv import _fp8_1x32_parts
 
 __all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
-           "FRAG_KEYS", "SPAN"]
+           "FRAG_KEYS", "FRAG_ONLY_KEYS", "SPAN"]
 
 #: Codes of K one warp covers per step: 8 blocks of 32, the 8 columns of one m16n8k32 MMA.
 SPAN = 256
@@ -68,6 +71,9 @@ _ROWS = 16
 _NUM_WARPS = 4
 #: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `frag` itself and `sm_count`).
 FRAG_KEYS = ("num_warps", "split_k", "prefetch")
+#: Those of `FRAG_KEYS` no other kernel of `triton_grouped_linear_fp4` takes (`prefetch` is also the row-streaming
+#: kernel's, `num_warps` every kernel's).
+FRAG_ONLY_KEYS = ("split_k",)
 #: Codes of K per program of the activation preparation kernel.
 _PREP_BLOCK = 1024
 
@@ -77,7 +83,8 @@ def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = Non
     """Launch parameters of the fragment kernel for `pairs` (token, expert) pairs of an [n, k] FP4 weight.
 
     16 rows per program (the MMA's M); num_warps warps per program, each a share of the program's 256-code spans
-    (default: the largest of 4, 2, 1 that divides the spans, so no warp idles in the last step); split_k (default 1)
+    (default: the largest of 4, 2, 1 that divides the spans, so with one K split no warp idles in the last step);
+    split_k (default 1)
     programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp; PREFETCH (prefetch,
     default: with one warp per program) issues the next span's loads before this span's MMAs (a register double
     buffer); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs, 20 spans)
@@ -117,8 +124,9 @@ def frag_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> boo
 
 
 def frag_supported(device: torch.device) -> bool:
-    """Whether the fragment kernel runs on `device`: the interpreter (CPU), meta tensors (the launch census models
-    the H200), or CUDA with compute capability 8.9 or later (FP8 `mma.sync.m16n8k32`)."""
+    """Whether the fragment kernel's arithmetic is available on `device`: CPU (where only the interpreter launches
+    it; the launcher raises otherwise), meta tensors (the launch census models the H200), or CUDA with compute
+    capability 8.9 or later (FP8 `mma.sync.m16n8k32`)."""
     if device.type != "cuda":
         return device.type in ("cpu", "meta")
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -126,14 +134,15 @@ def frag_supported(device: torch.device) -> bool:
 
 @triton.jit
 def _e4m3_bits(q):
-    # E4M3 byte (int32) of fp32 q holding an E4M3 value (|q| <= 448); built from the bits, because the
-    # interpreter's fp32 -> float8e4nv cast rounds wrongly (_common's module docstring).
+    # E4M3 byte (int32) of fp32 q holding an E4M3 value (|q| <= 448) or NaN (0x7F); built from the bits, because
+    # the interpreter's fp32 -> float8e4nv cast rounds wrongly (_common's module docstring). -0.0 keeps its sign.
     a = tl.abs(q)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((((bits >> 23) - 120) << 3) | ((bits >> 20) & 7))
     sub = (a * 512.0).to(tl.int32)
     mag = tl.where(a >= 0.015625, normal, sub)
-    return tl.where(q < 0, mag | 0x80, mag)
+    mag = tl.where(q != q, 0x7F, mag)
+    return tl.where(q.to(tl.int32, bitcast=True) < 0, mag | 0x80, mag)
 
 
 @triton.jit
@@ -177,11 +186,12 @@ def _e4m3_of_nibbles(w, HIGH: tl.constexpr):
 
 @triton.jit
 def _e4m3_value(b):
-    # FP32 value of E4M3 byte b (int32 0..255, never NaN here).
+    # FP32 value of E4M3 byte b (int32 0..255; 0x7F / 0xFF are NaN).
     e = (b >> 3) & 15
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
     return tl.where(b >= 128, -v, v)
 
 

@@ -322,7 +322,8 @@ def takes_frag_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool
     (weight [E, out, K/2], x [..., K]), a layout it reads and a device it runs on."""
     from . import grouped_frag
     return (frag_by_default_for(x.dtype, act_quant, pairs, weight.shape[1], x.shape[-1])
-            and grouped_frag.frag_eligible(x, weight, act_quant) and grouped_frag.frag_supported(x.device))
+            and grouped_frag.frag_eligible(x, weight, act_quant) and grouped_frag.frag_supported(x.device)
+            and not _take_mma_words(x, weight, act_quant, {}))
 
 
 def _take_frag(x, weight, act_quant, pairs, overrides) -> bool:
@@ -345,6 +346,10 @@ def _take_frag(x, weight, act_quant, pairs, overrides) -> bool:
                          f"{torch.cuda.get_device_capability(x.device)}")
     if asked:
         _keep_only(overrides, grouped_frag.FRAG_KEYS, "frag")
+    else:
+        only = sorted(k for k in grouped_frag.FRAG_ONLY_KEYS if overrides.get(k) is not None)
+        if only:
+            raise ValueError(f"{only} apply to the fragment kernel only (frag=True)")
     return bool(asked)
 
 
@@ -356,25 +361,31 @@ def words_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: i
 
 
 def takes_words_by_default(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
-    """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `words_by_default_for`
-    (weight [E, out, K/2], x [..., K]), a layout it reads (`grouped_words.words_eligible`) and not the fragment
-    kernel (`takes_frag_by_default`)."""
+    """Whether a launch with no plan option runs the word-decode kernel (`grouped_words`): `_words_rule` and not
+    the fragment kernel (`takes_frag_by_default`)."""
+    return _words_rule(x, weight, act_quant, pairs) and not takes_frag_by_default(x, weight, act_quant, pairs)
+
+
+def _words_rule(x: torch.Tensor, weight: torch.Tensor, act_quant: bool, pairs: int) -> bool:
+    """`words_by_default_for` (weight [E, out, K/2], x [..., K]) and a layout the word-decode kernel reads
+    (`grouped_words.words_eligible`): its default once the fragment kernel is out (not by default, or frag=False)."""
     from . import grouped_words
     return (words_by_default_for(x.dtype, act_quant, pairs, weight.shape[1], x.shape[-1])
-            and grouped_words.words_eligible(x, weight) and not takes_frag_by_default(x, weight, act_quant, pairs))
+            and grouped_words.words_eligible(x, weight))
 
 
 def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
     """Pop `words` from `overrides` and decide whether this launch runs `grouped_words` (by default: `WORDS_DEFAULT`,
     no other override, eligible arguments, and with act_quant at least `WORDS_MIN_CODES_ACT_QUANT` codes over the
-    `pairs` (token, expert) pairs); then only its plan keys (`grouped_words.WORDS_KEYS`, sm_count) may remain.
+    `pairs` (token, expert) pairs; called once the fragment kernel is out); then only its plan keys
+    (`grouped_words.WORDS_KEYS`, sm_count) may remain.
     Raises ValueError for words=True with x or weight it does not take, or next to options of another kernel."""
     from . import grouped_words
     asked = overrides.pop("words", None)
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"words={asked!r} must be True, False or None")
     if asked is None:
-        asked = not overrides and takes_words_by_default(x, weight, act_quant, pairs)
+        asked = not overrides and _words_rule(x, weight, act_quant, pairs)
     elif asked and not grouped_words.words_eligible(x, weight):
         raise ValueError("words=True needs bf16 or fp32 x and a weight readable as int32 words "
                          f"(got x {x.dtype}, weight strides {weight.stride()})")

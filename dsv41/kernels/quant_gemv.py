@@ -232,13 +232,14 @@ def _fake_quant_fp8_1x32(x):
 def _fp8_1x32_parts(x):
     """(q, e) of formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2): amax floored at
     1e-4, UE8M0 ceil scale byte e (int32, axis 1 kept with size 1) from the IEEE bits of amax / 448 (correctly
-    rounded division), q = clamp(x / 2^(e-127), +-448) -> E4M3 RNE (fp32 values)."""
+    rounded division), q = clamp(x / 2^(e-127), +-448) -> E4M3 RNE (fp32 values); NaN where x is NaN."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), 1e-4)
     e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
     # The floor keeps e in [105, 247], so 2^(127-e) is a normal number and x * 2^(127-e) is exact.
     q = tl.minimum(tl.maximum(x * exp2_int(254 - e), -448.0), 448.0)
     qr = e4m3_round(tl.abs(q))
-    return tl.where(q < 0, -qr, qr), e
+    # A NaN stays NaN (as in formats.quantize_fp8_1x32); the clamp above would have made it +-448.
+    return tl.where(x != x, x, tl.where(q < 0, -qr, qr)), e
 
 
 @triton.jit
