@@ -5,7 +5,8 @@ TRITON_INTERPRET is not set (those files check the compiled kernels; the interpr
 `load_reference(name)` imports tests/<name>.py by path, for the float64 references the CPU tests define;
 `load_bench(name)` imports bench/<name>.py (bench/ is not a package), for the configurations the benchmarks time.
 `tiny_cuda_reference(steps)` builds the FP32 `tiny` model on the GPU with its eager greedy tokens, for the
-end-to-end GPU tests.
+end-to-end GPU tests. `assert_graph_replay_equals(step, want)` replays `step` from a CUDA graph with poisoned
+outputs and compares them bit for bit.
 """
 
 from __future__ import annotations
@@ -52,3 +53,21 @@ def tiny_cuda_reference(steps: int, prompt_len: int = 40):
     model = build_model("tiny", "cuda", "checkpoint", "fp32")
     prompt = benchmark_prompt(model.config, prompt_len, device="cuda")
     return model, prompt, generate(model, prompt, steps).tokens
+
+
+def assert_graph_replay_equals(step, want) -> None:
+    """Capture `step()` (a tuple of CUDA tensors) in a CUDA graph after one warm-up run on a side stream, fill its
+    outputs with NaN, replay it and assert every output equals `want` (same order) bit for bit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for o in out:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(out) == len(want) and all(torch.equal(o, r) for o, r in zip(out, want))

@@ -86,10 +86,11 @@ class InterpreterHarness:
         return _record_node
 
 
-def poison_outputs(monkeypatch, module) -> None:
-    """Make every output/workspace `module._empty` allocates start as NaN (floats) or 0xAB (bytes)."""
+def poison_outputs(monkeypatch, module, float_fill: float = float("nan")) -> None:
+    """Make every output/workspace `module._empty` allocates start as `float_fill` (floats; NaN by default, a finite
+    value where a test expects NaN from the kernel itself) or 0xAB (bytes)."""
     def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else 0xAB
+        fill = float_fill if dtype.is_floating_point else 0xAB
         return torch.full(shape, fill, dtype=dtype, device=device)
     monkeypatch.setattr(module, "_empty", poisoned)
 

@@ -30,7 +30,8 @@ import math
 import pytest
 import torch
 
-from gpu_harness import load_bench, load_reference, skip_unless_compiled_gpu  # noqa: E402
+from gpu_harness import (assert_graph_replay_equals, load_bench, load_reference,  # noqa: E402
+                         skip_unless_compiled_gpu)
 
 skip_unless_compiled_gpu()
 
@@ -325,19 +326,7 @@ def test_grouped_pair_at_h200_shapes_equals_two_calls_also_in_a_pdl_graph(expert
         a, b, a1, b1 = step()
         assert torch.equal(a, a1) and torch.equal(b, b1)
         GG.assert_close_to_ref(a.cpu(), *GG.ref_grouped(x.cpu(), w_cpu, s_cpu, idx.cpu(), True))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for o in out:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, r) for o, r in zip(out, (a, b, a1, b1)))
+        assert_graph_replay_equals(step, (a, b, a1, b1))
     finally:
         kernels.set_pdl(False)
 

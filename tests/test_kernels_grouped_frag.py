@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-from gpu_harness import load_bench, load_reference
+from gpu_harness import assert_graph_replay_equals, load_bench, load_reference
 from interp_harness import InterpreterHarness, poison_outputs, sm90_ttir
 
 from dsv41.kernels import grouped_frag as gf
@@ -37,6 +37,16 @@ ON_GPU = torch.cuda.is_available() and not __import__("os").environ.get("TRITON_
 def poisoned_outputs(monkeypatch):
     """Every output/workspace the launcher allocates starts as NaN (floats) or 0xAB (bytes)."""
     poison_outputs(monkeypatch, gg)
+
+
+#: The poison of tests that expect NaN from the kernel: a NaN there must have been written, not left over.
+FINITE_POISON = 12345.0
+
+
+@pytest.fixture
+def finite_poisoned_outputs(monkeypatch):
+    """Every output/workspace starts as FINITE_POISON (floats) or 0xAB (bytes)."""
+    poison_outputs(monkeypatch, gg, FINITE_POISON)
 
 
 def _all_codes_case(n, k, e, out, kdim, dtype, shared, seed, device="cpu", **over):
@@ -70,7 +80,7 @@ def test_fragment_kernel_matches_float64_reference(case, poisoned_outputs):
 
 
 @interpreted
-def test_fragment_kernel_split_k_is_deterministic_and_marks_bad_experts(poisoned_outputs):
+def test_fragment_kernel_split_k_is_deterministic_and_marks_bad_experts(finite_poisoned_outputs):
     gen = torch.Generator().manual_seed(51)
     w, s = GG.make_experts(5, 16, 512, gen)
     idx = GG.make_indices(2, 3, 5, gen)
@@ -187,7 +197,7 @@ def test_activation_preparation_matches_the_models_fp8_quantisation(poisoned_out
 
 @interpreted
 @pytest.mark.parametrize("kernel", [{"frag": True}, {"words": True}, {"words": False}], ids=["frag", "words", "tile"])
-def test_a_nan_activation_gives_nan_rows_like_the_reference(kernel, poisoned_outputs):
+def test_a_nan_activation_gives_nan_rows_like_the_reference(kernel, finite_poisoned_outputs):
     gen = torch.Generator().manual_seed(61)
     w, s = GG.make_experts(3, 16, 64, gen)
     idx = GG.make_indices(1, 2, 3, gen)
@@ -271,7 +281,7 @@ def stacks():
                          "default")
 @pytest.mark.parametrize("name", ["w13", "w2"])
 def test_gpu_fragment_kernel_at_h200_shapes(stacks, name, cfg, monkeypatch):
-    poison_outputs(monkeypatch, gg)
+    poison_outputs(monkeypatch, gg, FINITE_POISON)  # the bad expert's NaN row must be written
     w, s, w_cpu, s_cpu = stacks[name]
     k_in = w.shape[2] * 2
     idx = torch.tensor([[3, 17, 40, 41, 77, 95]])
@@ -314,18 +324,6 @@ def test_gpu_fragment_pair_in_a_pdl_graph_equals_eager(stacks):
         a, b, a1 = step()
         assert torch.equal(a, a1)
         GG.assert_close_to_ref(a.cpu(), *GG.ref_grouped(x.cpu(), w_cpu, s_cpu, idx.cpu(), True))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for o in out:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, r) for o, r in zip(out, (a, b, a1)))
+        assert_graph_replay_equals(step, (a, b, a1))
     finally:
         kernels.set_pdl(False)

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
 from .grouped_gemv import _grouped_store, _pair_expert
+from .grouped_words import x_blocks
 from .quant_gemv import _fp8_1x32_parts
 
 __all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
@@ -84,8 +85,7 @@ def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = Non
 
     16 rows per program (the MMA's M); num_warps warps per program, each a share of the program's 256-code spans
     (default: the largest of 4, 2, 1 that divides the spans, so with one K split no warp idles in the last step);
-    split_k (default 1)
-    programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp; PREFETCH (prefetch,
+    split_k (default 1) programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp; PREFETCH (prefetch,
     default: with one warp per program) issues the next span's loads before this span's MMAs (a register double
     buffer); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs, 20 spans)
     144 x 1 x 6 = 864 programs of 4 warps, 5 spans per warp; w2 (5120 x 2304, 9 spans) 320 x 1 x 6 programs of one
@@ -118,9 +118,13 @@ def frag_eligible(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> boo
     """Whether `launch_grouped_frag` computes these arguments' numbers: act_quant, x bf16 or fp32, and a packed
     weight [E, out, K/2] readable as 16-byte vectors (contiguous along K, K/2 and both outer strides multiples of
     16 bytes, 16-byte aligned address)."""
-    return (bool(act_quant) and x.dtype in (torch.bfloat16, torch.float32) and weight.dim() == 3
-            and weight.stride(-1) == 1 and weight.shape[-1] % 16 == 0 and weight.stride(0) % 16 == 0
-            and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0)
+    return bool(act_quant) and x.dtype in (torch.bfloat16, torch.float32) and _vector_readable(weight)
+
+
+def _vector_readable(weight: torch.Tensor) -> bool:
+    # [E, out, K/2] bytes readable in place as 16-byte vectors.
+    return (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 16 == 0
+            and weight.stride(0) % 16 == 0 and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
 def frag_supported(device: torch.device) -> bool:
@@ -150,16 +154,7 @@ def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_P
     # Program (K chunk, row): E4M3 bytes of formats.quantize_fp8_1x32(x[row]) in part order (module docstring) and
     # the block scales 2^(e - 127) as FP32.
     NB: tl.constexpr = BLOCK // 32
-    row = tl.program_id(1).to(tl.int64)
-    kb = tl.program_id(0) * NB + tl.arange(0, NB)
-    c = tl.arange(0, 32)
-    offs = kb[:, None] * 32 + c[None, :]
-    ok = offs < K
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    xv = tl.load(x_ptr + row * stride_xr + offs, mask=ok, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    row, kb, c, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL)
     q, e = _fp8_1x32_parts(xv)
     pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
     tl.store(q_ptr + row * K + kb[:, None] * 32 + pos[None, :], _e4m3_bits(q).to(tl.uint8), mask=ok)
@@ -233,7 +228,7 @@ def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr):
 def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         # Not pure: a pure elementwise op may be recomputed in another layout to save a layout conversion, and this
-        # one is only right where element [w, l] sits in lane l of warp w.
+        # one is only right where element i sits in lane i % 32 of warp i // 32.
         return tl.inline_asm_elementwise(
             "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
             "{$10, $11, $12, $13};",
@@ -418,8 +413,7 @@ def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor
     Raises ValueError for a weight that cannot be read as 16-byte vectors; other arguments are checked by the
     caller (`grouped_gemv.triton_grouped_linear_fp4`).
     """
-    if not (weight.dim() == 3 and weight.stride(-1) == 1 and weight.shape[-1] % 16 == 0
-            and weight.stride(0) % 16 == 0 and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0):
+    if not _vector_readable(weight):
         raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as 16-byte "
                          "vectors (needs contiguous K, K/2, the strides and the address multiples of 16 bytes)")
     words = weight.view(torch.int32)

@@ -344,13 +344,8 @@ def _take_frag(x, weight, act_quant, pairs, overrides) -> bool:
     elif asked and not grouped_frag.frag_supported(x.device):
         raise ValueError(f"frag=True needs FP8 mma.sync (compute capability 8.9 or later); {x.device} has "
                          f"{torch.cuda.get_device_capability(x.device)}")
-    if asked:
-        _keep_only(overrides, grouped_frag.FRAG_KEYS, "frag")
-    else:
-        only = sorted(k for k in grouped_frag.FRAG_ONLY_KEYS if overrides.get(k) is not None)
-        if only:
-            raise ValueError(f"{only} apply to the fragment kernel only (frag=True)")
-    return bool(asked)
+    return _keep_or_refuse(overrides, asked, grouped_frag.FRAG_KEYS, grouped_frag.FRAG_ONLY_KEYS, "frag",
+                           "the fragment kernel")
 
 
 def words_by_default_for(dtype: torch.dtype, act_quant: bool, pairs: int, out: int, k: int) -> bool:
@@ -389,12 +384,19 @@ def _take_words(x, weight, act_quant, pairs, overrides) -> bool:
     elif asked and not grouped_words.words_eligible(x, weight):
         raise ValueError("words=True needs bf16 or fp32 x and a weight readable as int32 words "
                          f"(got x {x.dtype}, weight strides {weight.stride()})")
+    return _keep_or_refuse(overrides, asked, grouped_words.WORDS_KEYS, grouped_words.WORDS_ONLY_KEYS, "words",
+                           "the word-decode kernel")
+
+
+def _keep_or_refuse(overrides: dict, asked, keys, only_keys, flag: str, kernel: str) -> bool:
+    """After `flag` (a kernel's option) was decided as `asked`: if it runs, `_keep_only` its keys; otherwise refuse
+    the options only it takes (`only_keys`, ValueError naming them and `kernel`). Returns bool(asked)."""
     if asked:
-        _keep_only(overrides, grouped_words.WORDS_KEYS, "words")
+        _keep_only(overrides, keys, flag)
     else:
-        only = sorted(k for k in grouped_words.WORDS_ONLY_KEYS if overrides.get(k) is not None)
+        only = sorted(k for k in only_keys if overrides.get(k) is not None)
         if only:
-            raise ValueError(f"{only} apply to the word-decode kernel only (words=True)")
+            raise ValueError(f"{only} apply to {kernel} only ({flag}=True)")
     return bool(asked)
 
 
@@ -545,8 +547,7 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
         raise ValueError(f"weight_b / scale_b: {err}") from None
     pairs = n * k
     shareable = act_quant and weight_a.shape == weight_b.shape and 0 < pairs <= MAX_TRITON_PAIRS and out > 0 and kk > 0
-    frag = shareable and all(takes_frag_by_default(x, w, True, pairs) and not _take_mma_words(x, w, True, {})
-                             for w in (weight_a, weight_b))
+    frag = shareable and all(takes_frag_by_default(x, w, True, pairs) for w in (weight_a, weight_b))
     words = shareable and not frag and all(takes_words_by_default(x, w, True, pairs)
                                            and not _take_mma_words(x, w, True, {}) for w in (weight_a, weight_b))
     if frag or words:

@@ -50,7 +50,8 @@ from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_
 from .grouped_gemv import _grouped_store, _pair_expert
 from .quant_gemv import _fake_quant_fp8_1x32
 
-__all__ = ["grouped_words_plan", "words_eligible", "launch_grouped_words", "prepare_x", "WORDS_KEYS", "WORDS_ONLY_KEYS"]
+__all__ = ["grouped_words_plan", "words_eligible", "launch_grouped_words", "prepare_x", "x_blocks", "WORDS_KEYS",
+           "WORDS_ONLY_KEYS"]
 
 #: Defaults of `grouped_words_plan`: one-warp programs of 32 rows x 256 codes (swept on the H200 at the h200 shapes,
 #: bench/results/2026-12-01_h200_s19: 31-33 us; 64- to 128-row programs of 2-4 warps took 37-60 us).
@@ -121,11 +122,11 @@ def words_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _x_prep_kernel(x_ptr, y_ptr, K, stride_xr, ACT_QUANT: tl.constexpr, PERM: tl.constexpr, BLOCK: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    # Program (K block, row): y[row] = x[row] in FP32, FP8 1x32 fake-quantised (formats.fake_quant_fp8_1x32, exact
-    # in FP32) when ACT_QUANT; with PERM, element 8 w + i of each 32-block goes to position 4 i + w, so the GEMV
-    # reads the activations of nibble i of a block's four words as one 16-byte vector.
+def x_blocks(x_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """The activation preparation kernels' load (this module's `_x_prep_kernel`, `grouped_frag._frag_x_kernel`):
+    program (K chunk, row) reads x[row] blocks of 32 as FP32 [BLOCK / 32, 32]. Returns (row int64, block indices
+    kb [BLOCK / 32], position j [32] in a block, offsets [BLOCK / 32, 32] along K, in-range mask, values). Under PDL
+    it waits for the previous kernel before the load and lets the GEMV launch after it."""
     NB: tl.constexpr = BLOCK // 32
     row = tl.program_id(1).to(tl.int64)
     kb = tl.program_id(0) * NB + tl.arange(0, NB)
@@ -138,6 +139,16 @@ def _x_prep_kernel(x_ptr, y_ptr, K, stride_xr, ACT_QUANT: tl.constexpr, PERM: tl
     if USE_PDL:
         # The GEMV's gdc_wait still waits for this grid to finish: it may start its index and weight set-up now.
         tl.extra.cuda.gdc_launch_dependents()
+    return row, kb, j, offs, ok, xv
+
+
+@triton.jit
+def _x_prep_kernel(x_ptr, y_ptr, K, stride_xr, ACT_QUANT: tl.constexpr, PERM: tl.constexpr, BLOCK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    # Program (K block, row): y[row] = x[row] in FP32, FP8 1x32 fake-quantised (formats.fake_quant_fp8_1x32, exact
+    # in FP32) when ACT_QUANT; with PERM, element 8 w + i of each 32-block goes to position 4 i + w, so the GEMV
+    # reads the activations of nibble i of a block's four words as one 16-byte vector.
+    row, kb, j, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL)
     if ACT_QUANT:
         xv = _fake_quant_fp8_1x32(xv)
     if PERM:
