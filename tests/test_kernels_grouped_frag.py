@@ -210,13 +210,18 @@ def test_a_nan_activation_gives_nan_rows_like_the_reference(kernel, finite_poiso
 def test_fragment_plan():
     plan = gf.grouped_frag_plan(6, 2304, 5120)
     assert plan["grid"] == (144, 1, 6) and plan["ITERS"] == 5 and plan["SPANS"] == 20 and plan["num_warps"] == 4
-    assert not plan["PREFETCH"]
-    plan = gf.grouped_frag_plan(6, 5120, 2304)  # 9 spans: one warp per program, prefetching
+    # 72 registers: 7 four-warp programs per H200 SM, so the 864 programs are one wave (Triton 3.6 takes 82)
+    assert not plan["PREFETCH"] and plan["MAXNREG"] == 72
+    plan = gf.grouped_frag_plan(6, 5120, 2304)  # 9 spans: one warp per program, prefetching, no register cap
     assert plan["grid"] == (320, 1, 6) and plan["num_warps"] == 1 and plan["ITERS"] == 9 and plan["PREFETCH"]
-    plan = gf.grouped_frag_plan(6, 5120, 2304, num_warps=2, split_k=2, prefetch=True)
+    assert plan["MAXNREG"] is None
+    plan = gf.grouped_frag_plan(6, 5120, 2304, num_warps=2, split_k=2, prefetch=True, maxnreg=96)
     assert plan["grid"] == (320, 2, 6) and plan["ITERS"] == 3 and plan["SPLIT_POW2"] == 2 and plan["PREFETCH"]
+    assert plan["MAXNREG"] == 96 and gf.grouped_frag_plan(6, 2304, 5120, maxnreg=128)["MAXNREG"] == 128
     for bad, match in ((dict(num_warps=3), "num_warps=3"), (dict(split_k=0), "split_k=0"),
-                       (dict(prefetch=1), "prefetch=1"), (dict(num_warps=2.0), "num_warps")):
+                       (dict(prefetch=1), "prefetch=1"), (dict(num_warps=2.0), "num_warps"),
+                       (dict(maxnreg=16), "maxnreg=16"), (dict(maxnreg=256), "maxnreg=256"),
+                       (dict(maxnreg=72.0), "maxnreg")):
         with pytest.raises(ValueError, match=match):
             gf.grouped_frag_plan(6, 64, 256, **bad)
 

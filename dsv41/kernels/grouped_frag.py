@@ -71,34 +71,43 @@ _ROWS = 16
 #: Most warps per program by default (`grouped_frag_plan`).
 _NUM_WARPS = 4
 #: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `frag` itself and `sm_count`).
-FRAG_KEYS = ("num_warps", "split_k", "prefetch")
+FRAG_KEYS = ("num_warps", "split_k", "prefetch", "maxnreg")
 #: Those of `FRAG_KEYS` no other kernel of `triton_grouped_linear_fp4` takes (`prefetch` is also the row-streaming
-#: kernel's, `num_warps` every kernel's).
+#: kernel's, `num_warps` and `maxnreg` the tile kernel's too).
 FRAG_ONLY_KEYS = ("split_k",)
+#: Default register cap per thread by warps per program (`grouped_frag_plan`; absent: the compiler's choice).
+#: Four-warp programs: Triton 3.6 gives 82 registers, so 5 programs fit an H200 SM and the h200 w1 / w3 grid (864
+#: programs) runs in 1.31 waves (ncu, bench/results/2026-12-02_h200_s22); capped at 72, 7 fit (one wave) and the
+#: launch took 20.31 against 21.31 us in the same run (64: 20.44 us). One- and two-warp programs were slower
+#: with any cap (1 warp, prefetch, w2: 19.40 us uncapped, 21.15-26.19 us capped).
+MAXNREG_DEFAULT: dict[int, int] = {4: 72}
 #: Codes of K per program of the activation preparation kernel.
 _PREP_BLOCK = 1024
 
 
 def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = None, split_k: int | None = None,
-                      prefetch: bool | None = None, sm_count: int | None = None) -> dict:
+                      prefetch: bool | None = None, maxnreg: int | None = None, sm_count: int | None = None) -> dict:
     """Launch parameters of the fragment kernel for `pairs` (token, expert) pairs of an [n, k] FP4 weight.
 
     16 rows per program (the MMA's M); num_warps warps per program, each a share of the program's 256-code spans
     (default: the largest of 4, 2, 1 that divides the spans, so with one K split no warp idles in the last step);
-    split_k (default 1) programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp; PREFETCH (prefetch,
-    default: with one warp per program) issues the next span's loads before this span's MMAs (a register double
-    buffer); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs, 20 spans)
-    144 x 1 x 6 = 864 programs of 4 warps, 5 spans per warp; w2 (5120 x 2304, 9 spans) 320 x 1 x 6 programs of one
-    warp, prefetching. Measured on the H200 (bench/results/2026-12-02_h200_s21, PDL, CUDA-graph replay; the
-    activation launch included): w1 / w3 19.3 us at this plan (20.6-29.8 us at 13 others), w2 19.6 us (20.5-33.2).
+    split_k (default 1) programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp;
+    PREFETCH (prefetch, default: with one warp per program) issues the next span's loads before this span's MMAs
+    (a register double buffer); MAXNREG (maxnreg, registers per thread; default `MAXNREG_DEFAULT[num_warps]`, else
+    the compiler's choice); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs,
+    20 spans) 144 x 1 x 6 = 864 programs of 4 warps, 5 spans per warp, 72 registers; w2 (5120 x 2304, 9 spans)
+    320 x 1 x 6 programs of one warp, prefetching. Measured on the H200 (PDL, CUDA-graph replay; the activation
+    launch included): bench/results/2026-12-02_h200_s21, w1 / w3 19.3 us at this plan without the register cap
+    (20.6-29.8 us at 13 others), w2 19.6 us (20.5-33.2); bench/results/2026-12-02_h200_s22 (another lease), w1 / w3
+    20.31 us with the cap against 21.31 us without.
     `sm_count` is accepted and unused.
-    Returns a dict with SPANS, ITERS, SPLIT_K, SPLIT_POW2, PREFETCH, num_warps and grid.
+    Returns a dict with SPANS, ITERS, SPLIT_K, SPLIT_POW2, PREFETCH, MAXNREG, num_warps and grid.
     Raises: ValueError for a value that is not an int (prefetch: not a bool), num_warps not in 1, 2, 4, 8, split_k
-    < 1 or above 65535.
+    < 1 or above 65535, maxnreg outside 24..255.
     """
     if prefetch is not None and not isinstance(prefetch, bool):
         raise ValueError(f"prefetch={prefetch!r} must be a bool")
-    check_int_options(num_warps=num_warps, split_k=split_k, sm_count=sm_count)
+    check_int_options(num_warps=num_warps, split_k=split_k, maxnreg=maxnreg, sm_count=sm_count)
     spans = max(1, -(-k // SPAN))
     if num_warps is None:
         num_warps = next(w for w in (_NUM_WARPS, 2, 1) if spans % w == 0)
@@ -108,9 +117,13 @@ def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = Non
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     if not 1 <= split_k <= 65535:
         raise ValueError(f"split_k={split_k} must be in 1..65535")
+    if maxnreg is None:
+        maxnreg = MAXNREG_DEFAULT.get(num_warps)
+    elif not 24 <= maxnreg <= 255:
+        raise ValueError(f"maxnreg={maxnreg} must be in 24..255 (registers per thread)")
     iters = -(-spans // (num_warps * split_k))
     return dict(SPANS=spans, ITERS=iters, SPLIT_K=split_k, SPLIT_POW2=next_power_of_2(split_k), PREFETCH=prefetch,
-                num_warps=num_warps,
+                MAXNREG=maxnreg, num_warps=num_warps,
                 grid=(-(-n // _ROWS), split_k, pairs))
 
 
@@ -418,6 +431,8 @@ def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor
                          "vectors (needs contiguous K, K/2, the strides and the address multiples of 16 bytes)")
     words = weight.view(torch.int32)
     extra = {"launch_pdl": True} if pdl else {}
+    if plan["MAXNREG"] is not None:
+        extra["maxnreg"] = plan["MAXNREG"]
     _grouped_frag_kernel[plan["grid"]](
         xq.view(torch.int32), xs, words, scale, idx, y, part, cnt,
         idx.numel(), weight.shape[1], xq.shape[1], weight.shape[0], x_row_div, words.stride(0), words.stride(1),

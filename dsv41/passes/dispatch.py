@@ -206,23 +206,24 @@ class DispatchFamily(FusionFamily):
         mm.replace_all_uses_with(out)
         graph.erase_node(mm)
 
-        xv = tensor_val(x)
-        esize = xv.element_size()
+        xsize = tensor_val(x).element_size()
+        esize = tensor_val(out).element_size()
         rows, subs = token_rows(_token_shape(x)[:-1])
         n, k = cand.n, cand.k
         w_bytes = tensor_val(cand.codes).numel() + tensor_val(cand.scale).numel()
         bias_bytes = n * esize if bias is not None else 0
         # Before: the dequantised weight crosses a kernel boundary (written once, read by the GEMM) and so
         # does the fake-quantised activation; after: the fused op reads codes, scales and x once.
-        before = (w_bytes + 2 * n * k * esize + rows * k * esize * (3 if act_quant else 1)
+        before = (w_bytes + 2 * n * k * esize + rows * k * (xsize + 2 * esize if act_quant else esize)
                   + rows * n * esize + bias_bytes)
-        after = w_bytes + rows * k * esize + rows * n * esize + bias_bytes
+        after = w_bytes + rows * k * xsize + rows * n * esize + bias_bytes
         return MatchRecord(
             self.name, f"{WEIGHT_FORMATS[cand.fmt]}(act_quant={act_quant})", f"dsv41::{WEIGHT_FORMATS[cand.fmt]}",
             SourceLocation.from_node(mm), tuple(n_.name for n_ in region_nodes + [mm]),
             tuple(node_label(n_) for n_ in region_nodes + [mm]), str(sympy.expand(before)), str(sympy.expand(after)),
             tuple(sorted(subs.items())),
-            (("format", cand.fmt), ("N", n), ("K", k), ("act_quant", act_quant), ("bias", bias is not None)))
+            (("format", cand.fmt), ("N", n), ("K", k), ("act_quant", act_quant), ("bias", bias is not None),
+             ("x_dtype", _dtype_name(x))))
 
 
 # ------------------------------------------------------------------------------------------------ structure
@@ -489,18 +490,48 @@ def _dominators(node: fx.Node, sourced: set, limit: int = _DOMINATOR_STEPS):
                 inheap.add(a)
 
 
-def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set) -> fx.Node | None:
-    """The tensor x with `lhs == fake_quant_fp8_1x32(x)` (reshaped), or None if lhs is not fake-quantised."""
+def _dtype_name(x: fx.Node) -> str:
+    """`x`'s dtype as the report writes it (`float32`, `bfloat16`)."""
+    return str(tensor_val(x).dtype).removeprefix("torch.")
+
+
+def _widened(x: fx.Node, like: fx.Node) -> bool:
+    """x (the fused op's input) is float32 where `like` (the matmul) computes in bfloat16 (`_act_quant_input`)."""
+    return tensor_val(x).dtype != tensor_val(like).dtype
+
+
+def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set,
+                     widen: bool = False) -> fx.Node | None:
+    """The tensor x with `lhs == fake_quant_fp8_1x32(x)` (reshaped), or None if lhs is not fake-quantised.
+
+    x has lhs's dtype; failing that and with `widen`, x may be float32 where lhs is bfloat16 and
+    `lhs == fake_quant_fp8_1x32(x).to(bfloat16)`. Before torch 2.13, Inductor's joint-graph pass `pointless_convert`
+    removes the `float32 -> bfloat16 -> float32` round trip in front of the quantiser, so the graph quantises the
+    float32 value and casts the result (exactly: every FP8 1x32 value is a bfloat16). The fused op then takes the
+    float32 x (`_widened`). Same-dtype inputs are searched first, so an exact upcast of a bfloat16 x is not taken.
+    Only the grouped expert GEMV widens (`_GatheredMatcher`): its tensor-core kernel needs act_quant (h200 decode
+    on the H200: 109.6 -> 115.0 tok/s in one lease). The dense FP8 GEMVs stream Inductor's quantised bfloat16 x as
+    fast and did not gain from widening: 115.0 tok/s with them widened, 118.0 without, in two leases
+    (bench/results/2026-12-02_h200_s22)."""
     lv = tensor_val(lhs)
     if k % 32:
         return None
+    found = _quantiser_input(lhs, k, ev, sourced, lv.dtype)
+    if found is None and widen and lv.dtype == torch.bfloat16:
+        found = _quantiser_input(lhs, k, ev, sourced, torch.float32)
+    return found
+
+
+def _quantiser_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, dtype: torch.dtype) -> fx.Node | None:
+    # The nearest dominator of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (`_act_quant_input`).
+    lv = tensor_val(lhs)
     gen = torch.Generator().manual_seed(99)
     for d in _dominators(lhs, sourced):
         if d is lhs:
             continue
         dv = tensor_val(d)
         shape = concrete_shape(dv)
-        if dv.dtype == lv.dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv)):
+        if dv.dtype == dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv)):
             # Per-32-block magnitudes 2^-8..2^8 exercise the UE8M0 exponent choice of every block.
             mag = torch.exp2(torch.randint(-8, 9, (*shape[:-1], k // 32, 1), generator=gen).double())
             probe = torch.randn(*shape[:-1], k // 32, 32, generator=gen, dtype=torch.float64) * mag
@@ -510,7 +541,7 @@ def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set) ->
             except RegionNotClosed:
                 got = None
             if got is not None:
-                ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape)
+                ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape).to(lv.dtype)
                 if got.dtype == ref.dtype and torch.equal(got, ref):
                     return d
         if d.op != "call_function" or not is_dataflow_op(d):
@@ -667,11 +698,12 @@ class _GatheredMatcher:
             return miss(check, reason)
 
         q = _layout_top(a_node)
-        x = _act_quant_input(q, kdim, self.ev, self.sourced)
+        x = _act_quant_input(q, kdim, self.ev, self.sourced, widen=True)
         act_quant = x is not None
         x = x if act_quant else q
         xv = tensor_val(x)
-        if xv is None or xv.dtype != dval.dtype or any(not isinstance(d, int) for d in xv.shape):
+        if (xv is None or (xv.dtype != dval.dtype and not (act_quant and _widened(x, mm)))
+                or any(not isinstance(d, int) for d in xv.shape)):
             return miss("dtype", "the activation reaching the matmul is not a static tensor of the experts' dtype")
         ishape = concrete_shape(tensor_val(ia))
         pairs, xn = math.prod(ishape), math.prod(concrete_shape(xv))
@@ -781,29 +813,35 @@ class _GatheredMatcher:
         if concrete_shape(tensor_val(c.idx)) != (c.tokens, c.topk):
             idx_in = insert_node(graph, mm, aten.reshape.default, (idx_in, [-1, c.topk]), like=mm)
         y = insert_node(graph, mm, op, (x_in, c.codes, c.scale, idx_in, c.act_quant), like=mm)
+        if _widened(c.x, mm):
+            # The op computes in x's float32; one rounding to the matmul's dtype, as its FP32 accumulator had.
+            y = insert_node(graph, mm, torch.ops.prims.convert_element_type.default, (y, tensor_val(mm).dtype),
+                            like=mm)
         oshape = concrete_shape(tensor_val(c.out_node))
         if oshape != (c.tokens, c.topk, c.n):
             y = insert_node(graph, mm, aten.reshape.default, (y, list(oshape)), like=mm)
         c.out_node.replace_all_uses_with(y)
 
         region = [n for n in collect_region([c.out_node], [c.x, c.codes, c.scale, c.idx]) if n is not y]
-        esize = tensor_val(c.x).element_size()
+        xsize, esize = tensor_val(c.x).element_size(), tensor_val(mm).element_size()
         ishape = concrete_shape(tensor_val(c.idx))
         rows, subs = token_rows(_token_shape(c.idx)[:-1] if len(ishape) >= 2 else (c.tokens,))
         pairs = rows * c.topk
         w_bytes = pairs * c.n * (c.k // 2 + c.k // 32)  # the selected experts' codes and scales
-        x_bytes = (rows if c.shared else pairs) * c.k * esize
+        x_elems = (rows if c.shared else pairs) * c.k
         y_bytes = pairs * c.n * esize
         # Before: the dequantised experts [N, k, out, K] are written and re-read, the fake-quantised activation
         # too; after: the fused op reads the selected experts' bytes and x once.
-        before = w_bytes + 2 * pairs * c.n * c.k * esize + x_bytes * (3 if c.act_quant else 1) + y_bytes
-        after = w_bytes + x_bytes + y_bytes
+        before = (w_bytes + 2 * pairs * c.n * c.k * esize + x_elems * (xsize + 2 * esize if c.act_quant else esize)
+                  + y_bytes)
+        after = w_bytes + x_elems * xsize + y_bytes
         return MatchRecord(
             self.family, f"{GROUPED_OP}(act_quant={c.act_quant})", f"dsv41::{GROUPED_OP}", SourceLocation.from_node(mm),
             tuple(n.name for n in region), tuple(node_label(n) for n in region), str(sympy.expand(before)),
             str(sympy.expand(after)), tuple(sorted(subs.items())),
             (("format", "fp4"), ("N", c.n), ("K", c.k), ("experts", c.experts), ("topk", c.topk),
-             ("act_quant", c.act_quant), ("x", "per_token" if c.shared else "per_expert")))
+             ("act_quant", c.act_quant), ("x", "per_token" if c.shared else "per_expert"),
+             ("x_dtype", _dtype_name(c.x))))
 
 
 # ------------------------------------------------------------------------------------------------ findings

@@ -1,0 +1,131 @@
+"""`dispatch` family: gathered FP4 experts fed by an activation fake-quantised in float32 and cast to bfloat16
+still fuse with act_quant.
+
+Before torch 2.13, Inductor's joint-graph pass `pointless_convert` turns `fake_quant(h.to(bf16))` (h float32, as
+in `RoutedExperts.forward_gather`'s w2 input) into `fake_quant(h).to(bf16)`: the quantiser then reads the float32
+h. On torch 2.11 the dispatch pass found no bfloat16 quantiser input there and fused the h200 graph's 40 MoE w2
+sites with act_quant=False, which keeps them off the tensor-core expert kernel (measured on the H200, session 22).
+This file writes the float32 form directly, so it is tested on every torch version:
+
+    experts  einsum over gathered FP4 experts with xq = fake_quant(h).to(bf16) -> grouped_linear_fp4(h, ..., True)
+    dense    F.linear(xq, dequant_fp8_block(W), bias): the dense GEMVs do not widen (measured slower with a float32
+             quantiser input), so act_quant=False on the bfloat16 xq
+    narrow   fake_quant(g.to(bf16)) (the eager model's form): the bfloat16 tensor is the op's x, not its upcast
+
+References are float64, written here or in the sibling test files (E4M3 grid from its bit layout); tolerance 2e-2
+of the output's max magnitude (bfloat16 outputs).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
+from dsv41.model.formats import fake_quant_fp8_1x32
+from test_pass_dispatch import quantize_fp8_block_for_test, ref_dequant_fp8_block, ref_fake_quant_fp8_1x32
+from test_pass_dispatch_gathered import hand_decode, quantize_experts, ref_experts
+
+T, K, N, F_OUT, E, TOPK = 3, 96, 64, 40, 6, 2
+TOL = 2e-2
+
+
+class WidenedQuant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        codes, exps = quantize_fp8_block_for_test(torch.randn(N, K, generator=gen) / math.sqrt(K))
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.exps = nn.Parameter(exps, requires_grad=False)
+        self.bias = nn.Parameter((torch.randn(N, generator=gen) * 0.1).to(torch.bfloat16), requires_grad=False)
+        ecodes, eexps = quantize_experts(torch.randn(E, F_OUT, K, generator=gen) / math.sqrt(K))
+        self.ecodes = nn.Parameter(ecodes, requires_grad=False)
+        self.eexps = nn.Parameter(eexps, requires_grad=False)
+
+    def dense_weight(self):
+        s = torch.exp2(self.exps.float() - 127).repeat_interleave(32, 0).repeat_interleave(32, 1)[:N, :K]
+        return (self.codes.view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
+
+    def forward(self, h, g, idx):
+        xq = fake_quant_fp8_1x32(h).to(torch.bfloat16)
+        dense = F.linear(xq, self.dense_weight(), self.bias)
+        w = hand_decode(self.ecodes[idx], self.eexps[idx], torch.bfloat16)
+        experts = torch.einsum("nd,nkfd->nkf", xq, w)
+        narrow = F.linear(fake_quant_fp8_1x32(g.to(torch.bfloat16)), self.dense_weight())
+        return dense, experts, narrow
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(1)
+    # Block magnitudes 2^-6..2^6, so the blocks' scales differ.
+    mag = torch.exp2(torch.randint(-6, 7, (T, K // 32, 1), generator=gen).float())
+    h = (torch.randn(T, K // 32, 32, generator=gen) * mag).reshape(T, K)
+    g = torch.randn(T, K, generator=gen) * 3
+    idx = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)])
+    return h, g, idx
+
+
+@pytest.fixture(scope="module")
+def widened():
+    import dsv41
+
+    model = WidenedQuant().eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        eager = model(*inputs)
+        out = torch.compile(model, backend="dsv41", dynamic=False, options={"debug": True})(*inputs)
+    return model, inputs, eager, out, dsv41.last_report()
+
+
+def _close(a, b):
+    return float((a.double() - b.double()).abs().max()) <= TOL * float(b.abs().max())
+
+
+def test_the_float32_quantiser_input_is_fused_with_act_quant(widened):
+    *_, report = widened
+    sites = report.to_dict()["families"]["dispatch"]["sites"]
+    got = sorted((s["pattern"], dict(s["detail"]).get("x_dtype")) for s in sites)
+    # `narrow` reaches the passes as written (g cast to bfloat16, a graph input converted) from torch 2.13 on;
+    # before, Inductor's pointless_convert has made it the float32 form too (seen with torch 2.11 on the H200),
+    # which the dense GEMV does not take.
+    kept = re.search(r"convert_element_type\.default\(arg\d+_1, torch\.bfloat16\)", report.graphs[0].graph_before)
+    narrow = "linear_fp8_block(act_quant=True)" if kept else "linear_fp8_block(act_quant=False)"
+    assert got == sorted([("grouped_linear_fp4(act_quant=True)", "float32"),
+                          ("linear_fp8_block(act_quant=False)", "bfloat16"),
+                          (narrow, "bfloat16")]), got
+    after = report.graphs[0].graph_after
+    # the experts' quantiser is gone, and the op's float32 result is rounded once to bfloat16
+    assert after.count("torch.ops.dsv41.grouped_linear_fp4.default(") == 1
+    assert re.search(r"convert_element_type\.default\(grouped_linear_fp4\w*, torch\.bfloat16\)", after), after
+
+
+def test_compiled_matches_eager_and_the_float64_reference(widened):
+    model, (h, g, idx), eager, out, _ = widened
+    for a, b in zip(out, eager):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        assert _close(a, b)
+    w = ref_dequant_fp8_block(model.codes, model.exps)
+    xq = ref_fake_quant_fp8_1x32(h)
+    assert _close(out[0], xq @ w.T + model.bias.double())
+    experts = torch.einsum("nd,nkfd->nkf", xq, ref_experts(model.ecodes, model.eexps)[idx])
+    assert _close(out[1], experts)
+    assert _close(out[2], ref_fake_quant_fp8_1x32(g.to(torch.bfloat16)) @ w.T)
+
+
+def test_bytes_count_the_float32_activation(widened):
+    *_, report = widened
+    for s in report.to_dict()["families"]["dispatch"]["sites"]:
+        d = dict(s["detail"])
+        xsize = 4 if d["x_dtype"] == "float32" else 2
+        if s["op"] == "dsv41::linear_fp8_block":
+            w_bytes = N * K + math.ceil(N / 32) * math.ceil(K / 32)
+            bias = 2 * N if d["bias"] else 0
+            assert s["bytes_after_value"] == w_bytes + T * K * xsize + T * N * 2 + bias
+        else:
+            w_bytes = T * TOPK * F_OUT * (K // 2 + K // 32)
+            assert s["bytes_after_value"] == w_bytes + T * K * xsize + T * TOPK * F_OUT * 2
