@@ -96,7 +96,7 @@ def poison_outputs(monkeypatch, module, float_fill: float = float("nan")) -> Non
 
 
 def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None = None, num_warps: int = 4,
-              stage: str = "ttir", aligned: tuple = ()) -> str:
+              stage: str = "ttir", aligned: tuple = (), maxnreg: int | None = None) -> str:
     """TTIR (or another `stage` of `CompiledKernel.asm`, e.g. "ptx") of `kernel` built offline for sm_90 (Triton's
     own ptxas; no GPU needed), for checks of what the compiled kernel does that the interpreter cannot show (e.g.
     TF32 rounding, which it skips; the order of PDL and prefetch instructions).
@@ -104,8 +104,9 @@ def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None =
     ptr_types: {pointer argument: Triton element type, e.g. "bf16"}; consts: {constexpr argument: value};
     scalar_types: {other argument: Triton type} for non-i32 ones (e.g. "tensordesc<u8[64, 128]>" for a TMA
     descriptor); aligned: arguments specialised as the launcher specialises values divisible by 16 (pointers
-    16-byte aligned, integers multiples of 16), which is what lets Triton prove vector loads. Skips the calling
-    test under TRITON_INTERPRET=1, where `kernel` is not a compilable JITFunction.
+    16-byte aligned, integers multiples of 16), which is what lets Triton prove vector loads; maxnreg: the register
+    cap a launch passes. Skips the calling test under TRITON_INTERPRET=1, where `kernel` is not a compilable
+    JITFunction.
     """
     if IN_INTERPRETER:
         pytest.skip("builds the kernel for sm_90; TRITON_INTERPRET=1 is set")
@@ -117,4 +118,5 @@ def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None =
            for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm[stage]
+    options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm[stage]

@@ -12,6 +12,9 @@ This file writes the float32 form directly, so it is tested on every torch versi
              quantiser input), so act_quant=False on the bfloat16 xq
     narrow   fake_quant(g.to(bf16)) (the eager model's form): the bfloat16 tensor is the op's x, not its upcast
 
+and look-alike quantisers (a clamp, NaN replaced, large values masked, another amax floor) that agree with the
+quantiser on ordinary activations only: they must stay unfused (act_quant=False) and compile to eager's numbers.
+
 References are float64, written here or in the sibling test files (E4M3 grid from its bit layout); tolerance 2e-2
 of the output's max magnitude (bfloat16 outputs).
 """
@@ -129,3 +132,68 @@ def test_bytes_count_the_float32_activation(widened):
         else:
             w_bytes = T * TOPK * F_OUT * (K // 2 + K // 32)
             assert s["bytes_after_value"] == w_bytes + T * K * xsize + T * TOPK * F_OUT * 2
+
+
+# ------------------------------------------------------------------------------------------- look-alike quantisers
+def _other_floor_fq(x):
+    """FP8 1x32 fake-quant with an amax floor of 1e-12 instead of the model's 1e-4 (written here)."""
+    from dsv41.model.formats import FP8_MAX, e4m3_to_bytes, ue8m0_exponent, ue8m0_to_float
+    shp = x.shape
+    xb = x.float().view(*shp[:-1], shp[-1] // 32, 32)
+    s = ue8m0_to_float(ue8m0_exponent(xb.abs().amax(-1).clamp(min=1e-12) / FP8_MAX))[..., None]
+    return (e4m3_to_bytes(xb / s).view(torch.float8_e4m3fn).float() * s).view(shp).to(x.dtype)
+
+
+LOOKALIKES = {
+    # each is the quantiser on ordinary activations and something else at the edges
+    "clamp_after": lambda h: fake_quant_fp8_1x32(h).to(torch.bfloat16).clamp(-3000, 3000),
+    "nan_to_num_after": lambda h: torch.nan_to_num(fake_quant_fp8_1x32(h).to(torch.bfloat16)),
+    "mask_big": lambda h: torch.where(h.abs() > 5000, 0.0, fake_quant_fp8_1x32(h)).to(torch.bfloat16),
+    "clamp_blocks": lambda h: fake_quant_fp8_1x32(h.view(T, K // 32, 32).clamp(-3000, 3000)).reshape(T, K).to(
+        torch.bfloat16),
+    "other_floor": lambda h: _other_floor_fq(h).to(torch.bfloat16),
+}
+
+
+class LookalikeQuant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        ecodes, eexps = quantize_experts(torch.randn(E, F_OUT, K, generator=gen) / math.sqrt(K))
+        self.ecodes = nn.Parameter(ecodes, requires_grad=False)
+        self.eexps = nn.Parameter(eexps, requires_grad=False)
+        codes, exps = quantize_fp8_block_for_test(torch.randn(N, K, generator=gen) / math.sqrt(K))
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.exps = nn.Parameter(exps, requires_grad=False)
+
+    def forward(self, h, idx):
+        w = hand_decode(self.ecodes[idx], self.eexps[idx], torch.bfloat16)
+        experts = tuple(torch.einsum("nd,nkfd->nkf", pre(h), w) for pre in LOOKALIKES.values())
+        # and a dense FP8 GEMV (the same check): NaN replaced after the quantiser of a bfloat16 x
+        s = torch.exp2(self.exps.float() - 127).repeat_interleave(32, 0).repeat_interleave(32, 1)[:N, :K]
+        wd = (self.codes.view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
+        return experts + (F.linear(torch.nan_to_num(fake_quant_fp8_1x32(h.to(torch.bfloat16))), wd),)
+
+
+def test_quantiser_lookalikes_are_not_taken_as_the_quantiser():
+    # Found in review (session 22): these agreed with the quantiser on the old ordinary-magnitude probe only, were
+    # fused as act_quant=True and changed the model's numbers (NaN where eager had none, a clamp dropped, tiny
+    # activations flushed to zero). Inputs: one block with amax 1e4, one NaN, one block of magnitude 1e-10.
+    import dsv41
+
+    h, _, idx = _inputs()
+    h = h.clone()
+    h[0, :32] *= 1e4 / h[0, :32].abs().max()
+    h[1, 37] = float("nan")
+    h[2, 64:] *= 1e-10 / h[2, 64:].abs().max()
+    model = LookalikeQuant().eval()
+    with torch.no_grad():
+        eager = model(h, idx)
+        out = torch.compile(model, backend="dsv41", dynamic=False)(h, idx)
+    sites = dsv41.last_report().to_dict()["families"]["dispatch"]["sites"]
+    got = sorted(s["pattern"] for s in sites)
+    assert got == ["grouped_linear_fp4(act_quant=False)"] * len(LOOKALIKES) + ["linear_fp8_block(act_quant=False)"], got
+    for name, a, b in zip([*LOOKALIKES, "dense_nan_to_num"], out, eager):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        fin = ~b.isnan()
+        assert float((a[fin].double() - b[fin].double()).abs().max()) <= TOL * float(b[fin].abs().max()), name

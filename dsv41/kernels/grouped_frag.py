@@ -78,8 +78,9 @@ FRAG_ONLY_KEYS = ("split_k",)
 #: Default register cap per thread by warps per program (`grouped_frag_plan`; absent: the compiler's choice).
 #: Four-warp programs: Triton 3.6 gives 82 registers, so 5 programs fit an H200 SM and the h200 w1 / w3 grid (864
 #: programs) runs in 1.31 waves (ncu, bench/results/2026-12-02_h200_s22); capped at 72, 7 fit (one wave) and the
-#: launch took 20.31 against 21.31 us in the same run (64: 20.44 us). One- and two-warp programs were slower
-#: with any cap (1 warp, prefetch, w2: 19.40 us uncapped, 21.15-26.19 us capped).
+#: launch took 20.31 against 21.31 us in the same run (64: 20.44 us), with 10 bytes of spills. One- and two-warp
+#: programs were slower with any cap (1 warp, prefetch, w2: 19.40 us uncapped, 21.15-26.19 us capped). Triton 3.9
+#: (offline sm_90 build, not run on a GPU) gives 80 registers uncapped and spills a 40-byte stack at the cap.
 MAXNREG_DEFAULT: dict[int, int] = {4: 72}
 #: Codes of K per program of the activation preparation kernel.
 _PREP_BLOCK = 1024

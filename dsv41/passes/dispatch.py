@@ -16,7 +16,8 @@ ops, views, repeats and concatenation from exactly two uint8 tensors whose shape
 grid in one of the formats above; the matmul is `aten.mm` / `aten.addmm` taking it (transposed) as the
 second operand. How it is confirmed (semantics): the region is evaluated on probe codes and scales and must
 equal `formats.dequantize_*` of them; the activation side is accepted as `act_quant=True` when the mm's
-first operand equals `formats.fake_quant_fp8_1x32` of a tensor that dominates it. A failed check is a
+first operand equals `formats.fake_quant_fp8_1x32` of a tensor that dominates it, on ordinary and on edge probes
+(zero, tiny, huge, NaN and infinite blocks: `_quantiser_probes`). A failed check is a
 near-miss that names the rule the code follows instead (e.g. the scale used as a plain multiplier). The weight
 bytes must be graph inputs no kernel of the step writes (parameters, buffers, views of them): the fused GEMV
 requests its weight before waiting on the previous kernel under PDL (near-miss `weight_source` otherwise).
@@ -31,7 +32,9 @@ a `bmm` / `mm` operand computed by dataflow ops from exactly two gathers (`W[idx
 `index_select(W, 0, idx)`) of uint8 stacks. Semantics, on probe values: the gathers must share one index tensor
 and the stacks be [E, out, K/2] + [E, out, K/32]; the dequantised tensor (the last node before the views into
 the matmul) must equal `formats.dequantize_fp4_1x32` of the probe codes and scales; the activation side is
-`fake_quant_fp8_1x32(x)` or x (as above); and the matmul followed by its views must compute exactly
+`fake_quant_fp8_1x32(x)` or x (as above; failing a bfloat16 x, a float32 x with fq8(x).to(bfloat16), which is
+how Inductor before torch 2.13 leaves `fq8(h.to(bfloat16))`: the op then takes the float32 x and its result is cast
+once, `_act_quant_input`); and the matmul followed by its views must compute exactly
 y[n, j] = x[n (, j)] @ W[idx[n, j]]^T for every output element (end-to-end, in float64 on the probes), which
 pins down how einsum/bmm laid out rows, experts and K. A failed check is a near-miss (e.g. `weight_format` for
 another block size, `ue8m0_scale_rule`, `output_layout` for a product over the wrong axis).
@@ -525,29 +528,76 @@ def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set,
 def _quantiser_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, dtype: torch.dtype) -> fx.Node | None:
     # The nearest dominator of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (`_act_quant_input`).
     lv = tensor_val(lhs)
-    gen = torch.Generator().manual_seed(99)
     for d in _dominators(lhs, sourced):
         if d is lhs:
             continue
         dv = tensor_val(d)
         shape = concrete_shape(dv)
-        if dv.dtype == dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv)):
-            # Per-32-block magnitudes 2^-8..2^8 exercise the UE8M0 exponent choice of every block.
-            mag = torch.exp2(torch.randint(-8, 9, (*shape[:-1], k // 32, 1), generator=gen).double())
-            probe = torch.randn(*shape[:-1], k // 32, 32, generator=gen, dtype=torch.float64) * mag
-            probe = probe.reshape(shape).to(dv.dtype).to(dv.device)
-            try:
-                got = ev.evaluate([lhs], {d: probe})[lhs]
-            except RegionNotClosed:
-                got = None
-            if got is not None:
-                ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape).to(lv.dtype)
-                if got.dtype == ref.dtype and torch.equal(got, ref):
-                    return d
+        if (dv.dtype == dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv))
+                and _quantises(lhs, d, shape, ev, lv.dtype)):
+            return d
         if d.op != "call_function" or not is_dataflow_op(d):
             # Everything farther up reaches lhs through this non-dataflow node: no fake-quant region can.
             return None
     return None
+
+
+def _quantises(lhs: fx.Node, d: fx.Node, shape: tuple, ev: RegionEvaluator, out_dtype: torch.dtype) -> bool:
+    """Whether lhs == fake_quant_fp8_1x32(d) (cast to `out_dtype`) on every probe of `_quantiser_probes`."""
+    dv = tensor_val(d)
+    for probe in _quantiser_probes(shape, dv.dtype):
+        probe = probe.to(dv.device)
+        try:
+            got = ev.evaluate([lhs], {d: probe})[lhs]
+        except RegionNotClosed:
+            return False
+        ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape).to(out_dtype)
+        if got.dtype != ref.dtype or not torch.equal(got.isnan(), ref.isnan()):
+            return False
+        if not torch.equal(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(ref, nan=0.0)):
+            return False
+    return True
+
+
+#: Per-32-block contents of the edge probes (`_quantiser_probes`).
+_EDGE_BLOCKS = ("zero", "tiny", "huge", "nan", "+inf", "-inf", "spread")
+
+
+def _quantiser_probes(shape: tuple, dtype: torch.dtype) -> list:
+    """Probe tensors of `shape` (last dim a multiple of 32) in `dtype` for the fake-quant check.
+
+    First, random blocks with per-block magnitudes 2^-8..2^8 (every block's UE8M0 exponent choice). Then edge
+    probes, each block one of `_EDGE_BLOCKS` in turn (as many probes as it takes to show every kind at least once):
+    all zeros, magnitudes below the quantiser's 1e-4 amax floor (2^-40), huge magnitudes (2^40, or a quarter of the
+    dtype's largest value), one NaN, one +inf, one -inf, and one element 2^20 times the others. A region that
+    clamps, masks, replaces NaN or uses another amax floor agrees with the quantiser on the first probe and differs
+    on these (found in review: such regions were fused as the quantiser and changed the model's numbers)."""
+    gen = torch.Generator().manual_seed(99)
+    lead, blocks = shape[:-1], shape[-1] // 32
+    mag = torch.exp2(torch.randint(-8, 9, (*lead, blocks, 1), generator=gen).double())
+    probes = [(torch.randn(*lead, blocks, 32, generator=gen, dtype=torch.float64) * mag).reshape(shape).to(dtype)]
+    n = math.prod(lead) * blocks
+    if n == 0:
+        return probes
+    huge = min(2.0 ** 40, float(torch.finfo(dtype).max) / 4)
+    for offset in range(0, len(_EDGE_BLOCKS), n):
+        base = torch.randn(n, 32, generator=gen, dtype=torch.float64)
+        kinds = [_EDGE_BLOCKS[(b + offset) % len(_EDGE_BLOCKS)] for b in range(n)]
+        for b, kind in enumerate(kinds):
+            if kind == "zero":
+                base[b] = 0.0
+            elif kind == "tiny":
+                base[b] *= 2.0 ** -40
+            elif kind == "huge":
+                base[b] *= huge / 8
+            elif kind == "nan":
+                base[b, 3] = float("nan")
+            elif kind in ("+inf", "-inf"):
+                base[b, 7] = float(kind)
+            else:
+                base[b, 11] = 2.0 ** 20
+        probes.append(base.reshape(shape).to(dtype))
+    return probes
 
 
 # ------------------------------------------------------------------------------------------------ gathered experts
