@@ -190,9 +190,15 @@ def test_quantiser_lookalikes_are_not_taken_as_the_quantiser():
     with torch.no_grad():
         eager = model(h, idx)
         out = torch.compile(model, backend="dsv41", dynamic=False)(h, idx)
-    sites = dsv41.last_report().to_dict()["families"]["dispatch"]["sites"]
-    got = sorted(s["pattern"] for s in sites)
+    fam = dsv41.last_report().to_dict()["families"]["dispatch"]
+    got = sorted(s["pattern"] for s in fam["sites"])
     assert got == ["grouped_linear_fp4(act_quant=False)"] * len(LOOKALIKES) + ["linear_fp8_block(act_quant=False)"], got
+    # the report says why each quantiser stayed: which edge block it differs on (other_floor: the tiny block)
+    found = [f for f in fam["findings"] if f["kind"] == "quantiser_lookalike"]
+    assert len(found) >= len(LOOKALIKES) + 1, fam["findings"]
+    kinds = {re.search(r"not on a (\S+) block", f["message"]).group(1) for f in found}
+    assert "tiny" in kinds and ({"huge", "nan"} & kinds), kinds
+    assert all(f["location"]["file"].endswith("test_pass_dispatch_widened.py") for f in found)
     for name, a, b in zip([*LOOKALIKES, "dense_nan_to_num"], out, eager):
         assert torch.equal(a.isnan(), b.isnan()), name
         fin = ~b.isnan()

@@ -115,7 +115,8 @@ class DispatchFamily(FusionFamily):
         verdicts: dict = {}
         missing_ops = sorted(op for op in (*WEIGHT_FORMATS.values(), GROUPED_OP) if dsv41_op(op) is None)
         # Gathered experts first: their regions are 3-D/4-D, disjoint from the 2-D weights matched below.
-        matches, misses = _GatheredMatcher(self.name, gm, ev, sourced).run()
+        lookalikes: list = []  # (matmul, tensor, edge kind): `_act_quant_input`
+        matches, misses = _GatheredMatcher(self.name, gm, ev, sourced, lookalikes).run()
         leaves = _leaf_sets(graph)
         written = mutated_inputs(graph)
 
@@ -168,7 +169,7 @@ class DispatchFamily(FusionFamily):
                                            f"dsv41::{WEIGHT_FORMATS[cand.fmt]} is not registered (import "
                                            "dsv41.kernels)", SourceLocation.from_node(u)))
                     continue
-                matches.append(self._fuse(gm, u, cand, op, ev, sourced))
+                matches.append(self._fuse(gm, u, cand, op, ev, sourced, lookalikes))
             lv = leaves[cand.node]
             for u in users:
                 if u in mm_users or _continues_region(u, lv, leaves):
@@ -178,6 +179,12 @@ class DispatchFamily(FusionFamily):
                     self.name, "materialised_dequant",
                     f"dequantised {cand.fmt} weight [{cand.n}, {cand.k}] is materialised: it feeds "
                     f"{node_label(r)}, which no fused op reads", SourceLocation.from_node(r)))
+        for mm, d, kind in lookalikes:
+            findings.append(Finding(
+                self.name, "quantiser_lookalike",
+                f"the activation of {mm.name} equals fake_quant_fp8_1x32({d}) on ordinary values but not on a {kind} "
+                "block: it is not taken as the FP8 1x32 quantiser, which stays in the graph (act_quant=False)",
+                SourceLocation.from_node(mm)))
         eliminate_dead_code(graph)
         removed = {n.name for n in start - set(graph.nodes)}
         matches = [_with_removed(m, removed) for m in matches]
@@ -186,13 +193,16 @@ class DispatchFamily(FusionFamily):
         return PassRecord(self.name, True, tuple(matches), tuple(misses), tuple(findings), note)
 
     # -------------------------------------------------------------------------------------------- rewrite
-    def _fuse(self, gm, mm: fx.Node, cand: _Weight, op, ev: RegionEvaluator, sourced: set) -> MatchRecord:
+    def _fuse(self, gm, mm: fx.Node, cand: _Weight, op, ev: RegionEvaluator, sourced: set,
+              lookalikes: list) -> MatchRecord:
         graph = gm.graph
         if mm.target == aten.addmm.default:
             bias, lhs = mm.args[0], mm.args[1]
         else:
             bias, lhs = None, mm.args[0]
-        x = _act_quant_input(lhs, cand.k, ev, sourced)
+        near: list = []
+        x = _act_quant_input(lhs, cand.k, ev, sourced, lookalikes=near)
+        lookalikes.extend((mm, d.name, kind) for d, kind in near)
         act_quant = x is not None
         region_nodes = collect_region([cand.node], [cand.codes, cand.scale])
         if act_quant:
@@ -503,8 +513,8 @@ def _widened(x: fx.Node, like: fx.Node) -> bool:
     return tensor_val(x).dtype != tensor_val(like).dtype
 
 
-def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set,
-                     widen: bool = False) -> fx.Node | None:
+def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, widen: bool = False,
+                     lookalikes: list | None = None) -> fx.Node | None:
     """The tensor x with `lhs == fake_quant_fp8_1x32(x)` (reshaped), or None if lhs is not fake-quantised.
 
     x has lhs's dtype; failing that and with `widen`, x may be float32 where lhs is bfloat16 and
@@ -512,6 +522,8 @@ def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set,
     removes the `float32 -> bfloat16 -> float32` round trip in front of the quantiser, so the graph quantises the
     float32 value and casts the result (exactly: every FP8 1x32 value is a bfloat16). The fused op then takes the
     float32 x (`_widened`). Same-dtype inputs are searched first, so an exact upcast of a bfloat16 x is not taken.
+    When none is found, `lookalikes` (if given) gets (tensor, edge kind) for each tensor that agreed with the
+    quantiser on the ordinary probe but not on an edge block (`_quantiser_probes`), for the report.
     Only the grouped expert GEMV widens (`_GatheredMatcher`): its tensor-core kernel needs act_quant (h200 decode
     on the H200: 109.6 -> 115.0 tok/s in one lease). The dense FP8 GEMVs stream Inductor's quantised bfloat16 x as
     fast and did not gain from widening: 115.0 tok/s with them widened, 118.0 without, in two leases
@@ -519,44 +531,59 @@ def _act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set,
     lv = tensor_val(lhs)
     if k % 32:
         return None
-    found = _quantiser_input(lhs, k, ev, sourced, lv.dtype)
+    near: list = []
+    found = _quantiser_input(lhs, k, ev, sourced, lv.dtype, near)
     if found is None and widen and lv.dtype == torch.bfloat16:
-        found = _quantiser_input(lhs, k, ev, sourced, torch.float32)
+        found = _quantiser_input(lhs, k, ev, sourced, torch.float32, near)
+    if found is None and lookalikes is not None:
+        lookalikes.extend(near)
     return found
 
 
-def _quantiser_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, dtype: torch.dtype) -> fx.Node | None:
-    # The nearest dominator of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (`_act_quant_input`).
+def _quantiser_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, dtype: torch.dtype,
+                     near: list) -> fx.Node | None:
+    # The nearest dominator of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (`_act_quant_input`); near
+    # gets (dominator, edge kind) for those that fail on an edge block only.
     lv = tensor_val(lhs)
     for d in _dominators(lhs, sourced):
         if d is lhs:
             continue
         dv = tensor_val(d)
         shape = concrete_shape(dv)
-        if (dv.dtype == dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv))
-                and _quantises(lhs, d, shape, ev, lv.dtype)):
-            return d
+        if dv.dtype == dtype and shape and shape[-1] == k and math.prod(shape) == math.prod(concrete_shape(lv)):
+            differs = _quantiser_difference(lhs, d, shape, ev, lv.dtype)
+            if differs is None:
+                return d
+            if differs != "ordinary":
+                near.append((d, differs))
         if d.op != "call_function" or not is_dataflow_op(d):
             # Everything farther up reaches lhs through this non-dataflow node: no fake-quant region can.
             return None
     return None
 
 
-def _quantises(lhs: fx.Node, d: fx.Node, shape: tuple, ev: RegionEvaluator, out_dtype: torch.dtype) -> bool:
-    """Whether lhs == fake_quant_fp8_1x32(d) (cast to `out_dtype`) on every probe of `_quantiser_probes`."""
+def _quantiser_difference(lhs: fx.Node, d: fx.Node, shape: tuple, ev: RegionEvaluator,
+                          out_dtype: torch.dtype) -> str | None:
+    """None when lhs == fake_quant_fp8_1x32(d) (cast to `out_dtype`) on every probe of `_quantiser_probes`;
+    otherwise "ordinary" (it differs on ordinary values, or the region is not closed) or the `_EDGE_BLOCKS` kind
+    of the first block where it differs."""
     dv = tensor_val(d)
-    for probe in _quantiser_probes(shape, dv.dtype):
+    for probe, kinds in _quantiser_probes(shape, dv.dtype):
         probe = probe.to(dv.device)
         try:
             got = ev.evaluate([lhs], {d: probe})[lhs]
         except RegionNotClosed:
-            return False
+            return "ordinary"
         ref = formats.fake_quant_fp8_1x32(probe).reshape(got.shape).to(out_dtype)
-        if got.dtype != ref.dtype or not torch.equal(got.isnan(), ref.isnan()):
-            return False
-        if not torch.equal(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(ref, nan=0.0)):
-            return False
-    return True
+        if got.dtype != ref.dtype:
+            return "ordinary"
+        same = (got == ref) | (got.isnan() & ref.isnan())
+        if not bool(same.all()):
+            if kinds is None:
+                return "ordinary"
+            bad = (~same).reshape(-1, 32).any(-1).nonzero()
+            return kinds[int(bad[0])]
+    return None
 
 
 #: Per-32-block contents of the edge probes (`_quantiser_probes`).
@@ -564,7 +591,8 @@ _EDGE_BLOCKS = ("zero", "tiny", "huge", "nan", "+inf", "-inf", "spread")
 
 
 def _quantiser_probes(shape: tuple, dtype: torch.dtype) -> list:
-    """Probe tensors of `shape` (last dim a multiple of 32) in `dtype` for the fake-quant check.
+    """(probe, kind of each 32-block or None) pairs: probes of `shape` (last dim a multiple of 32) in `dtype` for the
+    fake-quant check.
 
     First, random blocks with per-block magnitudes 2^-8..2^8 (every block's UE8M0 exponent choice). Then edge
     probes, each block one of `_EDGE_BLOCKS` in turn (as many probes as it takes to show every kind at least once):
@@ -575,7 +603,8 @@ def _quantiser_probes(shape: tuple, dtype: torch.dtype) -> list:
     gen = torch.Generator().manual_seed(99)
     lead, blocks = shape[:-1], shape[-1] // 32
     mag = torch.exp2(torch.randint(-8, 9, (*lead, blocks, 1), generator=gen).double())
-    probes = [(torch.randn(*lead, blocks, 32, generator=gen, dtype=torch.float64) * mag).reshape(shape).to(dtype)]
+    probes = [((torch.randn(*lead, blocks, 32, generator=gen, dtype=torch.float64) * mag).reshape(shape).to(dtype),
+               None)]
     n = math.prod(lead) * blocks
     if n == 0:
         return probes
@@ -596,7 +625,7 @@ def _quantiser_probes(shape: tuple, dtype: torch.dtype) -> list:
                 base[b, 7] = float(kind)
             else:
                 base[b, 11] = 2.0 ** 20
-        probes.append(base.reshape(shape).to(dtype))
+        probes.append((base.reshape(shape).to(dtype), kinds))
     return probes
 
 
@@ -673,11 +702,12 @@ class _GatheredMatcher:
     """gather(W, idx) + gather(S, idx) -> FP4 dequantise -> bmm/mm  =>  `dsv41::grouped_linear_fp4` (module
     docstring, "Gathered experts"). `run()` rewrites the graph and returns (matches, near-misses)."""
 
-    def __init__(self, family: str, gm: fx.GraphModule, ev: RegionEvaluator, sourced: set):
+    def __init__(self, family: str, gm: fx.GraphModule, ev: RegionEvaluator, sourced: set, lookalikes: list):
         self.family = family
         self.gm = gm
         self.ev = ev
         self.sourced = sourced
+        self.lookalikes = lookalikes  # (matmul, tensor, edge kind) of `_act_quant_input`, for the report
         # Verdicts by region signature (one probe evaluation serves every layer with the same code and shapes)
         # and probe codes/scales by shape: at h200 size a probe is ~35 MB and its evaluation a few GB-seconds.
         self.verdicts: dict = {}
@@ -748,7 +778,9 @@ class _GatheredMatcher:
             return miss(check, reason)
 
         q = _layout_top(a_node)
-        x = _act_quant_input(q, kdim, self.ev, self.sourced, widen=True)
+        near: list = []
+        x = _act_quant_input(q, kdim, self.ev, self.sourced, widen=True, lookalikes=near)
+        self.lookalikes.extend((mm, d.name, kind) for d, kind in near)
         act_quant = x is not None
         x = x if act_quant else q
         xv = tensor_val(x)
