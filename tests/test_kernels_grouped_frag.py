@@ -6,11 +6,12 @@ tolerance: |y - ref| <= 2^-16 sum|terms| + half an output ulp.
 
 - Interpreted (`@interpreted`, a TRITON_INTERPRET=1 child pytest): the kernel with its MMA emulated on the same
   per-lane registers, at small odd shapes (partial row tiles, K tails, one to eight warps, split-K, prefetched spans),
-  every E2M1 code in every nibble position, NaN rows for an invalid expert; the default launch and the pair op.
+  every E2M1 code in every nibble position, NaN rows for an invalid expert, the unmasked (EVEN) and masked loads;
+  the default launch and the pair op.
 - Offline sm_90 build (no GPU): the inline `mma.sync` sits in a one-value-per-thread layout (element i in lane
   i % 32 of warp i // 32), the weights are read as 16-byte vectors, and nothing spills.
-- On a GPU (skipped here): the h200 shapes at every plan of bench/grouped_words_probe.py's FRAG_SWEEP, a bad expert,
-  the pair op and a PDL CUDA graph; outputs poisoned first.
+- On a GPU (skipped here): the h200 shapes at every plan of bench/grouped_words_probe.py's FRAG_SWEEP and with the
+  masked loads, a bad expert, the pair op and a PDL CUDA graph; outputs poisoned first.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ FRAG_CASES = [
     (2, 2, 5, 24, 288, torch.bfloat16, False, {"num_warps": 2, "split_k": 2}),       # x per expert, 9 blocks, split-K
     (1, 3, 4, 16, 800, torch.float32, True, {"num_warps": 1, "prefetch": True}),     # 25 blocks, prefetched spans
     (1, 1, 3, 16, 96, torch.bfloat16, True, {"num_warps": 8}),                       # K < one span, 7 idle warps
+    # Shapes with whole spans for every warp and whole 16-row tiles: the unmasked (EVEN) loads by default.
+    (1, 3, 5, 32, 1024, torch.bfloat16, True, {}),                                   # 4 spans: 4 warps
+    (2, 2, 5, 16, 1536, torch.float32, False, {"num_warps": 1, "prefetch": True}),  # the last prefetch reads nothing
+    (1, 2, 4, 32, 1024, torch.bfloat16, True, {"num_warps": 2, "split_k": 2}),      # split-K
+    (1, 2, 4, 32, 1024, torch.float32, True, {"num_warps": 2, "even": False}),      # the masked loads, same shape
 ]
 
 
@@ -210,20 +216,30 @@ def test_a_nan_activation_gives_nan_rows_like_the_reference(kernel, finite_poiso
 def test_fragment_plan():
     plan = gf.grouped_frag_plan(6, 2304, 5120)
     assert plan["grid"] == (144, 1, 6) and plan["ITERS"] == 5 and plan["SPANS"] == 20 and plan["num_warps"] == 4
-    # 72 registers: 7 four-warp programs per H200 SM, so the 864 programs are one wave (Triton 3.6 takes 82)
-    assert not plan["PREFETCH"] and plan["MAXNREG"] == 72
+    # Whole spans for every warp and whole row tiles: unmasked loads (EVEN), 62 registers without a cap
+    assert plan["EVEN"] and not plan["PREFETCH"] and plan["MAXNREG"] is None
     plan = gf.grouped_frag_plan(6, 5120, 2304)  # 9 spans: one warp per program, prefetching, no register cap
     assert plan["grid"] == (320, 1, 6) and plan["num_warps"] == 1 and plan["ITERS"] == 9 and plan["PREFETCH"]
-    assert plan["MAXNREG"] is None
+    assert plan["EVEN"] and plan["MAXNREG"] is None
+    # A partial row tile: the masked loads, and four-warp programs capped at MAXNREG_DEFAULT[4] registers
+    plan = gf.grouped_frag_plan(6, 2300, 5120)
+    assert not plan["EVEN"] and plan["MAXNREG"] == gf.MAXNREG_DEFAULT[4] == 72
+    assert not gf.grouped_frag_plan(6, 2304, 5120, even=False)["EVEN"]
+    assert not gf.grouped_frag_plan(6, 2304, 5200)["EVEN"]  # K not whole spans
+    assert not gf.grouped_frag_plan(6, 2304, 5120, num_warps=8)["EVEN"]  # 20 spans over 8 warps
     plan = gf.grouped_frag_plan(6, 5120, 2304, num_warps=2, split_k=2, prefetch=True, maxnreg=96)
     assert plan["grid"] == (320, 2, 6) and plan["ITERS"] == 3 and plan["SPLIT_POW2"] == 2 and plan["PREFETCH"]
     assert plan["MAXNREG"] == 96 and gf.grouped_frag_plan(6, 2304, 5120, maxnreg=128)["MAXNREG"] == 128
+    assert not plan["EVEN"]
     for bad, match in ((dict(num_warps=3), "num_warps=3"), (dict(split_k=0), "split_k=0"),
                        (dict(prefetch=1), "prefetch=1"), (dict(num_warps=2.0), "num_warps"),
                        (dict(maxnreg=16), "maxnreg=16"), (dict(maxnreg=256), "maxnreg=256"),
-                       (dict(maxnreg=72.0), "maxnreg")):
+                       (dict(maxnreg=72.0), "maxnreg"), (dict(even=1), "even=1")):
         with pytest.raises(ValueError, match=match):
             gf.grouped_frag_plan(6, 64, 256, **bad)
+    for n, k, over in ((40, 512, {}), (16, 288, {}), (16, 512, {"num_warps": 4})):
+        with pytest.raises(ValueError, match="even=True needs"):
+            gf.grouped_frag_plan(2, n, k, even=True, **over)
 
 
 def test_eligibility_follows_alignment_dtype_and_act_quant():
@@ -237,11 +253,12 @@ def test_eligibility_follows_alignment_dtype_and_act_quant():
     assert gf.frag_supported(torch.device("cpu")) and gf.frag_supported(torch.device("meta"))
 
 
-@pytest.mark.parametrize("warps,prefetch", [(1, False), (4, False), (4, True)])
-def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warps, prefetch):
+@pytest.mark.parametrize("warps,prefetch,even", [(1, False, False), (4, False, False), (4, True, False),
+                                                 (4, False, True), (1, True, True)])
+def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warps, prefetch, even):
     ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
                cnt_ptr="i32")
-    consts = dict(ITERS=5, SPLIT_K=1, SPLIT_POW2=1, W=warps, PREFETCH=prefetch, USE_PDL=True, ASM=True)
+    consts = dict(ITERS=5, SPLIT_K=1, SPLIT_POW2=1, W=warps, PREFETCH=prefetch, EVEN=even, USE_PDL=True, ASM=True)
     # As launched at the h200 shapes: aligned tensors, K and the weight strides multiples of 16.
     build = dict(num_warps=warps, aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT"))
     ttgir = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="ttgir", **build)
@@ -263,21 +280,56 @@ def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warp
     assert "STL" not in sass and "LDL" not in sass, "register spills"
 
 
-def test_sm90_build_of_the_default_register_cap_spills_little():
-    # The default four-warp plan launches with maxnreg MAXNREG_DEFAULT[4] = 72 (measured faster under Triton 3.6 on
+def _sm90_sass(plan, maxnreg):
+    ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
+               cnt_ptr="i32")
+    consts = dict(ITERS=plan["ITERS"], SPLIT_K=1, SPLIT_POW2=1, W=plan["num_warps"], PREFETCH=plan["PREFETCH"],
+                  EVEN=plan["EVEN"], USE_PDL=True, ASM=True)
+    return sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="sass", num_warps=plan["num_warps"],
+                     aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT", "stride_se", "stride_sn"), maxnreg=maxnreg)
+
+
+def _k_loop(sass: str) -> str:
+    """The SASS of the kernel's K loop: from a label to the backward branch to it, with the MMAs inside."""
+    lines = sass.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (LBB\d+);", line)
+        if m:
+            start = next((j for j in range(i) if lines[j].startswith(m.group(1) + ":")), None)
+            if start is not None and any("HMMA" in x for x in lines[start:i]):
+                return "\n".join(lines[start:i + 1])
+    raise AssertionError("no K loop with MMAs in the SASS")
+
+
+def _registers(sass: str) -> int:
+    return max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
+
+
+def test_sm90_build_of_the_masked_four_warp_plan_with_its_register_cap_spills_little():
+    # The masked four-warp plan launches with maxnreg MAXNREG_DEFAULT[4] = 72 (measured faster under Triton 3.6 on
     # the H200, which gives 82 registers uncapped). The cap costs a few spills: Triton 3.9 offline, 12 STL / 10 LDL
     # and a 40-byte stack (80 registers and none uncapped, the check above). A Triton whose build spills much more
     # at the cap fails here, so the cap is measured again before it is kept.
-    ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
-               cnt_ptr="i32")
-    plan = gf.grouped_frag_plan(6, 2304, 5120)
-    consts = dict(ITERS=plan["ITERS"], SPLIT_K=1, SPLIT_POW2=1, W=plan["num_warps"], PREFETCH=plan["PREFETCH"],
-                  USE_PDL=True, ASM=True)
-    sass = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="sass", num_warps=plan["num_warps"],
-                     aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT"), maxnreg=plan["MAXNREG"])
+    plan = gf.grouped_frag_plan(6, 2304, 5120, even=False)
+    sass = _sm90_sass(plan, plan["MAXNREG"])
     assert plan["MAXNREG"] == 72
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 72, "the cap holds"
+    assert _registers(sass) <= 72, "the cap holds"
     assert sass.count("STL") + sass.count("LDL") <= 32, (sass.count("STL"), sass.count("LDL"))
+
+
+def test_sm90_build_of_the_unmasked_default_plans_fits_eight_programs_per_sm():
+    # The h200 plans (EVEN): no per-lane masks in the K loop. Triton 3.9 offline: 62 registers at four warps, so 8
+    # programs fit an SM's 64 K registers and the w1 / w3 grid (864 programs) is one wave, with no spills and no
+    # register cap; 82 at one warp with prefetch (the masked builds: 78 / 91).
+    for n, k, most in ((2304, 5120, 64), (5120, 2304, 96)):
+        plan = gf.grouped_frag_plan(6, n, k)
+        assert plan["EVEN"] and plan["MAXNREG"] is None
+        sass = _sm90_sass(plan, None)
+        assert "STL" not in sass and "LDL" not in sass
+        assert _registers(sass) <= most, (n, k, _registers(sass))
+        # No per-lane compare left in the K loop: at most the loop's own and the prefetch's `live` test (the
+        # masked build has 20 per span at four warps).
+        assert _k_loop(sass).count("ISETP") <= 6, _k_loop(sass).count("ISETP")
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -299,7 +351,7 @@ def stacks():
     return out
 
 
-@pytest.mark.parametrize("cfg", [{}] + _PROBE.FRAG_SWEEP, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or
+@pytest.mark.parametrize("cfg", [{}, {"even": False}] + _PROBE.FRAG_SWEEP, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or
                          "default")
 @pytest.mark.parametrize("name", ["w13", "w2"])
 def test_gpu_fragment_kernel_at_h200_shapes(stacks, name, cfg, monkeypatch):

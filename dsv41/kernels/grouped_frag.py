@@ -32,9 +32,11 @@ The layout (PTX ISA, "Matrix fragments for mma.m16n8k32" with 8-bit A / B; lane 
   vectors.
 
 Program (n-tile of 16 rows, K split, pair) of NUM_WARPS warps; warp w of split j takes spans
-it * NUM_WARPS * SPLIT_K + j * NUM_WARPS + w (it < ITERS). Under the interpreter the MMA is emulated with tensor
-operations on the same per-lane registers (`_mma_emulated`), which checks the fragment bookkeeping on the CPU; the
-inline PTX needs sm_89 or later (FP8 `mma.sync`).
+it * NUM_WARPS * SPLIT_K + j * NUM_WARPS + w (it < ITERS). Where every warp's spans lie inside K and every row
+tile inside the weight (EVEN, the h200 shapes), the K loop's loads carry no per-lane masks: 20 fewer compares per
+span, 62 instead of 78 registers at four warps (offline sm_90 build), 13 % less time at w1 / w3. Under the
+interpreter the MMA is emulated with tensor operations on the same per-lane registers (`_mma_emulated`), which checks
+the fragment bookkeeping on the CPU; the inline PTX needs sm_89 or later (FP8 `mma.sync`).
 
 Numerics: only act_quant (FP8 activations; the reference fake-quantises every FP4 GEMM input that way). Codes,
 activations and scales are exact; each product of a code and an activation is exact; the MMA adds the 32 products
@@ -71,43 +73,50 @@ _ROWS = 16
 #: Most warps per program by default (`grouped_frag_plan`).
 _NUM_WARPS = 4
 #: Override keys of `triton_grouped_linear_fp4` that shape this plan (besides `frag` itself and `sm_count`).
-FRAG_KEYS = ("num_warps", "split_k", "prefetch", "maxnreg")
+FRAG_KEYS = ("num_warps", "split_k", "prefetch", "maxnreg", "even")
 #: Those of `FRAG_KEYS` no other kernel of `triton_grouped_linear_fp4` takes (`prefetch` is also the row-streaming
 #: kernel's, `num_warps` and `maxnreg` the tile kernel's too).
-FRAG_ONLY_KEYS = ("split_k",)
-#: Default register cap per thread by warps per program (`grouped_frag_plan`; absent: the compiler's choice).
-#: Four-warp programs: Triton 3.6 gives 82 registers, so 5 programs fit an H200 SM and the h200 w1 / w3 grid (864
-#: programs) runs in 1.31 waves (ncu, bench/results/2026-12-02_h200_s22); capped at 72, 7 fit (one wave) and the
-#: launch took 20.31 against 21.31 us in the same run (64: 20.44 us), with 10 bytes of spills. One- and two-warp
-#: programs were slower with any cap (1 warp, prefetch, w2: 19.40 us uncapped, 21.15-26.19 us capped). Triton 3.9
-#: (offline sm_90 build, not run on a GPU) gives 80 registers uncapped and spills a 40-byte stack at the cap.
+FRAG_ONLY_KEYS = ("split_k", "even")
+#: Default register cap per thread by warps per program of the masked kernel (`grouped_frag_plan`; absent, and for
+#: the unmasked EVEN kernel: the compiler's choice). Four-warp programs: Triton 3.6 gives 82 registers, so 5 programs
+#: fit an H200 SM and the h200 w1 / w3 grid (864 programs) runs in 1.31 waves (ncu, bench/results/2026-12-02_h200_s22);
+#: capped at 72, 7 fit (one wave) and the launch took 20.31 against 21.31 us in the same run (64: 20.44 us), with 10
+#: bytes of spills. One- and two-warp programs were slower with any cap (1 warp, prefetch, w2: 19.40 us uncapped,
+#: 21.15-26.19 us capped). Triton 3.9 (offline sm_90 build, not run on a GPU) gives 80 registers uncapped and spills
+#: a 40-byte stack at the cap. The EVEN kernel takes 64 registers under Triton 3.6 (62 under 3.9) with no cap and no
+#: spill; capped at 64 or 56 it spilled and was slower (19.07 / 18.83 against 17.56 us,
+#: bench/results/2026-12-02_h200_s23).
 MAXNREG_DEFAULT: dict[int, int] = {4: 72}
 #: Codes of K per program of the activation preparation kernel.
 _PREP_BLOCK = 1024
 
 
 def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = None, split_k: int | None = None,
-                      prefetch: bool | None = None, maxnreg: int | None = None, sm_count: int | None = None) -> dict:
+                      prefetch: bool | None = None, maxnreg: int | None = None, even: bool | None = None,
+                      sm_count: int | None = None) -> dict:
     """Launch parameters of the fragment kernel for `pairs` (token, expert) pairs of an [n, k] FP4 weight.
 
     16 rows per program (the MMA's M); num_warps warps per program, each a share of the program's 256-code spans
     (default: the largest of 4, 2, 1 that divides the spans, so with one K split no warp idles in the last step);
     split_k (default 1) programs along K per 16 rows. ITERS = ceil(spans / (num_warps * split_k)) steps per warp;
     PREFETCH (prefetch, default: with one warp per program) issues the next span's loads before this span's MMAs
-    (a register double buffer); MAXNREG (maxnreg, registers per thread; default `MAXNREG_DEFAULT[num_warps]`, else
-    the compiler's choice); grid (ceil(n / 16), split_k, pairs). At the h200 shapes: w1 / w3 (2304 x 5120, 6 pairs,
-    20 spans) 144 x 1 x 6 = 864 programs of 4 warps, 5 spans per warp, 72 registers; w2 (5120 x 2304, 9 spans)
-    320 x 1 x 6 programs of one warp, prefetching. Measured on the H200 (PDL, CUDA-graph replay; the activation
-    launch included): bench/results/2026-12-02_h200_s21, w1 / w3 19.3 us at this plan without the register cap
-    (20.6-29.8 us at 13 others), w2 19.6 us (20.5-33.2); bench/results/2026-12-02_h200_s22 (another lease), w1 / w3
-    20.31 us with the cap against 21.31 us without.
+    (a register double buffer); EVEN (even, default: where the shape allows it) drops the per-lane masks of the K
+    loop's loads, which needs K a multiple of 256, the spans a multiple of num_warps * split_k (no warp past K) and
+    n a multiple of 16 (no partial row tile); MAXNREG (maxnreg, registers per thread; default
+    `MAXNREG_DEFAULT[num_warps]` for the masked kernel, else the compiler's choice); grid (ceil(n / 16), split_k,
+    pairs). At the h200 shapes, both EVEN: w1 / w3 (2304 x 5120, 6 pairs, 20 spans) 144 x 1 x 6 = 864 programs of 4
+    warps, 5 spans per warp; w2 (5120 x 2304, 9 spans) 320 x 1 x 6 programs of one warp, prefetching. Measured on the
+    H200 (PDL, CUDA-graph replay; the activation launch included), bench/results/2026-12-02_h200_s23: w1 / w3 17.56 us
+    (50.6 % of copy bandwidth) against 20.28 us masked with the cap, w2 (fp32 x) 19.62 against 19.95 us; 8 other EVEN
+    plans 18.8-26.8 us. Earlier plans: bench/results/2026-12-02_h200_s21 and _s22.
     `sm_count` is accepted and unused.
-    Returns a dict with SPANS, ITERS, SPLIT_K, SPLIT_POW2, PREFETCH, MAXNREG, num_warps and grid.
-    Raises: ValueError for a value that is not an int (prefetch: not a bool), num_warps not in 1, 2, 4, 8, split_k
-    < 1 or above 65535, maxnreg outside 24..255.
+    Returns a dict with SPANS, ITERS, SPLIT_K, SPLIT_POW2, PREFETCH, EVEN, MAXNREG, num_warps and grid.
+    Raises: ValueError for a value that is not an int (prefetch, even: not a bool), num_warps not in 1, 2, 4, 8,
+    split_k < 1 or above 65535, maxnreg outside 24..255, even=True for a shape that does not allow it.
     """
-    if prefetch is not None and not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch={prefetch!r} must be a bool")
+    for key, val in (("prefetch", prefetch), ("even", even)):
+        if val is not None and not isinstance(val, bool):
+            raise ValueError(f"{key}={val!r} must be a bool")
     check_int_options(num_warps=num_warps, split_k=split_k, maxnreg=maxnreg, sm_count=sm_count)
     spans = max(1, -(-k // SPAN))
     if num_warps is None:
@@ -118,13 +127,19 @@ def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = Non
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     if not 1 <= split_k <= 65535:
         raise ValueError(f"split_k={split_k} must be in 1..65535")
+    fits = k % SPAN == 0 and spans % (num_warps * split_k) == 0 and n % _ROWS == 0
+    if even is None:
+        even = fits
+    elif even and not fits:
+        raise ValueError(f"even=True needs K % {SPAN} == 0, the {spans} spans a multiple of num_warps * split_k = "
+                         f"{num_warps * split_k} and the {n} rows a multiple of {_ROWS}")
     if maxnreg is None:
-        maxnreg = MAXNREG_DEFAULT.get(num_warps)
+        maxnreg = None if even else MAXNREG_DEFAULT.get(num_warps)
     elif not 24 <= maxnreg <= 255:
         raise ValueError(f"maxnreg={maxnreg} must be in 24..255 (registers per thread)")
     iters = -(-spans // (num_warps * split_k))
     return dict(SPANS=spans, ITERS=iters, SPLIT_K=split_k, SPLIT_POW2=next_power_of_2(split_k), PREFETCH=prefetch,
-                MAXNREG=maxnreg, num_warps=num_warps,
+                MAXNREG=maxnreg, EVEN=even, num_warps=num_warps,
                 grid=(-(-n // _ROWS), split_k, pairs))
 
 
@@ -252,7 +267,8 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi):
+def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi,
+               EVEN: tl.constexpr, live):
     # Everything a warp reads for the span of 8 blocks from block blk0 [32 W]: weight words [32 W, 4] of rows
     # g / g + 8 and blocks t / t + 4; the B words [32 W, 4] of parts 0-3 and 4-7 for b0 (lanes g == t < 4) and
     # b1 (lanes g == t + 4), zeros elsewhere; the weight scales of blocks 2t, 2t + 1 of both rows as FP32
@@ -260,33 +276,52 @@ def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, o
     # 2^-6), [32 W] each.
     blk_a = blk0 + t
     blk_b = blk_a + 4
-    m_a = (blk_a < nkb)[:, None]
-    m_b = (blk_b < nkb)[:, None]
     off_a = blk_a[:, None] * 4 + wi
     off_b = blk_b[:, None] * 4 + wi
-    wa_lo = tl.load(w_lo[:, None] + off_a, mask=m_a & ok_lo[:, None], other=0)
-    wb_lo = tl.load(w_lo[:, None] + off_b, mask=m_b & ok_lo[:, None], other=0)
-    wa_hi = tl.load(w_hi[:, None] + off_a, mask=m_a & ok_hi[:, None], other=0)
-    wb_hi = tl.load(w_hi[:, None] + off_b, mask=m_b & ok_hi[:, None], other=0)
     blk_x = blk0 + g
     x_ptrs = xq_row + blk_x[:, None] * 8 + wi
-    m_x0 = ((blk_x < nkb) & x_b0)[:, None]
-    m_x1 = ((blk_x < nkb) & x_b1)[:, None]
-    # Two loads per register with disjoint lane masks instead of a select per MMA.
-    x0a = tl.load(x_ptrs, mask=m_x0, other=0)
-    x0b = tl.load(x_ptrs + 4, mask=m_x0, other=0)
-    x1a = tl.load(x_ptrs, mask=m_x1, other=0)
-    x1b = tl.load(x_ptrs + 4, mask=m_x1, other=0)
     blk_s = blk0 + 2 * t
-    m_s0 = blk_s < nkb
-    m_s1 = blk_s + 1 < nkb
-    # One byte per load: a [32 W, 2] load of unproven alignment would get a layout of two lanes per pair.
-    sl0 = exp2_int(tl.load(s_lo + blk_s, mask=m_s0 & ok_lo, other=0).to(tl.int32))
-    sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=m_s1 & ok_lo, other=0).to(tl.int32))
-    sh0 = exp2_int(tl.load(s_hi + blk_s, mask=m_s0 & ok_hi, other=0).to(tl.int32))
-    sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=m_s1 & ok_hi, other=0).to(tl.int32))
-    sx0 = tl.load(xs_row + blk_s, mask=m_s0, other=0.0) * 64.0
-    sx1 = tl.load(xs_row + blk_s + 1, mask=m_s1, other=0.0) * 64.0
+    if EVEN:
+        # Every block of every span is inside K and every row inside the weight (an invalid expert reads expert 0,
+        # whose rows `_grouped_store` replaces by NaN): no masks but `live` (a scalar, False only for the prefetch
+        # after the last span) and the lanes that supply B.
+        wa_lo = tl.load(w_lo[:, None] + off_a, mask=live, other=0)
+        wb_lo = tl.load(w_lo[:, None] + off_b, mask=live, other=0)
+        wa_hi = tl.load(w_hi[:, None] + off_a, mask=live, other=0)
+        wb_hi = tl.load(w_hi[:, None] + off_b, mask=live, other=0)
+        x0a = tl.load(x_ptrs, mask=x_b0[:, None] & live, other=0)
+        x0b = tl.load(x_ptrs + 4, mask=x_b0[:, None] & live, other=0)
+        x1a = tl.load(x_ptrs, mask=x_b1[:, None] & live, other=0)
+        x1b = tl.load(x_ptrs + 4, mask=x_b1[:, None] & live, other=0)
+        sl0 = exp2_int(tl.load(s_lo + blk_s, mask=live, other=0).to(tl.int32))
+        sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=live, other=0).to(tl.int32))
+        sh0 = exp2_int(tl.load(s_hi + blk_s, mask=live, other=0).to(tl.int32))
+        sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=live, other=0).to(tl.int32))
+        sx0 = tl.load(xs_row + blk_s, mask=live, other=0.0) * 64.0
+        sx1 = tl.load(xs_row + blk_s + 1, mask=live, other=0.0) * 64.0
+    else:
+        m_a = (blk_a < nkb)[:, None]
+        m_b = (blk_b < nkb)[:, None]
+        wa_lo = tl.load(w_lo[:, None] + off_a, mask=m_a & ok_lo[:, None], other=0)
+        wb_lo = tl.load(w_lo[:, None] + off_b, mask=m_b & ok_lo[:, None], other=0)
+        wa_hi = tl.load(w_hi[:, None] + off_a, mask=m_a & ok_hi[:, None], other=0)
+        wb_hi = tl.load(w_hi[:, None] + off_b, mask=m_b & ok_hi[:, None], other=0)
+        m_x0 = ((blk_x < nkb) & x_b0)[:, None]
+        m_x1 = ((blk_x < nkb) & x_b1)[:, None]
+        # Two loads per register with disjoint lane masks instead of a select per MMA.
+        x0a = tl.load(x_ptrs, mask=m_x0, other=0)
+        x0b = tl.load(x_ptrs + 4, mask=m_x0, other=0)
+        x1a = tl.load(x_ptrs, mask=m_x1, other=0)
+        x1b = tl.load(x_ptrs + 4, mask=m_x1, other=0)
+        m_s0 = blk_s < nkb
+        m_s1 = blk_s + 1 < nkb
+        # One byte per load: a [32 W, 2] load of unproven alignment would get a layout of two lanes per pair.
+        sl0 = exp2_int(tl.load(s_lo + blk_s, mask=m_s0 & ok_lo, other=0).to(tl.int32))
+        sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=m_s1 & ok_lo, other=0).to(tl.int32))
+        sh0 = exp2_int(tl.load(s_hi + blk_s, mask=m_s0 & ok_hi, other=0).to(tl.int32))
+        sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=m_s1 & ok_hi, other=0).to(tl.int32))
+        sx0 = tl.load(xs_row + blk_s, mask=m_s0, other=0.0) * 64.0
+        sx1 = tl.load(xs_row + blk_s + 1, mask=m_s1, other=0.0) * 64.0
     return (wa_lo, wb_lo, wa_hi, wb_hi, x0a, x0b, x1a, x1b, sl0, sl1, sh0, sh1, sx0, sx1)
 
 
@@ -335,7 +370,7 @@ def _grouped_frag_kernel(
     xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr,
     P, N_OUT, K, E, X_ROW_DIV, stride_we, stride_wn, stride_se, stride_sn,
     ITERS: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr, ASM: tl.constexpr,
+    EVEN: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     # ITERS is a constexpr: Triton 3.6's interpreter cannot take a runtime int as a range bound (numpy 2).
     # Program (16-row tile, K split, pair) of W warps; w_ptr / xq_ptr as int32 words (strides in words), xq / xs
@@ -376,21 +411,22 @@ def _grouped_frag_kernel(
     blk = (pid_k * W + warp) * 8
     if PREFETCH:
         # Register double buffer: the next span's loads are issued before this span's MMAs, so a warp always has
-        # one span's bytes in flight (the trip after the last reads nothing: every block is past K).
+        # one span's bytes in flight. The trip after the last reads nothing (masked loads: every block is past K;
+        # EVEN loads: the scalar `live` is False).
         n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13 = _span_load(
-            w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi)
+            w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk, nkb, g, t, ok_lo, ok_hi, x_b0, x_b1, wi, EVEN, True)
         for it in tl.range(0, ITERS, num_stages=1):
             cur = (n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13)
             n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13 = _span_load(
                 w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk + (it + 1) * step * 8, nkb, g, t, ok_lo, ok_hi, x_b0,
-                x_b1, wi)
+                x_b1, wi, EVEN, it + 1 < ITERS)
             lo, hi = _span_sums(cur, W, ASM)
             acc_lo += lo
             acc_hi += hi
     else:
         for it in tl.range(0, ITERS, num_stages=1):
             lo, hi = _span_sums(_span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk + it * step * 8, nkb, g, t,
-                                           ok_lo, ok_hi, x_b0, x_b1, wi), W, ASM)
+                                           ok_lo, ok_hi, x_b0, x_b1, wi, EVEN, True), W, ASM)
             acc_lo += lo
             acc_hi += hi
     if USE_PDL:
@@ -439,6 +475,6 @@ def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor
         idx.numel(), weight.shape[1], xq.shape[1], weight.shape[0], x_row_div, words.stride(0), words.stride(1),
         scale.stride(0), scale.stride(1),
         ITERS=plan["ITERS"], SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], W=plan["num_warps"],
-        PREFETCH=plan["PREFETCH"], USE_PDL=pdl,
+        PREFETCH=plan["PREFETCH"], EVEN=plan["EVEN"], USE_PDL=pdl,
         ASM=not is_interpreted(_grouped_frag_kernel), num_warps=plan["num_warps"], **extra)
     return y

@@ -30,7 +30,7 @@ wrong expert or a memory fault.
 
 Kernels. With act_quant, bf16 / fp32 x and at least `WORDS_MIN_CODES_ACT_QUANT` codes per call, when no plan option
 is given, launches run the tensor-core fragment GEMV of `grouped_frag.py` (E2M1 decoded to E4M3 straight into
-`mma.sync` fragments; 19.3 / 19.6 us at the h200 shapes, `FRAG_DEFAULT`; `frag=False` refuses it). Otherwise, for
+`mma.sync` fragments; 17.6 / 19.6 us at the h200 shapes, `FRAG_DEFAULT`; `frag=False` refuses it). Otherwise, for
 bf16 / fp32 x (and with act_quant, at least `WORDS_MIN_CODES_ACT_QUANT` codes per call), launches run the
 word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-warp programs; measured 32.1 / 31.4 us
 at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
