@@ -137,23 +137,64 @@ def test_the_default_launch_takes_the_fragment_kernel_where_it_applies(monkeypat
 
 
 @interpreted
-def test_pair_op_quantises_x_once_for_two_fragment_launches(monkeypatch, poisoned_outputs):
+def test_pair_op_quantises_x_once_and_runs_both_gemvs_in_one_launch(monkeypatch, poisoned_outputs):
     monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 0)
-    preps = []
+    preps, launches = [], []
     real = gf.prepare_frag_x
     monkeypatch.setattr(gf, "prepare_frag_x", lambda *a, **kw: preps.append(1) or real(*a, **kw))
+    real_launch = gf.launch_grouped_frag
+    monkeypatch.setattr(gf, "launch_grouped_frag",
+                        lambda *a, **kw: launches.append(kw.get("second") is not None) or real_launch(*a, **kw))
     gen = torch.Generator().manual_seed(53)
     wa, sa = GG.make_experts(4, 16, 256, gen)
     wb, sb = GG.make_experts(4, 16, 256, gen)
     idx = GG.make_indices(1, 2, 4, gen)
     x = GG.make_x(1, 2, 256, torch.bfloat16, True, gen)
     ya, yb = gg.triton_grouped_linear_fp4_pair(x, wa, sa, wb, sb, idx, True)
-    assert len(preps) == 1
+    assert len(preps) == 1 and launches == [True]
     assert torch.equal(ya, gg.triton_grouped_linear_fp4(x, wa, sa, idx, True))
     assert torch.equal(yb, gg.triton_grouped_linear_fp4(x, wb, sb, idx, True))
-    assert len(preps) == 3
+    assert len(preps) == 3 and launches == [True, False, False]
     GG.assert_close_to_ref(ya, *GG.ref_grouped(x, wa, sa, idx, True))
     GG.assert_close_to_ref(yb, *GG.ref_grouped(x, wb, sb, idx, True))
+    # Weights of other strides (a view of a wider stack): two launches, the same numbers.
+    launches.clear()
+    wide = torch.cat([wb, wb], dim=2)[:, :, :128]
+    assert wide.stride() != wa.stride() and torch.equal(wide, wb)
+    ya2, yb2 = gg.triton_grouped_linear_fp4_pair(x, wa, sa, wide, sb, idx, True)
+    assert launches == [False, False] and torch.equal(ya2, ya) and torch.equal(yb2, yb)
+    monkeypatch.setattr(gg, "PAIR_ONE_LAUNCH", False)
+    launches.clear()
+    ya3, yb3 = gg.triton_grouped_linear_fp4_pair(x, wa, sa, wb, sb, idx, True)
+    assert launches == [False, False] and torch.equal(ya3, ya) and torch.equal(yb3, yb)
+
+
+@interpreted
+def test_paired_launch_with_split_k_and_a_bad_expert_equals_two_launches(finite_poisoned_outputs):
+    # One grid for both weights: programs z >= pairs take the second weight, and the split-K workspace holds both
+    # halves (z indexes it), so the merge of one half never reads the other's partials.
+    gen = torch.Generator().manual_seed(62)
+    wa, sa = GG.make_experts(5, 32, 512, gen)
+    wb, sb = GG.make_experts(5, 32, 512, gen)
+    idx = GG.make_indices(1, 3, 5, gen)
+    idx[0, 1] = 7  # outside [-5, 5): NaN row in both outputs
+    x = GG.make_x(1, 3, 512, torch.float32, True, gen)
+    xq, xs = gf.prepare_frag_x(x.reshape(1, 512), gg._empty, False)
+    plan = gf.grouped_frag_plan(3, 32, 512, num_warps=1, split_k=2)
+    ya, yb = (torch.full((3, 32), FINITE_POISON) for _ in range(2))
+    part, cnt = gg.split_k_workspace(gg._empty, x.device, 2, (6, 32), 2 * 2 * 3)
+    gf.launch_grouped_frag(xq, xs, wa, sa, idx.reshape(3), ya, part, cnt, 3, plan, False, second=(wb, sb, yb))
+    for w, s, y in ((wa, sa, ya), (wb, sb, yb)):
+        alone = gg.triton_grouped_linear_fp4(x, w, s, idx, True, frag=True, num_warps=1, split_k=2).reshape(3, 32)
+        assert torch.isnan(y[1]).all() and torch.isnan(alone[1]).all()
+        assert torch.equal(y[[0, 2]], alone[[0, 2]])
+        good = idx.clone()
+        good[0, 1] = 0
+        ref = GG.ref_grouped(x, w, s, good, True)
+        GG.assert_close_to_ref(y.reshape(1, 3, 32)[:, [0, 2]], ref[0][:, [0, 2]], ref[1][:, [0, 2]])
+    with pytest.raises(ValueError, match="must match"):
+        gf.launch_grouped_frag(xq, xs, wa, sa, idx.reshape(3), ya, part, cnt, 3, plan, False,
+                               second=(wb[:, :16], sb[:, :16], yb[:, :16]))
 
 
 @interpreted
@@ -253,12 +294,14 @@ def test_eligibility_follows_alignment_dtype_and_act_quant():
     assert gf.frag_supported(torch.device("cpu")) and gf.frag_supported(torch.device("meta"))
 
 
-@pytest.mark.parametrize("warps,prefetch,even", [(1, False, False), (4, False, False), (4, True, False),
-                                                 (4, False, True), (1, True, True)])
-def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warps, prefetch, even):
+@pytest.mark.parametrize("warps,prefetch,even,paired", [(1, False, False, False), (4, False, False, False),
+                                                        (4, True, False, False), (4, False, True, False),
+                                                        (1, True, True, False), (4, False, True, True)])
+def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warps, prefetch, even, paired):
     ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
-               cnt_ptr="i32")
-    consts = dict(ITERS=5, SPLIT_K=1, SPLIT_POW2=1, W=warps, PREFETCH=prefetch, EVEN=even, USE_PDL=True, ASM=True)
+               cnt_ptr="i32", w2_ptr="i32", s2_ptr="u8", y2_ptr="bf16")
+    consts = dict(ITERS=5, SPLIT_K=1, SPLIT_POW2=1, W=warps, PREFETCH=prefetch, EVEN=even, PAIRED=paired,
+                  USE_PDL=True, ASM=True)
     # As launched at the h200 shapes: aligned tensors, K and the weight strides multiples of 16.
     build = dict(num_warps=warps, aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT"))
     ttgir = sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="ttgir", **build)
@@ -280,11 +323,11 @@ def test_sm90_build_keeps_each_lane_in_its_thread_and_reads_16_byte_vectors(warp
     assert "STL" not in sass and "LDL" not in sass, "register spills"
 
 
-def _sm90_sass(plan, maxnreg):
+def _sm90_sass(plan, maxnreg, paired=False):
     ptr = dict(xq_ptr="i32", xs_ptr="fp32", w_ptr="i32", s_ptr="u8", idx_ptr="i64", y_ptr="bf16", part_ptr="fp32",
-               cnt_ptr="i32")
+               cnt_ptr="i32", w2_ptr="i32", s2_ptr="u8", y2_ptr="bf16")
     consts = dict(ITERS=plan["ITERS"], SPLIT_K=1, SPLIT_POW2=1, W=plan["num_warps"], PREFETCH=plan["PREFETCH"],
-                  EVEN=plan["EVEN"], USE_PDL=True, ASM=True)
+                  EVEN=plan["EVEN"], PAIRED=paired, USE_PDL=True, ASM=True)
     return sm90_ttir(gf._grouped_frag_kernel, ptr, consts, stage="sass", num_warps=plan["num_warps"],
                      aligned=(*ptr, "K", "stride_we", "stride_wn", "N_OUT", "stride_se", "stride_sn"), maxnreg=maxnreg)
 
@@ -321,10 +364,11 @@ def test_sm90_build_of_the_unmasked_default_plans_fits_eight_programs_per_sm():
     # The h200 plans (EVEN): no per-lane masks in the K loop. Triton 3.9 offline: 62 registers at four warps, so 8
     # programs fit an SM's 64 K registers and the w1 / w3 grid (864 programs) is one wave, with no spills and no
     # register cap; 82 at one warp with prefetch (the masked builds: 78 / 91).
-    for n, k, most in ((2304, 5120, 64), (5120, 2304, 96)):
+    # The pair op's one launch for w1 and w3 (PAIRED) builds the same way.
+    for n, k, most, paired in ((2304, 5120, 64, False), (2304, 5120, 64, True), (5120, 2304, 96, False)):
         plan = gf.grouped_frag_plan(6, n, k)
         assert plan["EVEN"] and plan["MAXNREG"] is None
-        sass = _sm90_sass(plan, None)
+        sass = _sm90_sass(plan, None, paired)
         assert "STL" not in sass and "LDL" not in sass
         assert _registers(sass) <= most, (n, k, _registers(sass))
         # No per-lane compare left in the K loop: at most the loop's own and the prefetch's `live` test (the

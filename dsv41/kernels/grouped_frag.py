@@ -64,7 +64,7 @@ from .grouped_words import x_blocks
 from .quant_gemv import _fp8_1x32_parts
 
 __all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
-           "FRAG_KEYS", "FRAG_ONLY_KEYS", "SPAN"]
+           "FRAG_KEYS", "FRAG_ONLY_KEYS", "SPAN", "paired_launch_fits"]
 
 #: Codes of K one warp covers per step: 8 blocks of 32, the 8 columns of one m16n8k32 MMA.
 SPAN = 256
@@ -367,17 +367,30 @@ def _span_sums(v, W: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _grouped_frag_kernel(
-    xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr,
+    xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr, w2_ptr, s2_ptr, y2_ptr,
     P, N_OUT, K, E, X_ROW_DIV, stride_we, stride_wn, stride_se, stride_sn,
     ITERS: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr,
-    EVEN: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr,
+    EVEN: tl.constexpr, PAIRED: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     # ITERS is a constexpr: Triton 3.6's interpreter cannot take a runtime int as a range bound (numpy 2).
     # Program (16-row tile, K split, pair) of W warps; w_ptr / xq_ptr as int32 words (strides in words), xq / xs
-    # from `prepare_frag_x`. Tensors [32 W] hold one value per thread.
+    # from `prepare_frag_x`. Tensors [32 W] hold one value per thread. PAIRED: grid dimension 2 is 2 P, and
+    # programs z >= P compute pair z - P of the second weight (w2_ptr, s2_ptr: same shape and strides) into y2_ptr;
+    # the split-K workspace holds 2 P pairs, indexed by z.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pair = tl.program_id(2)
+    z = tl.program_id(2)
+    if PAIRED:
+        second = z >= P
+        pair = tl.where(second, z - P, z)
+        w_ptr = tl.where(second, w2_ptr, w_ptr)
+        s_ptr = tl.where(second, s2_ptr, s_ptr)
+        # y row z of the store below is row z - P of y2.
+        y_ptr = tl.where(second, y2_ptr - (z - pair).to(tl.int64) * N_OUT, y_ptr)
+        ws_pairs = 2 * P
+    else:
+        pair = z
+        ws_pairs = P
     rows16 = pid_n * 16 + tl.arange(0, 16)
     e_ok, e_safe, _ = _pair_expert(idx_ptr, pair, E, rows16, N_OUT, USE_PDL)
     e_flag = tl.max(e_ok.to(tl.int32), axis=0)
@@ -434,7 +447,7 @@ def _grouped_frag_kernel(
     lo8 = tl.sum(tl.sum(tl.reshape(acc_lo, [W, 8, 4]), axis=2), axis=0)
     hi8 = tl.sum(tl.sum(tl.reshape(acc_hi, [W, 8, 4]), axis=2), axis=0)
     acc16 = tl.reshape(tl.permute(tl.join(lo8, hi8), (1, 0)), [16])
-    _grouped_store(acc16, e_ok, rows16, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT, SPLIT_K,
+    _grouped_store(acc16, e_ok, rows16, z, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, ws_pairs, N_OUT, SPLIT_K,
                    SPLIT_POW2)
 
 
@@ -454,27 +467,50 @@ def prepare_frag_x(x2: torch.Tensor, empty, pdl: bool) -> tuple[torch.Tensor, to
 
 def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         idx: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor, x_row_div: int,
-                        plan: dict, pdl: bool) -> torch.Tensor:
+                        plan: dict, pdl: bool, second: tuple | None = None) -> torch.Tensor:
     """Launch the fragment kernel into `y` [pairs, out] (bf16 / fp32) with `plan` (`grouped_frag_plan`).
 
     xq / xs from `prepare_frag_x` (row pair // x_row_div feeds pair); weight uint8 [E, out, K/2] (`frag_eligible`);
     scale uint8 [E, out, K/32] contiguous along K; idx int64 [pairs]; part / cnt the split-K workspace of
-    `_common.split_k_workspace`. Returns y.
-    Raises ValueError for a weight that cannot be read as 16-byte vectors; other arguments are checked by the
-    caller (`grouped_gemv.triton_grouped_linear_fp4`).
+    `_common.split_k_workspace`. `second` = (weight2, scale2, y2): one launch also computes y2 from weight2 / scale2
+    (the same shapes and strides as weight / scale, y2 like y; `paired_launch_fits`) for the same x and experts,
+    with a workspace of 2 pairs x out (MoE w1 and w3: one grid, one ramp and tail instead of two). Returns y.
+    Raises ValueError for a weight that cannot be read as 16-byte vectors, and for a `second` that does not fit;
+    other arguments are checked by the caller (`grouped_gemv.triton_grouped_linear_fp4`).
     """
     if not _vector_readable(weight):
         raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as 16-byte "
                          "vectors (needs contiguous K, K/2, the strides and the address multiples of 16 bytes)")
     words = weight.view(torch.int32)
+    grid = plan["grid"]
+    if second is not None:
+        if not paired_launch_fits(weight, scale, y, *second):
+            raise ValueError("the second weight / scale / y of a paired fragment launch must match the first's "
+                             "shapes, strides and dtypes, be readable as 16-byte vectors, and 2 x pairs must fit "
+                             "grid dimension 2 (65535)")
+        w2, s2, y2 = second[0].view(torch.int32), second[1], second[2]
+        grid = (grid[0], grid[1], 2 * grid[2])
+    else:
+        w2, s2, y2 = words, scale, y
     extra = {"launch_pdl": True} if pdl else {}
     if plan["MAXNREG"] is not None:
         extra["maxnreg"] = plan["MAXNREG"]
-    _grouped_frag_kernel[plan["grid"]](
-        xq.view(torch.int32), xs, words, scale, idx, y, part, cnt,
+    _grouped_frag_kernel[grid](
+        xq.view(torch.int32), xs, words, scale, idx, y, part, cnt, w2, s2, y2,
         idx.numel(), weight.shape[1], xq.shape[1], weight.shape[0], x_row_div, words.stride(0), words.stride(1),
         scale.stride(0), scale.stride(1),
         ITERS=plan["ITERS"], SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], W=plan["num_warps"],
-        PREFETCH=plan["PREFETCH"], EVEN=plan["EVEN"], USE_PDL=pdl,
+        PREFETCH=plan["PREFETCH"], EVEN=plan["EVEN"], PAIRED=second is not None, USE_PDL=pdl,
         ASM=not is_interpreted(_grouped_frag_kernel), num_warps=plan["num_warps"], **extra)
     return y
+
+
+def paired_launch_fits(weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, weight2: torch.Tensor,
+                       scale2: torch.Tensor, y2: torch.Tensor) -> bool:
+    """Whether one fragment launch can compute y from (weight, scale) and y2 from (weight2, scale2): the same
+    shapes, strides and dtypes, both weights readable as 16-byte vectors, and 2 x pairs (y.shape[0] of y [pairs,
+    out]) within CUDA's 65535 for grid dimension 2."""
+    return (weight2.shape == weight.shape and weight2.stride() == weight.stride() and weight2.dtype == weight.dtype
+            and scale2.shape == scale.shape and scale2.stride() == scale.stride() and scale2.dtype == scale.dtype
+            and y2.shape == y.shape and y2.stride() == y.stride() and y2.dtype == y.dtype
+            and _vector_readable(weight) and _vector_readable(weight2) and 2 * y.shape[0] <= 65535)

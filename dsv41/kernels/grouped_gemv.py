@@ -70,7 +70,8 @@ from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "grouped_linear_fp4_pair", "reference_grouped_linear_fp4_pair", "triton_grouped_linear_fp4_pair",
            "MAX_TRITON_PAIRS", "MMA_WORDS_DEFAULT", "WORDS_DEFAULT", "WORDS_MIN_CODES_ACT_QUANT", "FRAG_DEFAULT",
-           "takes_words_by_default", "words_by_default_for", "takes_frag_by_default", "frag_by_default_for"]
+           "takes_words_by_default", "words_by_default_for", "takes_frag_by_default", "frag_by_default_for",
+           "PAIR_ONE_LAUNCH"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Most (token, expert) pairs one launch takes: the pair is grid dimension 2, limited to 65535 by CUDA. The
@@ -525,6 +526,13 @@ def _launch_frag(xq, xs, weight, scale, idx, y, x_row_div: int, plan: dict, pdl:
     return y
 
 
+#: Whether the pair op runs both fragment GEMVs in one launch (`grouped_frag.launch_grouped_frag(second=...)`) where
+#: `grouped_frag.paired_launch_fits`: one grid, one ramp and tail. h200 w1 + w3 (6 of 96 experts, CUDA-graph replay,
+#: PDL, the activation launch included): 30.87 us for the two as one [E, 2 N] stack against 33.85 us as two launches
+#: (bench/results/2026-12-02_h200_s23, sibling_probe.json).
+PAIR_ONE_LAUNCH = True
+
+
 def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor,
                                    weight_b: torch.Tensor, scale_b: torch.Tensor, indices: torch.Tensor,
                                    act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,7 +543,9 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
     (`takes_words_by_default`) by default with act_quant (not the tensor-core `grouped_mma` by
     `MMA_WORDS_DEFAULT`, the same weight shape), x is FP8-quantised once (`grouped_frag.prepare_frag_x` or
     `grouped_words.prepare_x`, one launch) and both GEMVs read that copy: one launch fewer than two separate calls,
-    the same numbers (the preparation is a pure function of x).
+    the same numbers (the preparation is a pure function of x). The two fragment GEMVs themselves run as one launch
+    where `PAIR_ONE_LAUNCH` and `grouped_frag.paired_launch_fits` (the same numbers: each program computes what it
+    would alone).
     Otherwise the two calls run as they would alone.
     Same arguments (each weight / scale as in `reference_grouped_linear_fp4`), results and errors as the two calls
     (a ValueError about the second weight starts with "weight_b / scale_b").
@@ -562,8 +572,18 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
             plan = grouped_frag.grouped_frag_plan(pairs, out, kk)
             pdl = use_pdl_for(grouped_frag._grouped_frag_kernel, x.device)
             xq, xs = grouped_frag.prepare_frag_x(x2, _empty, pdl)
-            return tuple(_launch_frag(xq, xs, w, s, idx, _empty((n, k, out), x.dtype, x.device), k if shared else 1,
-                                      plan, pdl) for w, s in ws)
+            ys = [_empty((n, k, out), x.dtype, x.device) for _ in ws]
+            (wa, sa), (wb, sb) = ws
+            if PAIR_ONE_LAUNCH and grouped_frag.paired_launch_fits(wa, sa, ys[0].view(pairs, out), wb, sb,
+                                                                   ys[1].view(pairs, out)):
+                n_tiles, split_k, _ = plan["grid"]
+                part, cnt = split_k_workspace(_empty, x.device, split_k, (2 * pairs, out), n_tiles * 2 * pairs)
+                grouped_frag.launch_grouped_frag(xq, xs, wa, sa, idx, ys[0].view(pairs, out), part, cnt,
+                                                 k if shared else 1, plan, pdl,
+                                                 second=(wb, sb, ys[1].view(pairs, out)))
+                return tuple(ys)
+            return tuple(_launch_frag(xq, xs, w, s, idx, y, k if shared else 1, plan, pdl)
+                         for (w, s), y in zip(ws, ys))
         from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, sm_count=device_sm_count(x.device))
         pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
