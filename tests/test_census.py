@@ -97,9 +97,22 @@ def test_grouped_fp4_gemv_counts_its_activation_preparation_launch():
     xs, ws, ss = torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(32, 512, 512, dtype=torch.uint8), \
         torch.empty(32, 512, 32, dtype=torch.uint8)
     assert op_launches("dsv41::grouped_linear_fp4", [xs, ws, ss, idx[:, :4], True]) == 1
-    # The w1 / w3 pair (grouped_pair): one quantisation for both GEMVs at h200; two tile launches at `small`.
-    assert op_launches("dsv41::grouped_linear_fp4_pair", [x, w, s, w, s, idx, True]) == 3
+    # The w1 / w3 pair (grouped_pair): one quantisation and one fragment launch for both GEMVs at h200
+    # (grouped_gemv.PAIR_ONE_LAUNCH); two tile launches at `small`.
+    assert op_launches("dsv41::grouped_linear_fp4_pair", [x, w, s, w, s, idx, True]) == 2
     assert op_launches("dsv41::grouped_linear_fp4_pair", [xs, ws, ss, ws, ss, idx[:, :4], True]) == 2
+
+
+def test_sibling_gemvs_are_one_launch_at_one_x_row():
+    # dsv41::linear_fp8_block_multi (sibling_gemv): the h200 wq_a + wkv and shared w1 + w3 in one tile launch at
+    # decode; with several x rows the separate GEMVs (each its own launch).
+    for widths in ((1280, 512), (2304, 2304)):
+        ws = [torch.empty(n, 5120, dtype=torch.uint8) for n in widths]
+        ss = [torch.empty(n // 32, 160, dtype=torch.uint8) for n in widths]
+        assert op_launches("dsv41::linear_fp8_block_multi", [torch.empty(1, 5120, dtype=torch.bfloat16), ws, ss,
+                                                             True]) == 1
+        assert op_launches("dsv41::linear_fp8_block_multi", [torch.empty(3, 5120, dtype=torch.bfloat16), ws, ss,
+                                                             True]) == 2
 
 
 def test_census_reads_shapes_only_and_launches_nothing():

@@ -74,7 +74,7 @@ def test_report_aggregates_every_graph_of_one_compile_call(compiled):
     d = report.to_dict()
     assert d["families"]["dispatch"]["matches"] == 4
     assert [g.record("dispatch").match_count for g in report.graphs] == [1, 1, 1, 1]
-    assert [len(g["records"]) for g in d["graphs"]] == [12, 12, 12, 12]  # normalize, c2_compressor, rope_fp4, mhc, engram, moe, sparse_attention, indexer, small_ops, upcast_linear, dispatch, grouped_pair
+    assert [len(g["records"]) for g in d["graphs"]] == [13, 13, 13, 13]  # normalize, c2_compressor, rope_fp4, mhc, engram, moe, sparse_attention, indexer, small_ops, upcast_linear, dispatch, grouped_pair, sibling_gemv
     assert sorted(s["graph"] for s in d["families"]["dispatch"]["sites"]) == [0, 1, 2, 3]
 
 

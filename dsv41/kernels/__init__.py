@@ -3,6 +3,8 @@
 Importing this package registers every op under the `dsv41::` namespace:
 
 - `dsv41::linear_fp8_block`, `dsv41::linear_fp4` (quant_gemv.py): quantised-weight GEMV, the dispatch target.
+- `dsv41::linear_fp8_block_multi` (gemv_multi.py): 2-4 block-FP8 GEMVs of one activation in one launch, the
+  sibling_gemv target.
 - `dsv41::rope_fp4_quant`, `dsv41::rope_fp4_fake_quant`, `dsv41::rope_fp4_quant_store` (rope_fp4.py).
 - `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
 - `dsv41::linear_upcast` (upcast_gemv.py): FP32 GEMV reading a bf16 / fp16 weight once, the upcast_linear target.
@@ -27,8 +29,8 @@ call launches (shapes only, on meta tensors) for the compiler's static launch co
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import (c2_compressor, engram, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention, streams,
-               upcast_gemv)
+from . import (c2_compressor, engram, gemv_multi, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention,
+               streams, upcast_gemv)
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["c2_compressor", "engram", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "gemv_multi", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]

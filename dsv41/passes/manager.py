@@ -23,6 +23,8 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
                       audits what stays on a slow path
    12. grouped_pair   two grouped FP4 expert GEMVs of one activation and one expert selection (MoE w1 / w3) -> one
                       op that quantises the activation once (after dispatch, which makes the grouped GEMVs)
+   13. sibling_gemv   2-4 block-FP8 GEMVs of one activation (q / kv down-projections, gate / up) -> one op, one
+                      launch at decode (after dispatch, which makes the GEMVs; last, so no family sees its op)
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
@@ -55,6 +57,7 @@ from .mhc import MhcFamily
 from .moe import MoeFamily
 from .normalize import NormalizeFamily, restore_batch1_mm
 from .rope_fp4 import RopeFp4Family
+from .sibling_gemv import SiblingGemvFamily
 from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
@@ -75,6 +78,7 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     UpcastLinearFamily.name: UpcastLinearFamily,
     DispatchFamily.name: DispatchFamily,
     GroupedPairFamily.name: GroupedPairFamily,
+    SiblingGemvFamily.name: SiblingGemvFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 #: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU: the
@@ -82,7 +86,7 @@ FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 #: Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and gave eager's greedy
 #: tokens end to end (tiny, FP32; bench/results/2026-11-30_h200_s6). A new family starts here until it has.
 GPU_UNVALIDATED: tuple[str, ...] = ()
-_FUSED_OPS = ("linear_fp8_block", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
+_FUSED_OPS = ("linear_fp8_block", "linear_fp8_block_multi", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
               "moe_router", "moe_combine", "grouped_linear_fp4", "grouped_linear_fp4_pair",
               "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention", "linear_upcast")

@@ -1,0 +1,171 @@
+"""`sibling_gemv` family: block-FP8 GEMVs that read the same activation become one op, launched as one kernel at
+decode (horizontal fusion, as a kernel team merges q / kv or gate / up projections by hand).
+
+Chain matched (post-grad ATen, after `dispatch` has made the GEMVs):
+
+    y_0 = dsv41::linear_fp8_block(x, W_0, S_0, aq)
+    y_1 = dsv41::linear_fp8_block(x, W_1, S_1, aq)          (up to MAX_SIBLINGS of them)
+        -> [y_0, y_1, ...] = dsv41::linear_fp8_block_multi(x, [W_0, W_1, ...], [S_0, S_1, ...], aq)
+
+In dsv41/model: the attention's `wq_a(x)` and `wkv(x)`, and the shared expert's `w1(x)` and `w3(x)`, once per layer;
+any code whose dispatch result has several block-FP8 GEMVs of one x node matches (e.g. separate q / k / v
+projections).
+
+Why. At decode each of those GEMVs is one short launch, and a short launch spends much of its time on ramp and tail
+(a launch that waits for its predecessor reads 6.6 MB at 42-44 % and 11.8 MB at 54-56 % of copy bandwidth,
+bench/results/2026-12-02_h200_s23/read_ceiling.json). `gemv_multi.triton_linear_fp8_block_multi` runs them as one
+grid (measured on the H200: shared w1 + w3 16.28 -> 14.02 us, wq_a + wkv 9.55 -> 6.97 us,
+bench/results/2026-12-02_h200_s23/sibling_probe.json). Its results equal the separate ops' up to FP32 summation
+order (bit for bit where the one plan equals each op's own, as at the `h200` shapes); with several x rows, or a
+weight large enough for the TMA kernel, it makes the separate calls.
+
+Conditions (proven from the graph alone): the ops read the same x (one node, or views of one node with the same
+sizes) with the same act_quant; each weight is a 2-D uint8 tensor below `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1` bytes
+(fake values: a larger one runs faster alone on the TMA kernel, so it stays alone); the weights and scales of a
+later op are defined before the group's first op, so the group can stand where the first one stood (with the first
+op's x). Groups are formed in graph order, at most MAX_SIBLINGS ops each.
+
+Near-misses (reported, not fused), for ops of one x node:
+
+    act_quant         they differ in act_quant (one quantises x and the other not)
+    tma_weight        the weight has >= TMA_MIN_WEIGHT_BYTES_M1 bytes: it keeps its own TMA launch
+    operand_order     an input of the later op is computed after the group's first op
+
+Bytes per match (sympy in B, L): the activation rows each GEMV reads, x's dtype; before once per op, after once
+(the weights, scales and outputs do not change). `detail["launches_saved"]` is ops - 1 at one x row.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch.fx as fx
+
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
+                   insert_node, node_label, tensor_val, token_rows)
+
+__all__ = ["SiblingGemvFamily"]
+
+_PATTERN = "linear_fp8_block x{n} (same x)"
+
+
+_VIEWS = ("view.default", "reshape.default", "_unsafe_view.default")
+
+
+def _x_key(x):
+    """A key equal for x nodes that are the same tensor: a node, or a view / reshape (`aten.view`, `reshape`,
+    `_unsafe_view`) of one with the same target and sizes (each F.linear of one 3-D x flattens it in its own node)."""
+    if isinstance(x, fx.Node) and x.op == "call_function" and any(str(x.target).endswith(v) for v in _VIEWS):
+        return (str(x.target), _x_key(x.args[0]), tuple(str(a) for a in x.args[1:]), tuple(sorted(x.kwargs.items())))
+    return x
+
+
+def _args(node: fx.Node):
+    """(x, W, S, act_quant) of a linear_fp8_block node, keyword arguments included."""
+    names = ("x", "weight", "scale", "act_quant")
+    return tuple(list(node.args) + [node.kwargs[k] for k in names[len(node.args):]])
+
+
+class SiblingGemvFamily(FusionFamily):
+    """Fuse 2 to `gemv_multi.MAX_SIBLINGS` `dsv41::linear_fp8_block` of one x node into
+    `dsv41::linear_fp8_block_multi` (module docstring)."""
+
+    name = "sibling_gemv"
+    summary = ("block-FP8 GEMVs of the same activation (q / kv down-projections, gate / up) -> one op, one launch "
+               "at decode")
+
+    def run(self, gm: fx.GraphModule) -> PassRecord:
+        """Rewrite every matching group of `gm` in place; returns the matches and near-misses."""
+        from dsv41.kernels.gemv_multi import MAX_SIBLINGS
+        graph = gm.graph
+        single, multi = dsv41_op("linear_fp8_block"), dsv41_op("linear_fp8_block_multi")
+        if single is None or multi is None:
+            return PassRecord(self.name, True, note="dsv41::linear_fp8_block(_multi) not registered")
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        by_x: dict = {}
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target == single:
+                by_x.setdefault(_x_key(_args(n)[0]), []).append(n)
+        groups, why_not = [], {}
+        for nodes in by_x.values():
+            if len(nodes) < 2:
+                continue
+            open_groups: list[list[fx.Node]] = []
+            for n in nodes:
+                big = self._too_big(n)
+                if big is not None:
+                    why_not[n] = big
+                    continue
+                home = None
+                for grp in open_groups:
+                    why = self._mismatch(grp[0], n, order)
+                    if why is None:
+                        home = grp
+                        break
+                    why_not.setdefault(n, why)
+                if home is None:
+                    open_groups.append([n])
+                    continue
+                home.append(n)
+                if len(home) == MAX_SIBLINGS:
+                    open_groups.remove(home)
+                    groups.append(home)
+            groups += [g for g in open_groups if len(g) > 1]
+        grouped = {n for g in groups for n in g}
+        misses = [NearMiss(self.name, _PATTERN.format(n="N"), why[0], why[1], SourceLocation.from_node(n))
+                  for n, why in why_not.items() if n not in grouped]
+        matches = [self._fuse(graph, g, multi) for g in groups]
+        return PassRecord(self.name, True, tuple(matches), tuple(misses))
+
+    @staticmethod
+    def _too_big(node: fx.Node) -> tuple[str, str] | None:
+        from dsv41.kernels.quant_gemv import TMA_MIN_WEIGHT_BYTES_M1
+        w = tensor_val(_args(node)[1])
+        shape = concrete_shape(w) if w is not None else None
+        if shape is None or len(shape) != 2:
+            return ("tma_weight", f"weight shape {shape} is not a static 2-D shape")
+        nbytes = int(shape[0]) * int(shape[1]) * w.element_size()
+        if nbytes >= TMA_MIN_WEIGHT_BYTES_M1:
+            return ("tma_weight", f"weight [{shape[0]}, {shape[1]}] has {nbytes} bytes (>= {TMA_MIN_WEIGHT_BYTES_M1}): "
+                                  "it runs faster alone on the TMA GEMV")
+        return None
+
+    @staticmethod
+    def _mismatch(first: fx.Node, later: fx.Node, order: dict) -> tuple[str, str] | None:
+        """None when `later` can join the group that `first` starts, else (check, reason)."""
+        qa, qb = _args(first)[3], _args(later)[3]
+        if qa != qb:
+            return ("act_quant", f"act_quant is {qa} / {qb}: one launch quantises x one way")
+        # x is the first op's (the same tensor: `_x_key`); the weights and scales must exist before it.
+        late = [a.name for a in later.all_input_nodes[1:] if order[a] > order[first]]
+        if late:
+            return ("operand_order", f"{late} are computed after the first GEMV ({first.name}); the group would "
+                                     "have to wait for them")
+        return None
+
+    def _fuse(self, graph: fx.Graph, group: list[fx.Node], multi) -> MatchRecord:
+        first = group[0]
+        x, _, _, aq = _args(first)
+        ws = [_args(n)[1] for n in group]
+        ss = [_args(n)[2] for n in group]
+        node = insert_node(graph, first, multi, (x, ws, ss, aq), like=first)
+        for i, n in enumerate(group):
+            y = insert_node(graph, first, operator.getitem, (node, i), like=n)
+            n.replace_all_uses_with(y)
+        for n in group:
+            graph.erase_node(n)
+
+        xv = tensor_val(x)
+        shape = concrete_shape(xv)
+        kk = int(shape[-1])
+        rows, subs = token_rows(shape[:-1])
+        x_bytes = rows * kk * xv.element_size()
+        widths = [int(concrete_shape(tensor_val(w))[0]) for w in ws]
+        others = [SourceLocation.from_node(n) for n in group[1:]]
+        return MatchRecord(
+            self.name, _PATTERN.format(n=len(group)) + f"(act_quant={aq})", "dsv41::linear_fp8_block_multi",
+            SourceLocation.from_node(first), tuple(n.name for n in group), tuple(node_label(n) for n in group),
+            str(sympy.expand(len(group) * x_bytes)), str(sympy.expand(x_bytes)), tuple(sorted(subs.items())),
+            (("K", kk), ("N", tuple(widths)), ("act_quant", aq), ("launches_saved", len(group) - 1),
+             ("others", tuple(loc.short() if loc else None for loc in others))))
