@@ -112,6 +112,36 @@ def test_bad_arguments_raise_errors_naming_the_weight():
             fn(x, [w0, w1[:, :32]], [s0, s1], True)
         with pytest.raises(TypeError, match="weight 0: weight has dtype float32"):
             fn(x, [w0.float(), w1], [s0, s1], True)
+        with pytest.raises(TypeError, match="^x has dtype float64"):
+            fn(x.double(), [w0, w1], [s0, s1], True)
+
+
+class _RecordingLaunch:
+    """Stands in for the `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the launch keywords."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+def test_a_scale_copied_at_launch_is_not_read_under_pdl(monkeypatch):
+    # The kernel reads weight and scale tiles before its PDL wait (they never come from the previous kernel). A scale
+    # with a last stride != 1 is copied by the launcher, i.e. written just before: that launch must not use PDL.
+    rec = _RecordingLaunch()
+    monkeypatch.setattr(gm, "_gemv_multi_kernel", rec)
+    monkeypatch.setattr(gm, "use_pdl_for", lambda kernel, device: True)
+    monkeypatch.setattr(gm, "require_launchable", lambda *a: None)
+    gen = torch.Generator().manual_seed(75)
+    (w0, s0), (w1, s1) = _weights((32, 64), 128, gen)
+    x = torch.randn(1, 128, generator=gen)
+    gm.triton_linear_fp8_block_multi(x, [w0, w1], [s0, s1], True)
+    strided = s1.t().contiguous().t()
+    assert strided.stride(-1) != 1 and torch.equal(strided, s1)
+    gm.triton_linear_fp8_block_multi(x, [w0, w1], [s0, strided], True)
+    assert [c["USE_PDL"] for c in rec.calls] == [True, False]
+    assert [c.get("launch_pdl", False) for c in rec.calls] == [True, False]
 
 
 def test_op_passes_opcheck_and_its_fake_gives_each_shape():

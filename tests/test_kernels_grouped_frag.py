@@ -195,6 +195,25 @@ def test_paired_launch_with_split_k_and_a_bad_expert_equals_two_launches(finite_
     with pytest.raises(ValueError, match="must match"):
         gf.launch_grouped_frag(xq, xs, wa, sa, idx.reshape(3), ya, part, cnt, 3, plan, False,
                                second=(wb[:, :16], sb[:, :16], yb[:, :16]))
+    # The one-weight workspace ([2, 3, 32] partials, 6 counters) is too small for both halves.
+    small_part, small_cnt = gg.split_k_workspace(gg._empty, x.device, 2, (3, 32), 2 * 3)
+    with pytest.raises(ValueError, match="workspace for 2 x 3 pairs"):
+        gf.launch_grouped_frag(xq, xs, wa, sa, idx.reshape(3), ya, small_part, small_cnt, 3, plan, False,
+                               second=(wb, sb, yb))
+
+
+@interpreted
+def test_an_empty_expert_stack_gives_nan_rows_on_the_unmasked_path(finite_poisoned_outputs, monkeypatch):
+    # Every index is invalid for E = 0; the unmasked (EVEN) loads would read expert 0, which does not exist, so the
+    # launch takes the masked loads and every row is NaN, as the reference's index error becomes on CUDA.
+    monkeypatch.setattr(gg, "WORDS_MIN_CODES_ACT_QUANT", 0)
+    w = torch.empty(0, 16, 128, dtype=torch.uint8)
+    s = torch.empty(0, 16, 8, dtype=torch.uint8)
+    assert gf.grouped_frag_plan(2, 16, 256)["EVEN"]
+    x = torch.randn(1, 256)
+    idx = torch.zeros(1, 2, dtype=torch.int64)
+    assert torch.isnan(gg.triton_grouped_linear_fp4(x, w, s, idx, True)).all()
+    assert all(torch.isnan(y).all() for y in gg.triton_grouped_linear_fp4_pair(x, w, s, w, s, idx, True))
 
 
 @interpreted
@@ -278,7 +297,8 @@ def test_fragment_plan():
                        (dict(maxnreg=72.0), "maxnreg"), (dict(even=1), "even=1")):
         with pytest.raises(ValueError, match=match):
             gf.grouped_frag_plan(6, 64, 256, **bad)
-    for n, k, over in ((40, 512, {}), (16, 288, {}), (16, 512, {"num_warps": 4})):
+    assert not gf.grouped_frag_plan(2, 16, 0)["EVEN"]  # no K: nothing to read unmasked
+    for n, k, over in ((40, 512, {}), (16, 288, {}), (16, 512, {"num_warps": 4}), (16, 0, {})):
         with pytest.raises(ValueError, match="even=True needs"):
             gf.grouped_frag_plan(2, n, k, even=True, **over)
 

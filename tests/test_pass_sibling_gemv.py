@@ -10,7 +10,8 @@ compiled fixture. Cases:
     five        five GEMVs of one x                         -> one op of four, the fifth alone
     aq          one with act_quant, one without             -> near-miss act_quant
     big         a weight of >= TMA_MIN_WEIGHT_BYTES_M1 bytes -> near-miss tma_weight (the other stays alone)
-    order       the second op's scale computed from the first's y -> near-miss operand_order
+    order       the second op's scale computed from the first's y -> near-miss operand_order (also as a keyword
+                call with the weight first)
     other_x     two GEMVs of different x                     -> left alone, no near-miss
     mixed_aq    aq False, aq True, aq False, aq True          -> two ops of two
 Reference: the same functions run eagerly (the CPU ops are the float64-checked references of quant_gemv).
@@ -63,8 +64,12 @@ def _case(name):
 
 def _run(name):
     from torch.fx.experimental.proxy_tensor import make_fx
-    fn, args = _case(name)
+    fn, args = _case("order" if name == "order_kwargs" else name)
     gm = make_fx(fn, tracing_mode="fake")(*args)
+    if name == "order_kwargs":  # the second GEMV as a keyword call, weight first (what another pass may write)
+        second = [n for n in gm.graph.nodes if n.target == op.default][1]
+        xx, ww, ss, aq = second.args
+        second.args, second.kwargs = (), {"weight": ww, "x": xx, "scale": ss, "act_quant": aq}
     rec = SiblingGemvFamily().run(gm)
     gm.graph.lint()
     gm.recompile()
@@ -102,6 +107,10 @@ def test_look_alikes_stay_separate(monkeypatch):
         assert [mm.check for mm in rec.near_misses] == ([check] if check else []), name
         assert _ops(gm).count(op.default) == 2
         assert all(torch.equal(g, w) for g, w in zip(gm(*args), fn(*args)))
+    # A keyword-argument call (weight before x) whose weight is computed after the first GEMV: operand_order.
+    rec, gm, fn, args = _run("order_kwargs")
+    assert rec.match_count == 0 and [mm.check for mm in rec.near_misses] == ["operand_order"]
+    assert all(torch.equal(g, w) for g, w in zip(gm(*args), fn(*args)))
     # The first weight (48 x 64 bytes) at the TMA threshold: it stays alone, and so does its only sibling.
     monkeypatch.setattr(qg, "TMA_MIN_WEIGHT_BYTES_M1", 48 * 64)
     rec, gm, fn, args = _run("big")

@@ -47,8 +47,8 @@ MAX_SIBLINGS = 4
 
 def _check_multi(x: torch.Tensor, weights, scales) -> list[int]:
     """Output widths N_i; ValueError for a count outside 2..MAX_SIBLINGS or unequal list lengths, and the ValueError
-    / TypeError `quant_gemv.linear_fp8_block` raises for a (weight, scale) it rejects, prefixed with the weight's
-    position."""
+    / TypeError `quant_gemv.linear_fp8_block` raises for an (x, weight, scale) it rejects, prefixed with the weight's
+    position unless it is about x."""
     if len(weights) != len(scales):
         raise ValueError(f"{len(weights)} weights but {len(scales)} scales")
     if not 2 <= len(weights) <= MAX_SIBLINGS:
@@ -58,7 +58,8 @@ def _check_multi(x: torch.Tensor, weights, scales) -> list[int]:
         try:
             n, _ = _check_args(x, w, s, False)
         except (ValueError, TypeError) as err:
-            raise type(err)(f"weight {i}: {err}") from None
+            where = "" if str(err).startswith("x ") else f"weight {i}: "  # an error about x names x alone
+            raise type(err)(f"{where}{err}") from None
         widths.append(n)
     return widths
 
@@ -164,6 +165,9 @@ def triton_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor], 
         x2 = x2.contiguous()
     if k == 0:  # empty sums: zeros, as F.linear gives
         return [torch.zeros((*lead, n), dtype=x.dtype, device=x.device) for n in widths]
+    # A scale copied here is written just before the launch, and the kernel reads its tiles before the PDL wait
+    # (as `quant_gemv` does): that launch goes without PDL.
+    copied = any(s.stride(-1) != 1 for s in scales)
     scales = [s if s.stride(-1) == 1 else s.contiguous() for s in scales]
     ys = [_empty((m, n), x.dtype, x.device) for n in widths]
     plan = gemv_plan(m, sum(widths), k, False, sm_count=device_sm_count(x.device))
@@ -176,7 +180,7 @@ def triton_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor], 
     pad = MAX_SIBLINGS - len(weights)
     ws, ss, yy, nn = (list(weights) + [weights[0]] * pad, scales + [scales[0]] * pad, ys + [ys[0]] * pad,
                       widths + [0] * pad)
-    pdl = use_pdl_for(_gemv_multi_kernel, x.device)
+    pdl = use_pdl_for(_gemv_multi_kernel, x.device) and not copied
     extra = {"launch_pdl": True} if pdl else {}
     _gemv_multi_kernel[(tiles, split_k, m_tiles)](
         x2, ws[0], ss[0], yy[0], ws[1], ss[1], yy[1], ws[2], ss[2], yy[2], ws[3], ss[3], yy[3], part, cnt,

@@ -127,7 +127,7 @@ def grouped_frag_plan(pairs: int, n: int, k: int, *, num_warps: int | None = Non
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     if not 1 <= split_k <= 65535:
         raise ValueError(f"split_k={split_k} must be in 1..65535")
-    fits = k % SPAN == 0 and spans % (num_warps * split_k) == 0 and n % _ROWS == 0
+    fits = k > 0 and k % SPAN == 0 and spans % (num_warps * split_k) == 0 and n % _ROWS == 0
     if even is None:
         even = fits
     elif even and not fits:
@@ -475,19 +475,28 @@ def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor
     `_common.split_k_workspace`. `second` = (weight2, scale2, y2): one launch also computes y2 from weight2 / scale2
     (the same shapes and strides as weight / scale, y2 like y; `paired_launch_fits`) for the same x and experts,
     with a workspace of 2 pairs x out (MoE w1 and w3: one grid, one ramp and tail instead of two). Returns y.
-    Raises ValueError for a weight that cannot be read as 16-byte vectors, and for a `second` that does not fit;
-    other arguments are checked by the caller (`grouped_gemv.triton_grouped_linear_fp4`).
+    Raises ValueError for a weight that cannot be read as 16-byte vectors, and for a `second` that does not fit or
+    a split-K workspace too small for 2 x pairs; other arguments are checked by the caller
+    (`grouped_gemv.triton_grouped_linear_fp4`).
     """
     if not _vector_readable(weight):
         raise ValueError(f"weight {tuple(weight.shape)} with strides {weight.stride()} cannot be read as 16-byte "
                          "vectors (needs contiguous K, K/2, the strides and the address multiples of 16 bytes)")
     words = weight.view(torch.int32)
     grid = plan["grid"]
+    # Unmasked loads read expert 0 for an invalid index: an empty stack has none (its rows are all NaN).
+    even = plan["EVEN"] and weight.shape[0] > 0
     if second is not None:
         if not paired_launch_fits(weight, scale, y, *second):
             raise ValueError("the second weight / scale / y of a paired fragment launch must match the first's "
                              "shapes, strides and dtypes, be readable as 16-byte vectors, and 2 x pairs must fit "
                              "grid dimension 2 (65535)")
+        pairs = idx.numel()
+        if plan["SPLIT_K"] > 1 and (part.numel() < plan["SPLIT_K"] * 2 * pairs * weight.shape[1]
+                                    or cnt.numel() < grid[0] * 2 * pairs):
+            raise ValueError(f"a paired split-K launch needs a workspace for 2 x {pairs} pairs: partials "
+                             f"[{plan['SPLIT_K']}, {2 * pairs}, {weight.shape[1]}] and {grid[0] * 2 * pairs} "
+                             f"counters; got {part.numel()} and {cnt.numel()} elements")
         w2, s2, y2 = second[0].view(torch.int32), second[1], second[2]
         grid = (grid[0], grid[1], 2 * grid[2])
     else:
@@ -500,7 +509,7 @@ def launch_grouped_frag(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor
         idx.numel(), weight.shape[1], xq.shape[1], weight.shape[0], x_row_div, words.stride(0), words.stride(1),
         scale.stride(0), scale.stride(1),
         ITERS=plan["ITERS"], SPLIT_K=plan["SPLIT_K"], SPLIT_POW2=plan["SPLIT_POW2"], W=plan["num_warps"],
-        PREFETCH=plan["PREFETCH"], EVEN=plan["EVEN"], PAIRED=second is not None, USE_PDL=pdl,
+        PREFETCH=plan["PREFETCH"], EVEN=even, PAIRED=second is not None, USE_PDL=pdl,
         ASM=not is_interpreted(_grouped_frag_kernel), num_warps=plan["num_warps"], **extra)
     return y
 

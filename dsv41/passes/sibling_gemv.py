@@ -137,8 +137,9 @@ class SiblingGemvFamily(FusionFamily):
         qa, qb = _args(first)[3], _args(later)[3]
         if qa != qb:
             return ("act_quant", f"act_quant is {qa} / {qb}: one launch quantises x one way")
-        # x is the first op's (the same tensor: `_x_key`); the weights and scales must exist before it.
-        late = [a.name for a in later.all_input_nodes[1:] if order[a] > order[first]]
+        # x is the first op's (the same tensor: `_x_key`); the weight and scale must exist before it (keyword
+        # arguments included: `_args`).
+        late = [a.name for a in _args(later)[1:3] if isinstance(a, fx.Node) and order[a] > order[first]]
         if late:
             return ("operand_order", f"{late} are computed after the first GEMV ({first.name}); the group would "
                                      "have to wait for them")
