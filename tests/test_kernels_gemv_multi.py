@@ -116,20 +116,10 @@ def test_bad_arguments_raise_errors_naming_the_weight():
             fn(x.double(), [w0, w1], [s0, s1], True)
 
 
-class _RecordingLaunch:
-    """Stands in for the `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the launch keywords."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(kwargs)
-
-
 def test_a_scale_copied_at_launch_is_not_read_under_pdl(monkeypatch):
     # The kernel reads weight and scale tiles before its PDL wait (they never come from the previous kernel). A scale
     # with a last stride != 1 is copied by the launcher, i.e. written just before: that launch must not use PDL.
-    rec = _RecordingLaunch()
+    rec = QG._RecordingLaunch()  # records the launch keywords instead of launching
     monkeypatch.setattr(gm, "_gemv_multi_kernel", rec)
     monkeypatch.setattr(gm, "use_pdl_for", lambda kernel, device: True)
     monkeypatch.setattr(gm, "require_launchable", lambda *a: None)

@@ -29,8 +29,8 @@ call launches (shapes only, on meta tensors) for the compiler's static launch co
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import (c2_compressor, engram, gemv_multi, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4, sparse_attention,
-               streams, upcast_gemv)
+from . import (c2_compressor, engram, gemv_multi, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4,
+               sparse_attention, streams, upcast_gemv)
 from ._common import pdl_enabled, prepare_device, set_pdl
 
 __all__ = ["c2_compressor", "engram", "gemv_multi", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]
