@@ -2,7 +2,7 @@
 
 Reference: the float64 model of tests/test_kernels_quant_gemv.py (E4M3 grid from its bit layout, UE8M0 scales,
 FP8 1x32 activation quantisation), never the code under test, with its tolerance; and the single-weight op, whose
-results the one launch must equal bit for bit where its plan is each weight's own.
+results the one launch must equal bit for bit (the cases are chosen so that its plan is each weight's own).
 
 - Interpreted (`@interpreted`, a TRITON_INTERPRET=1 child pytest): the one-launch kernel at small odd shapes (row
   counts that are not multiples of the tile, 2 / 3 / 4 weights, split-K, fp32 / bf16 / fp16 x, act_quant on and
@@ -46,7 +46,7 @@ MULTI_CASES = [
     ((40, 130), 320, torch.float32, True),            # partial tiles in both, one weight's tiles then the other's
     ((7, 256, 33), 512, torch.bfloat16, True),        # three weights, split-K (4 K tiles)
     ((128, 1, 64, 200), 96, torch.float16, False),    # four weights, a one-row weight, K below one tile
-    ((96, 96), 4096, torch.float32, True),            # 32 K tiles: several K splits and K loops per program
+    ((96, 96), 4096, torch.float32, True),            # 32 K tiles: 32 K splits merged per weight
 ]
 
 
@@ -67,9 +67,10 @@ def test_one_launch_matches_float64_reference_and_the_single_op(case, poisoned_o
     for y, (w, s), n in zip(ys, ws, widths):
         assert y.shape == (1, n) and y.dtype == dtype
         QG.assert_close_to_ref(y, *QG.ref_linear(x, w, s, aq, False))
+        # The cases are chosen so that the one plan is each weight's own: the same numbers bit for bit.
         alone = qg.gemv_plan(1, n, k, False)
-        if all(alone[key] == plan[key] for key in ("BLOCK_N", "BLOCK_K", "K_ITERS", "SPLIT_K")):
-            assert torch.equal(y, qg.triton_linear_fp8_block(x, w, s, aq))
+        assert all(alone[key] == plan[key] for key in ("BLOCK_N", "BLOCK_K", "K_ITERS", "SPLIT_K"))
+        assert torch.equal(y, qg.triton_linear_fp8_block(x, w, s, aq))
 
 
 @interpreted

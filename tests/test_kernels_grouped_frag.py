@@ -212,6 +212,7 @@ def test_an_empty_expert_stack_gives_nan_rows_on_the_unmasked_path(finite_poison
     assert gf.grouped_frag_plan(2, 16, 256)["EVEN"]
     x = torch.randn(1, 256)
     idx = torch.zeros(1, 2, dtype=torch.int64)
+    assert gg.takes_frag_by_default(x, w, True, 2)  # the fragment kernel runs, not a masked fallback
     assert torch.isnan(gg.triton_grouped_linear_fp4(x, w, s, idx, True)).all()
     assert all(torch.isnan(y).all() for y in gg.triton_grouped_linear_fp4_pair(x, w, s, w, s, idx, True))
 

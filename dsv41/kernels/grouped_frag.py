@@ -285,43 +285,49 @@ def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, o
         # Every block of every span is inside K and every row inside the weight (an invalid expert reads expert 0,
         # whose rows `_grouped_store` replaces by NaN): no masks but `live` (a scalar, False only for the prefetch
         # after the last span) and the lanes that supply B.
-        wa_lo = tl.load(w_lo[:, None] + off_a, mask=live, other=0)
-        wb_lo = tl.load(w_lo[:, None] + off_b, mask=live, other=0)
-        wa_hi = tl.load(w_hi[:, None] + off_a, mask=live, other=0)
-        wb_hi = tl.load(w_hi[:, None] + off_b, mask=live, other=0)
-        x0a = tl.load(x_ptrs, mask=x_b0[:, None] & live, other=0)
-        x0b = tl.load(x_ptrs + 4, mask=x_b0[:, None] & live, other=0)
-        x1a = tl.load(x_ptrs, mask=x_b1[:, None] & live, other=0)
-        x1b = tl.load(x_ptrs + 4, mask=x_b1[:, None] & live, other=0)
-        sl0 = exp2_int(tl.load(s_lo + blk_s, mask=live, other=0).to(tl.int32))
-        sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=live, other=0).to(tl.int32))
-        sh0 = exp2_int(tl.load(s_hi + blk_s, mask=live, other=0).to(tl.int32))
-        sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=live, other=0).to(tl.int32))
-        sx0 = tl.load(xs_row + blk_s, mask=live, other=0.0) * 64.0
-        sx1 = tl.load(xs_row + blk_s + 1, mask=live, other=0.0) * 64.0
+        m_wa_lo = live
+        m_wb_lo = live
+        m_wa_hi = live
+        m_wb_hi = live
+        m_x0 = x_b0[:, None] & live
+        m_x1 = x_b1[:, None] & live
+        m_sl0 = live
+        m_sl1 = live
+        m_sh0 = live
+        m_sh1 = live
+        m_s0 = live
+        m_s1 = live
     else:
         m_a = (blk_a < nkb)[:, None]
         m_b = (blk_b < nkb)[:, None]
-        wa_lo = tl.load(w_lo[:, None] + off_a, mask=m_a & ok_lo[:, None], other=0)
-        wb_lo = tl.load(w_lo[:, None] + off_b, mask=m_b & ok_lo[:, None], other=0)
-        wa_hi = tl.load(w_hi[:, None] + off_a, mask=m_a & ok_hi[:, None], other=0)
-        wb_hi = tl.load(w_hi[:, None] + off_b, mask=m_b & ok_hi[:, None], other=0)
+        m_wa_lo = m_a & ok_lo[:, None]
+        m_wb_lo = m_b & ok_lo[:, None]
+        m_wa_hi = m_a & ok_hi[:, None]
+        m_wb_hi = m_b & ok_hi[:, None]
         m_x0 = ((blk_x < nkb) & x_b0)[:, None]
         m_x1 = ((blk_x < nkb) & x_b1)[:, None]
-        # Two loads per register with disjoint lane masks instead of a select per MMA.
-        x0a = tl.load(x_ptrs, mask=m_x0, other=0)
-        x0b = tl.load(x_ptrs + 4, mask=m_x0, other=0)
-        x1a = tl.load(x_ptrs, mask=m_x1, other=0)
-        x1b = tl.load(x_ptrs + 4, mask=m_x1, other=0)
         m_s0 = blk_s < nkb
         m_s1 = blk_s + 1 < nkb
-        # One byte per load: a [32 W, 2] load of unproven alignment would get a layout of two lanes per pair.
-        sl0 = exp2_int(tl.load(s_lo + blk_s, mask=m_s0 & ok_lo, other=0).to(tl.int32))
-        sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=m_s1 & ok_lo, other=0).to(tl.int32))
-        sh0 = exp2_int(tl.load(s_hi + blk_s, mask=m_s0 & ok_hi, other=0).to(tl.int32))
-        sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=m_s1 & ok_hi, other=0).to(tl.int32))
-        sx0 = tl.load(xs_row + blk_s, mask=m_s0, other=0.0) * 64.0
-        sx1 = tl.load(xs_row + blk_s + 1, mask=m_s1, other=0.0) * 64.0
+        m_sl0 = m_s0 & ok_lo
+        m_sl1 = m_s1 & ok_lo
+        m_sh0 = m_s0 & ok_hi
+        m_sh1 = m_s1 & ok_hi
+    wa_lo = tl.load(w_lo[:, None] + off_a, mask=m_wa_lo, other=0)
+    wb_lo = tl.load(w_lo[:, None] + off_b, mask=m_wb_lo, other=0)
+    wa_hi = tl.load(w_hi[:, None] + off_a, mask=m_wa_hi, other=0)
+    wb_hi = tl.load(w_hi[:, None] + off_b, mask=m_wb_hi, other=0)
+    # Two loads per register with disjoint lane masks instead of a select per MMA.
+    x0a = tl.load(x_ptrs, mask=m_x0, other=0)
+    x0b = tl.load(x_ptrs + 4, mask=m_x0, other=0)
+    x1a = tl.load(x_ptrs, mask=m_x1, other=0)
+    x1b = tl.load(x_ptrs + 4, mask=m_x1, other=0)
+    # One byte per load: a [32 W, 2] load of unproven alignment would get a layout of two lanes per pair.
+    sl0 = exp2_int(tl.load(s_lo + blk_s, mask=m_sl0, other=0).to(tl.int32))
+    sl1 = exp2_int(tl.load(s_lo + blk_s + 1, mask=m_sl1, other=0).to(tl.int32))
+    sh0 = exp2_int(tl.load(s_hi + blk_s, mask=m_sh0, other=0).to(tl.int32))
+    sh1 = exp2_int(tl.load(s_hi + blk_s + 1, mask=m_sh1, other=0).to(tl.int32))
+    sx0 = tl.load(xs_row + blk_s, mask=m_s0, other=0.0) * 64.0
+    sx1 = tl.load(xs_row + blk_s + 1, mask=m_s1, other=0.0) * 64.0
     return (wa_lo, wb_lo, wa_hi, wb_hi, x0a, x0b, x1a, x1b, sl0, sl1, sh0, sh1, sx0, sx1)
 
 

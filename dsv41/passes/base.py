@@ -31,7 +31,7 @@ __all__ = [
     "BATCH", "LENGTH", "token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "is_dataflow_op", "is_view_op",
     "is_table_lookup", "sourced_nodes", "eliminate_dead_code",
     "RegionEvaluator", "RegionNotClosed", "collect_region", "insert_node", "size_args", "dsv41_op", "node_label",
-    "wide_scale_probes", "agree_where_representable",
+    "wide_scale_probes", "agree_where_representable", "group_in_order",
 ]
 
 #: Symbols of the per-match byte expressions: batch size and sequence extent of the step's activations.
@@ -275,6 +275,30 @@ def node_label(node: fx.Node) -> str:
     if isinstance(t, torch._ops.OpOverload):
         return f"{t.namespace}.{t._schema.name.split('::')[-1]}.{t._overloadname}"
     return getattr(t, "__name__", str(t))
+
+
+def group_in_order(nodes: Iterable[fx.Node], mismatch: Callable, most: int) -> tuple[list[list[fx.Node]], dict]:
+    """Greedy groups of `nodes` (graph order) for the horizontal families (`grouped_pair`, `sibling_gemv`): each node
+    joins the first open group whose first member accepts it (`mismatch(first, node)` is None), else opens one; a
+    group closes at `most` members. Returns (the groups of two or more, {node: (check, reason)} of the first
+    refusal each refused node met, for near-misses of the nodes left alone)."""
+    groups, open_groups, why_not = [], [], {}
+    for n in nodes:
+        home = None
+        for grp in open_groups:
+            why = mismatch(grp[0], n)
+            if why is None:
+                home = grp
+                break
+            why_not.setdefault(n, why)
+        if home is None:
+            open_groups.append([n])
+            continue
+        home.append(n)
+        if len(home) == most:
+            open_groups.remove(home)
+            groups.append(home)
+    return groups + [g for g in open_groups if len(g) > 1], why_not
 
 
 def dsv41_op(name: str):

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   insert_node, node_label, tensor_val, token_rows)
+                   group_in_order, insert_node, node_label, tensor_val, token_rows)
 
 __all__ = ["GroupedPairFamily"]
 
@@ -91,20 +91,9 @@ class GroupedPairFamily(FusionFamily):
             by_inputs.setdefault((x, idx), []).append(n)
         pairs, why_not = [], {}
         for nodes in by_inputs.values():
-            waiting: list[fx.Node] = []
-            for n in nodes:
-                partner = None
-                for cand in waiting:
-                    why = self._mismatch(cand, n, order)
-                    if why is None:
-                        partner = cand
-                        break
-                    why_not.setdefault(n, why)
-                if partner is None:
-                    waiting.append(n)
-                    continue
-                waiting.remove(partner)
-                pairs.append((partner, n))
+            found, refused = group_in_order(nodes, lambda a, b: self._mismatch(a, b, order), 2)
+            pairs += found
+            why_not.update(refused)
         paired = {n for pair in pairs for n in pair}
         # A near-miss names a GEMV that found a candidate but stays alone (not one that paired later).
         misses = [NearMiss(self.name, _PATTERN, why[0], why[1], SourceLocation.from_node(n))

@@ -43,7 +43,7 @@ import sympy
 import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   insert_node, node_label, tensor_val, token_rows)
+                   group_in_order, insert_node, node_label, tensor_val, token_rows)
 
 __all__ = ["SiblingGemvFamily"]
 
@@ -91,27 +91,16 @@ class SiblingGemvFamily(FusionFamily):
         for nodes in by_x.values():
             if len(nodes) < 2:
                 continue
-            open_groups: list[list[fx.Node]] = []
+            fits = []
             for n in nodes:
                 big = self._too_big(n)
-                if big is not None:
+                if big is None:
+                    fits.append(n)
+                else:
                     why_not[n] = big
-                    continue
-                home = None
-                for grp in open_groups:
-                    why = self._mismatch(grp[0], n, order)
-                    if why is None:
-                        home = grp
-                        break
-                    why_not.setdefault(n, why)
-                if home is None:
-                    open_groups.append([n])
-                    continue
-                home.append(n)
-                if len(home) == MAX_SIBLINGS:
-                    open_groups.remove(home)
-                    groups.append(home)
-            groups += [g for g in open_groups if len(g) > 1]
+            found, refused = group_in_order(fits, lambda a, b: self._mismatch(a, b, order), MAX_SIBLINGS)
+            groups += found
+            why_not.update(refused)
         grouped = {n for g in groups for n in g}
         misses = [NearMiss(self.name, _PATTERN.format(n="N"), why[0], why[1], SourceLocation.from_node(n))
                   for n, why in why_not.items() if n not in grouped]
