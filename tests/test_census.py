@@ -103,14 +103,16 @@ def test_grouped_fp4_gemv_counts_its_activation_preparation_launch():
     assert op_launches("dsv41::grouped_linear_fp4_pair", [xs, ws, ss, ws, ss, idx[:, :4], True]) == 2
 
 
-def test_sibling_gemvs_are_one_launch_at_one_x_row():
-    # dsv41::linear_fp8_block_multi (sibling_gemv): the h200 wq_a + wkv and shared w1 + w3 in one tile launch at
-    # decode; with several x rows the separate GEMVs (each its own launch).
+def test_sibling_gemvs_are_one_gemv_launch_at_one_x_row():
+    # dsv41::linear_fp8_block_multi (sibling_gemv): the h200 wq_a + wkv and shared w1 + w3 as one activation launch
+    # and one fragment GEMV launch at decode (gemv_multi.frag_launch_applies); without act_quant one tile launch;
+    # with several x rows the separate GEMVs (each its own launch).
     for widths in ((1280, 512), (2304, 2304)):
         ws = [torch.empty(n, 5120, dtype=torch.uint8) for n in widths]
         ss = [torch.empty(n // 32, 160, dtype=torch.uint8) for n in widths]
-        assert op_launches("dsv41::linear_fp8_block_multi", [torch.empty(1, 5120, dtype=torch.bfloat16), ws, ss,
-                                                             True]) == 1
+        x = torch.empty(1, 5120, dtype=torch.bfloat16)
+        assert op_launches("dsv41::linear_fp8_block_multi", [x, ws, ss, True]) == 2
+        assert op_launches("dsv41::linear_fp8_block_multi", [x, ws, ss, False]) == 1
         assert op_launches("dsv41::linear_fp8_block_multi", [torch.empty(3, 5120, dtype=torch.bfloat16), ws, ss,
                                                              True]) == 2
 

@@ -154,16 +154,29 @@ def test_op_passes_opcheck_and_its_fake_gives_each_shape():
 
 
 # ------------------------------------------------------------------------------------------- GPU
-@pytest.mark.parametrize("widths,k", [((1280, 512), 5120), ((2304, 2304), 5120)], ids=["wq_a+wkv", "shared_w1+w3"])
-def test_gpu_h200_siblings_equal_the_single_op_also_in_a_pdl_graph(widths, k, monkeypatch):
+@pytest.mark.parametrize("frag", [True, False], ids=["fragment", "tile"])
+@pytest.mark.parametrize("widths,k", [((1280, 512), 5120), ((2304, 2304), 5120), ((32768, 4096), 1280)],
+                         ids=["wq_a+wkv", "shared_w1+w3", "wq_b+indexer_wq_b"])
+def test_gpu_h200_siblings_match_the_reference_also_in_a_pdl_graph(widths, k, frag, monkeypatch):
+    # The fragment kernel over every weight (the default at these shapes), or with it off the tile launch, which
+    # equals the single op bit for bit where its plan is each weight's own (wq_a + wkv, shared w1 + w3); wq_b is
+    # then too large for one tile launch (separate calls).
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU (compiled Triton kernels)")
     from dsv41 import kernels
+    from dsv41.kernels import gemv_frag
     poison_outputs(monkeypatch, gm)
+    if not frag:
+        monkeypatch.setattr(gm, "FRAG_MULTI_MIN_WEIGHT_BYTES", 1 << 62)
+        monkeypatch.setattr(qg, "FRAG_DEFAULT", False)
+    launches = []
+    real = gemv_frag.launch_frag_gemv_multi
+    monkeypatch.setattr(gemv_frag, "launch_frag_gemv_multi", lambda x2, ws, *a, **kw: launches.append(len(ws)) or
+                        real(x2, ws, *a, **kw))
     gen = torch.Generator().manual_seed(74)
     ws = [(w.cuda(), s.cuda()) for w, s in _weights(widths, k, gen)]
     x = (torch.randn(1, k, generator=gen) * 2).bfloat16().cuda()
-    assert gm.multi_launch_applies(x, [w for w, _ in ws])
+    assert gm.frag_launch_applies(x, [w for w, _ in ws], True) is frag
 
     def step():
         return (*torch.ops.dsv41.linear_fp8_block_multi(x, [w for w, _ in ws], [s for _, s in ws], True),
@@ -172,8 +185,10 @@ def test_gpu_h200_siblings_equal_the_single_op_also_in_a_pdl_graph(widths, k, mo
     kernels.set_pdl(True)
     try:
         out = step()
+        assert launches[:1] == ([2] if frag else [])  # one fragment launch for both weights
         for y, single, (w, s) in zip(out[:2], out[2:], ws):
-            assert torch.equal(y, single)
+            if not frag and k == 5120:
+                assert torch.equal(y, single)
             QG.assert_close_to_ref(y.cpu(), *QG.ref_linear(x.cpu(), w.cpu(), s.cpu(), True, False))
         assert_graph_replay_equals(step, out)
     finally:

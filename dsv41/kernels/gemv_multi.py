@@ -20,7 +20,13 @@ plan (the `h200` pairs) the results are those of the separate ops bit for bit; o
 summation order only. The split-K workspace holds every weight's partials in its own region, and the arrival
 counters are indexed by the global tile.
 
-When. One launch (`multi_launch_applies`) for one x row (decode) where every weight would take the tile kernel alone
+When. For one bf16 / fp32 x row with act_quant and 8 MiB or more of weights (`frag_launch_applies`, a GPU with FP8
+`mma.sync`): the tensor-core fragment GEMV of `gemv_frag` over every weight, one activation launch and one GEMV
+launch (`gemv_frag.launch_frag_gemv_multi`; its plan is that of the summed N, so results differ from the single ops'
+by FP32 summation order only). H200, PDL, CUDA-graph replay, in one run (bench/results/2026-12-02_h200_s24,
+multi_frag_probe): wq_a + wkv 6.97 us against 8.39 (tile launch below) and 9.78 (separate ops); shared w1 + w3 12.89
+against 14.38 and 16.29; wq_b + the indexer's wq_b 16.86 against 20.72 (separate ops, wq_b on the fragment GEMV).
+Otherwise one tile launch (`multi_launch_applies`) for one x row where every weight would take the tile kernel alone
 (below `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1` bytes, or no TMA on the device) and is contiguous along K; otherwise the
 separate `triton_linear_fp8_block` calls (several x rows take the TMA kernel; a large weight is faster on it: wq_b +
 the indexer's wq_b measured 23.33 us as two launches against 24.43 us as one tile launch).
@@ -39,7 +45,7 @@ from .quant_gemv import (MAX_TRITON_M, _check_args, _empty, _gemv_tile, _store_g
                          gemv_plan, reference_linear_fp8_block, split_tma_overrides, triton_linear_fp8_block)
 
 __all__ = ["linear_fp8_block_multi", "reference_linear_fp8_block_multi", "triton_linear_fp8_block_multi",
-           "multi_launch_applies", "MAX_SIBLINGS"]
+           "multi_launch_applies", "frag_launch_applies", "FRAG_MULTI_MIN_WEIGHT_BYTES", "MAX_SIBLINGS"]
 
 #: Most weights one op (and one launch) takes: the kernel has this many pointer slots.
 MAX_SIBLINGS = 4
@@ -74,6 +80,25 @@ def reference_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor
     `reference_linear_fp8_block`)."""
     _check_multi(x, weights, scales)
     return [reference_linear_fp8_block(x, w, s, act_quant) for w, s in zip(weights, scales)]
+
+
+#: Whether one x row with act_quant runs the block-FP8 fragment kernel over all the weights (`frag_launch_applies`),
+#: from this many weight bytes in all (`quant_gemv.FRAG_DEFAULT` must be on too).
+FRAG_MULTI_MIN_WEIGHT_BYTES = 8 << 20
+
+
+def frag_launch_applies(x: torch.Tensor, weights: list[torch.Tensor], act_quant: bool) -> bool:
+    """Whether `triton_linear_fp8_block_multi` runs the tensor-core fragment kernel (`gemv_frag`, one activation
+    launch and one GEMV launch for every weight): `quant_gemv.FRAG_DEFAULT`, one bf16 / fp32 x row with act_quant on
+    a CUDA device with FP8 `mma.sync` (or meta tensors, where the launch census models the H200), at least
+    `FRAG_MULTI_MIN_WEIGHT_BYTES` of weights, each readable as 16-byte vectors in place."""
+    from . import quant_gemv
+    from .gemv_frag import frag_gemv_eligible, frag_gemv_supported
+    m = x.numel() // max(x.shape[-1], 1)
+    return (quant_gemv.FRAG_DEFAULT and bool(act_quant) and m == 1 and x.dtype in (torch.bfloat16, torch.float32)
+            and x.device.type in ("cuda", "meta") and frag_gemv_supported(x.device)
+            and sum(w.numel() for w in weights) >= FRAG_MULTI_MIN_WEIGHT_BYTES
+            and all(frag_gemv_eligible(x, w, True) for w in weights))
 
 
 def multi_launch_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
@@ -145,8 +170,10 @@ def _gemv_multi_kernel(
 
 def triton_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor],
                                   act_quant: bool) -> list[torch.Tensor]:
-    """Run the GEMVs on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1): one launch of
-    `_gemv_multi_kernel` where `multi_launch_applies`, else `quant_gemv.triton_linear_fp8_block` per weight.
+    """Run the GEMVs on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1): the fragment kernel of
+    `gemv_frag` over every weight where `frag_launch_applies` (an activation launch and one GEMV launch), else one
+    launch of `_gemv_multi_kernel` where `multi_launch_applies`, else `quant_gemv.triton_linear_fp8_block` per
+    weight.
 
     Same arguments, results and errors as `reference_linear_fp8_block_multi` (numerics: module docstring); also
     ValueError for tensors on different devices and RuntimeError on CPU tensors without the interpreter.
@@ -154,7 +181,8 @@ def triton_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor], 
     widths = _check_multi(x, weights, scales)
     check_same_device(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
                       **{f"scales[{i}]": s for i, s in enumerate(scales)})
-    if not multi_launch_applies(x, weights):
+    frag = frag_launch_applies(x, weights, act_quant)
+    if not frag and not multi_launch_applies(x, weights):
         return [triton_linear_fp8_block(x, w, s, act_quant) for w, s in zip(weights, scales)]
     require_launchable(_gemv_multi_kernel, x.device, "triton_linear_fp8_block_multi")
     lead = x.shape[:-1]
@@ -169,6 +197,11 @@ def triton_linear_fp8_block_multi(x: torch.Tensor, weights: list[torch.Tensor], 
     # (as `quant_gemv` does): that launch goes without PDL.
     copied = any(s.stride(-1) != 1 for s in scales)
     scales = [s if s.stride(-1) == 1 else s.contiguous() for s in scales]
+    if frag:
+        from .gemv_frag import frag_gemv_plan, launch_frag_gemv_multi
+        plan = frag_gemv_plan(sum(widths), k, sm_count=device_sm_count(x.device))
+        ys = launch_frag_gemv_multi(x2, list(weights), scales, plan, _empty, pdl_allowed=not copied)
+        return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
     ys = [_empty((m, n), x.dtype, x.device) for n in widths]
     plan = gemv_plan(m, sum(widths), k, False, sm_count=device_sm_count(x.device))
     block_n = plan["BLOCK_N"]

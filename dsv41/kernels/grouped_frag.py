@@ -179,13 +179,18 @@ def _e4m3_bits(q):
 
 
 @triton.jit
-def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # Program (K chunk, row): E4M3 bytes of formats.quantize_fp8_1x32(x[row]) in part order (module docstring) and
-    # the block scales 2^(e - 127) as FP32.
+def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, PART_ORDER: tl.constexpr,
+                   USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    # Program (K chunk, row): E4M3 bytes of formats.quantize_fp8_1x32(x[row]) in part order (module docstring;
+    # PART_ORDER False: in K order, for the block-FP8 kernel of `gemv_frag`) and the block scales 2^(e - 127) as
+    # FP32.
     NB: tl.constexpr = BLOCK // 32
-    row, kb, c, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL)
+    row, kb, c, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL, EARLY)
     q, e = _fp8_1x32_parts(xv)
-    pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
+    if PART_ORDER:
+        pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
+    else:
+        pos = c
     tl.store(q_ptr + row * K + kb[:, None] * 32 + pos[None, :], _e4m3_bits(q).to(tl.uint8), mask=ok)
     tl.store(s_ptr + row * (K // 32) + kb, tl.reshape(exp2_int(e), [NB]), mask=kb * 32 < K)
 
@@ -457,17 +462,22 @@ def _grouped_frag_kernel(
                    SPLIT_POW2)
 
 
-def prepare_frag_x(x2: torch.Tensor, empty, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_frag_x(x2: torch.Tensor, empty, pdl: bool, part_order: bool = True,
+                   early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The activations the fragment kernel reads, from one launch (PDL-launched when `pdl`): x2 [rows, K] (bf16 /
     fp32, contiguous along K, K % 32 == 0) FP8-quantised by 1x32 blocks (formats.quantize_fp8_1x32, MODEL.md
-    §2.1) as (E4M3 bytes uint8 [rows, K] in the kernel's part order, block scales 2^(e - 127) fp32 [rows, K/32]).
-    `empty(shape, dtype, device)` allocates the results."""
+    §2.1) as (E4M3 bytes uint8 [rows, K] in the kernel's part order, or in K order with part_order=False (the
+    block-FP8 fragment GEMV of `gemv_frag`), block scales 2^(e - 127) fp32 [rows, K/32]).
+    `empty(shape, dtype, device)` allocates the results. `early`: under PDL the next launch may start before this
+    one waits for its predecessor (`grouped_words.x_blocks` EARLY: only for a next kernel that touches nothing but
+    constants before its own wait)."""
     rows, kk = x2.shape
     q = empty((rows, kk), torch.uint8, x2.device)
     s = empty((rows, kk // 32), torch.float32, x2.device)
     extra = {"launch_pdl": True} if pdl else {}
     _frag_x_kernel[(triton.cdiv(kk, _PREP_BLOCK), rows)](x2, q, s, kk, x2.stride(0), BLOCK=_PREP_BLOCK,
-                                                         USE_PDL=pdl, num_warps=4, **extra)
+                                                         PART_ORDER=part_order, USE_PDL=pdl, EARLY=early, num_warps=4,
+                                                         **extra)
     return q, s
 
 

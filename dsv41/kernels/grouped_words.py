@@ -122,11 +122,15 @@ def words_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def x_blocks(x_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def x_blocks(x_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """The activation preparation kernels' load (this module's `_x_prep_kernel`, `grouped_frag._frag_x_kernel`):
     program (K chunk, row) reads x[row] blocks of 32 as FP32 [BLOCK / 32, 32]. Returns (row int64, block indices
     kb [BLOCK / 32], position j [32] in a block, offsets [BLOCK / 32, 32] along K, in-range mask, values). Under PDL
-    it waits for the previous kernel before the load and lets the GEMV launch after it."""
+    it waits for the previous kernel before the load and lets the GEMV launch after it, or (EARLY) before its own
+    wait, so that a GEMV whose weights do not depend on the previous kernels starts reading them during their tail.
+    EARLY is safe only for a dependent that reads nothing but constants and writes nothing before its own wait and
+    triggers its dependents only after that wait (this grid finishes only after its own wait, so the dependent's
+    wait still orders it after every earlier kernel)."""
     NB: tl.constexpr = BLOCK // 32
     row = tl.program_id(1).to(tl.int64)
     kb = tl.program_id(0) * NB + tl.arange(0, NB)
@@ -134,9 +138,11 @@ def x_blocks(x_ptr, K, stride_xr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     offs = kb[:, None] * 32 + j[None, :]
     ok = offs < K
     if USE_PDL:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     xv = tl.load(x_ptr + row * stride_xr + offs, mask=ok, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY:
         # The GEMV's gdc_wait still waits for this grid to finish: it may start its index and weight set-up now.
         tl.extra.cuda.gdc_launch_dependents()
     return row, kb, j, offs, ok, xv

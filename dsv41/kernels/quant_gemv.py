@@ -30,8 +30,10 @@ stores its FP32 partial to a workspace, then bumps a per-output-tile counter; th
 sums the partials in K order (deterministic) and writes y, then resets the counter. One launch, no memset:
 the counters live in a per-(device, stream) buffer that each launch leaves at zero.
 
-On sm_90+ a block-FP8 weight of 16 MiB or more, or any block-FP8 GEMV with several x rows, runs the TMA kernel of
-`gemv_tma` instead (weight tiles copied by TMA in a software-pipelined K loop; faster there, see that module and
+On sm_89+ one bf16 / fp32 x row with act_quant and a block-FP8 weight of 8 MiB or more runs the tensor-core
+fragment GEMV of `gemv_frag` (E4M3 bytes straight into `mma.sync` operands; `FRAG_DEFAULT`). Otherwise, on sm_90+ a
+block-FP8 weight of 16 MiB or more, or any block-FP8 GEMV with several x rows, runs the TMA kernel of `gemv_tma`
+instead (weight tiles copied by TMA in a software-pipelined K loop; faster there, see that module and
 `TMA_DEFAULT`); the arithmetic per tile is this module's `_tile_products`.
 
 Three other loops exist, all measured slower on the H200: the row-streaming kernel of `gemv_rows` for M = 1 (x held
@@ -78,6 +80,7 @@ __all__ = [
     "triton_linear_fp8_block", "triton_linear_fp4",
     "gemv_plan", "scale_words", "device_sm_count", "check_mma_dtype", "split_rows_overrides", "MAX_TRITON_M",
     "ROWS_KEYS", "ROWS_DEFAULT", "TMA_DEFAULT", "TMA_MIN_WEIGHT_BYTES_M1", "split_tma_overrides",
+    "FRAG_DEFAULT", "FRAG_MIN_WEIGHT_BYTES_M1", "split_frag_overrides",
 ]
 
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
@@ -632,13 +635,69 @@ def split_tma_overrides(overrides: dict, fp4: bool, device: torch.device, m: int
     return None
 
 
+#: Whether one-row block-FP8 GEMVs with act_quant and bf16 / fp32 x run the tensor-core fragment kernel
+#: (`gemv_frag`) when no plan option is given, on a GPU that has FP8 `mma.sync` (sm_89+), from
+#: `FRAG_MIN_WEIGHT_BYTES_M1` of weight. H200, PDL, CUDA-graph replay, bf16 x, in one run
+#: (bench/results/2026-12-02_h200_s24): wq_b 14.7 against 15.7 us (TMA), wo_b 16.4-16.7 against 18.3 us, head
+#: 162.4 against 171.8 us (96.6 % of copy bandwidth), shared w1 / w2 (11.8 MB) 7.8-8.0 / 7.7 against 8.2 / 8.7 us;
+#: but wq_a (6.6 MB) 5.8 against 5.7 us (tile kernel).
+FRAG_DEFAULT = True
+#: One-row block-FP8 GEMVs take the fragment kernel by default from this many weight bytes (N x K): 8 MiB.
+FRAG_MIN_WEIGHT_BYTES_M1 = 8 << 20
+
+
+def split_frag_overrides(overrides: dict, fp4: bool, x: torch.Tensor, m: int, weight: torch.Tensor,
+                         act_quant: bool) -> dict | None:
+    """Pop the fragment-GEMV choice from `overrides` (in place): the `gemv_frag.frag_gemv_plan` options when that
+    kernel is to run for x (`m` rows) and `weight` (uint8 [N, K] or packed FP4), else None (the overrides are then
+    left for the other kernels).
+
+    frag=True: the fragment GEMV with num_warps, split_k, prefetch, even, maxnreg, early_launch and sm_count
+    (popped); the launcher raises if the weight cannot be read as 16-byte vectors. frag=None (the default): that
+    kernel where `FRAG_DEFAULT`, no other option than sm_count is set, x is one bf16 / fp32 row on a CUDA device with
+    FP8 `mma.sync` (`gemv_frag.frag_gemv_supported`; meta tensors too, where the launch census models the H200),
+    act_quant, a block-FP8 weight of at least `FRAG_MIN_WEIGHT_BYTES_M1` bytes, readable as 16-byte vectors as
+    launched (`gemv_frag.frag_gemv_eligible`, or a last stride != 1, which the launcher copies).
+    frag=False: never.
+    Raises ValueError for frag=True with an FP4 weight, act_quant=False, several x rows, fp16 x or another kernel's
+    option (named).
+    """
+    frag = overrides.pop("frag", None)
+    if frag:
+        if fp4:
+            raise ValueError("frag=True (the block-FP8 fragment GEMV) takes block-FP8 weights only, not FP4 (the FP4 "
+                             "experts' fragment kernel is dsv41::grouped_linear_fp4's)")
+        if not act_quant:
+            raise ValueError("frag=True needs act_quant=True: the FP8 activations are the MMA's operands")
+        if m != 1:
+            raise ValueError(f"frag=True takes one x row; got {m}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"frag=True takes bf16 or fp32 x; got {x.dtype} (fp16 x repeats the reference's fp16 "
+                             "roundings on the tile kernel)")
+        from .gemv_frag import FRAG_GEMV_KEYS
+        picked = {key: overrides.pop(key) for key in (*FRAG_GEMV_KEYS, "sm_count") if key in overrides}
+        others = sorted(key for key, v in overrides.items() if v is not None and v is not False)
+        if others:
+            raise ValueError(f"frag=True does not take the options {others}; it takes {sorted(FRAG_GEMV_KEYS)} and "
+                             "sm_count")
+        return picked
+    if (frag is None and FRAG_DEFAULT and not fp4 and act_quant and m == 1 and x.device.type in ("cuda", "meta")
+            and x.dtype in (torch.bfloat16, torch.float32) and weight.numel() >= FRAG_MIN_WEIGHT_BYTES_M1
+            and not any(v not in (None, False) for key, v in overrides.items() if key != "sm_count")):
+        from .gemv_frag import frag_gemv_eligible, frag_gemv_supported
+        if frag_gemv_supported(x.device) and (weight.stride(-1) != 1 or frag_gemv_eligible(x, weight, True)):
+            return {"sm_count": overrides.pop("sm_count", None)}
+    return None
+
+
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
     n, k = _check_args(x, weight, scale, fp4)
     check_mma_dtype(x, overrides)
     lead = x.shape[:-1]
     m = math.prod(lead)
     overrides.setdefault("sm_count", device_sm_count(x.device))
-    tma = split_tma_overrides(overrides, fp4, x.device, m, weight)
+    frag = split_frag_overrides(overrides, fp4, x, m, weight, act_quant)
+    tma = split_tma_overrides(overrides, fp4, x.device, m, weight) if frag is None else None
     rows = split_rows_overrides(overrides, m, fp4) if tma is None else None
     require_launchable(_quant_gemv_kernel, x.device, "triton_linear_fp4" if fp4 else "triton_linear_fp8_block")
     x2 = x.reshape(m, k)
@@ -655,6 +714,10 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
         weight = weight.contiguous()
     if scale.stride(-1) != 1:
         scale = scale.contiguous()
+    if frag is not None:
+        from . import gemv_frag
+        plan = gemv_frag.frag_gemv_plan(n, k, **frag)
+        return gemv_frag.launch_frag_gemv(x2, weight, scale, plan, _empty, pdl_allowed=not copied).reshape(*lead, n)
     if tma is not None:
         from . import gemv_tma
         plan = gemv_tma.tma_gemv_plan(m, n, k, **tma)
@@ -694,8 +757,12 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     """Run the Triton GEMV for a block-FP8 weight on the tensors' device (interpreted on CPU).
 
     Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
-    to 8). Kernel: with no option, the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight and
-    several x rows or a weight of `TMA_MIN_WEIGHT_BYTES_M1` bytes or more, else the tile kernel. `tma=True` forces
+    to 8). Kernel: with no option, the tensor-core fragment GEMV (`gemv_frag`) for one bf16 / fp32 x row with
+    act_quant and a weight of `FRAG_MIN_WEIGHT_BYTES_M1` bytes or more on a GPU with FP8 `mma.sync` (sm_89+,
+    `split_frag_overrides`); else the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight and
+    several x rows or a weight of `TMA_MIN_WEIGHT_BYTES_M1` bytes or more; else the tile kernel. `frag=True` forces
+    the fragment GEMV (also under the interpreter; options num_warps, split_k, prefetch, even, maxnreg, early_launch,
+    sm_count of `gemv_frag.frag_gemv_plan`), `frag=False` the others. `tma=True` forces
     the TMA kernel (also under the interpreter; options block_n, stages, programs_per_sm, num_warps, scale_words,
     l2_prefetch, early_launch, sm_count of `gemv_tma.tma_gemv_plan`), `tma=False` the others. `overrides` (block_n,
     block_k, num_warps, k_iters, stages, mma, sm_count, maxnreg, early_launch) replace the tile kernel's `gemv_plan`

@@ -20,15 +20,18 @@ order (bit for bit where the one plan equals each op's own, as at the `h200` sha
 weight large enough for the TMA kernel, it makes the separate calls.
 
 Conditions (proven from the graph alone): the ops read the same x (one node, or views of one node with the same
-sizes) with the same act_quant; each weight is a 2-D uint8 tensor below `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1` bytes
-(fake values: a larger one runs faster alone on the TMA kernel, so it stays alone); the weights and scales of a
+sizes) with the same act_quant; each weight is a 2-D uint8 tensor, below `quant_gemv.TMA_MIN_WEIGHT_BYTES_M1` bytes
+unless the ops quantise a bf16 / fp32 x (act_quant), which the op runs on the fragment GEMV of `gemv_frag` over
+every weight (fake values: otherwise a larger weight runs faster alone on the TMA kernel, so it stays alone); the
+weights and scales of a
 later op are defined before the group's first op, so the group can stand where the first one stood (with the first
 op's x). Groups are formed in graph order, at most MAX_SIBLINGS ops each.
 
 Near-misses (reported, not fused), for ops of one x node:
 
     act_quant         they differ in act_quant (one quantises x and the other not)
-    tma_weight        the weight has >= TMA_MIN_WEIGHT_BYTES_M1 bytes: it keeps its own TMA launch
+    tma_weight        the weight has >= TMA_MIN_WEIGHT_BYTES_M1 bytes and the GEMV is not act_quant on bf16 / fp32
+                      x: it keeps its own TMA launch
     operand_order     an input of the later op is computed after the group's first op
 
 Bytes per match (sympy in B, L): the activation rows each GEMV reads, x's dtype; before once per op, after once
@@ -40,6 +43,7 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
 import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
@@ -110,14 +114,19 @@ class SiblingGemvFamily(FusionFamily):
     @staticmethod
     def _too_big(node: fx.Node) -> tuple[str, str] | None:
         from dsv41.kernels.quant_gemv import TMA_MIN_WEIGHT_BYTES_M1
-        w = tensor_val(_args(node)[1])
+        x, weight, _, aq = _args(node)
+        w = tensor_val(weight)
         shape = concrete_shape(w) if w is not None else None
         if shape is None or len(shape) != 2:
             return ("tma_weight", f"weight shape {shape} is not a static 2-D shape")
         nbytes = int(shape[0]) * int(shape[1]) * w.element_size()
-        if nbytes >= TMA_MIN_WEIGHT_BYTES_M1:
-            return ("tma_weight", f"weight [{shape[0]}, {shape[1]}] has {nbytes} bytes (>= {TMA_MIN_WEIGHT_BYTES_M1}): "
-                                  "it runs faster alone on the TMA GEMV")
+        xv = tensor_val(x)
+        # act_quant on bf16 / fp32 x: the op runs every weight on the fragment GEMV (one launch), large ones too.
+        frag = aq is True and xv is not None and xv.dtype in (torch.bfloat16, torch.float32)
+        if nbytes >= TMA_MIN_WEIGHT_BYTES_M1 and not frag:
+            return ("tma_weight", f"weight [{shape[0]}, {shape[1]}] has {nbytes} bytes (>= {TMA_MIN_WEIGHT_BYTES_M1}) "
+                                  "and the GEMV is not act_quant on bf16 / fp32 x: it runs faster alone on the TMA "
+                                  "GEMV")
         return None
 
     @staticmethod
