@@ -350,6 +350,18 @@ def test_mhc_kernels_match_float64_reference_at_model_widths(d, dtype):
     assert all(torch.equal(ys[0], c) for c in ys[1:])  # split-K combine is deterministic
 
 
+@pytest.mark.parametrize("logit_scale, iters", [(8.0, 20), (8.0, 64), (0.5, 20)])
+def test_mhc_sinkhorn_with_approximate_division_stays_within_tolerance(logit_scale, iters):
+    # The Sinkhorn rounds divide with div.full.f32 (within 2 ulp) on the GPU, which the interpreter cannot show:
+    # sharp logits (near-permutation matrices), more rounds than the model's 20, and flat logits.
+    hh, fn, base, scale = (t.to(DEV) for t in H.make_mix_inputs(2, 1, 5120, torch.float32, 7,
+                                                                logit_scale=logit_scale))
+    got = mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, iters)
+    want = H.ref_mixes(hh.cpu(), fn.cpu(), base.cpu(), scale.cpu(), iters=iters)
+    for g, w, name in zip(got, want, ("pre", "post", "comb")):
+        H.assert_close(g.cpu(), w, 2e-5, 1e-4, name)
+
+
 
 # ------------------------------------------------------------------------------------------- linear_upcast
 U = load_reference("test_kernels_upcast_gemv")

@@ -28,16 +28,20 @@ sigmoids and the Sinkhorn iterations on the 4x4 tile in registers; so at
 decode the 2 MB fn read (d = 5120) is spread over 80 programs instead of one. Under PDL each program reads
 its first fn block before waiting for the previous kernel (fn is a weight); at the h200 decode shape (80
 programs of one block) that took the kernel from 11.98 to 10.80 us on the H200 against a 0.48 us byte floor
-(bench/results/2026-12-01_h200_s17/kernels_mhc_*.json): it is latency-bound (reductions, split-K handshake,
-Sinkhorn), not bandwidth-bound. `mhc_collapse_rmsnorm`: one program per token holding the whole [d] row (d <= MAX_D).
+(bench/results/2026-12-01_h200_s17/kernels_mhc_*.json), and the Sinkhorn's approximate divisions (below) from 12.2 to
+9.4 us (bench/results/2026-12-03_h200_s25): it is latency-bound (reductions, split-K handshake, Sinkhorn), not
+bandwidth-bound. `mhc_collapse_rmsnorm`: one program per token holding the whole [d] row (d <= MAX_D).
 `mhc_expand`: one program per (token, BLOCK_D channels) computing all four output streams.
 
 FP32 order. The kernels keep the reference's operation order where the reference fixes it: the collapse sums the
-streams 0, 1, 2, 3 in order; the Sinkhorn steps, the `+ eps` and the divisions are elementwise the same ops,
-divisions correctly rounded (`div_rn`), rsqrt as a correctly rounded sqrt and division, FMA contraction off. The
-long reductions (z @ fn^T, mean of squares over 4d or d) are blocked tree sums whose order differs from the
-reference's BLAS / vectorised sums, and `exp` / `sigmoid` use Triton's FP32 exp; results therefore agree with the
-references to FP32 rounding, not bit for bit (tests: atol 2e-5 / rtol 1e-4 in FP32; one bf16 ulp for bf16 H).
+streams 0, 1, 2, 3 in order; the Sinkhorn steps, the `+ eps` and the divisions are elementwise the same ops, the
+norms' divisions correctly rounded (`div_rn`), rsqrt as a correctly rounded sqrt and division, FMA contraction off.
+The Sinkhorn divisions are Triton's FP32 `/` (div.full.f32, at most 2 ulp from the correctly rounded quotient; the
+interpreter divides exactly): with correctly rounded divisions rounds 2..20 took 5.3 of the kernel's 12.2 us on the
+H200 (with `/` 2.7 of 9.4 us). The long reductions (z @ fn^T, mean of squares over 4d or d) are blocked tree sums
+whose order differs from the reference's BLAS / vectorised sums, and `exp` / `sigmoid` use Triton's FP32 exp; results
+therefore agree with the references to FP32 rounding, not bit for bit (tests: atol 2e-5 / rtol 1e-4 in FP32, also
+on the GPU; one bf16 ulp for bf16 H).
 """
 
 from __future__ import annotations
@@ -277,12 +281,15 @@ def _mhc_mixes_kernel(
     # Sinkhorn (dsv41.model.mhc.sinkhorn): softmax over j (dim -1) + eps, column normalisation (sum over the
     # source axis i, dim -2), then iters - 1 rounds of row then column normalisation.
     logits = (d_comb * r) * s_comb + base_comb
+    # The divisions are Triton's FP32 `/` (div.full.f32, within 2 ulp), not div_rn: a correctly rounded division
+    # is a branchy instruction sequence on the critical path; at the h200 decode shape rounds 2..20 took 5.3 of the
+    # kernel's 12.2 us with div_rn and take 2.7 of 9.4 us so (bench/results/2026-12-03_h200_s25/mhc_probe.json).
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    c = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
-    c = tl.math.div_rn(c, tl.sum(c, axis=0)[None, :] + hc_eps)
+    c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     for _ in range(1, iters):
-        c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = tl.math.div_rn(c, tl.sum(c, axis=0)[None, :] + hc_eps)
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
 
     last4 = (i4 * 0 + is_last.to(tl.int32)) != 0
     tl.store(pre_ptr + row * 4 + i4, pre, mask=last4)
