@@ -1,7 +1,15 @@
-"""Shared fixtures: one eager `tiny` model per session (float32, checkpoint weights)."""
+"""Shared fixtures: one eager `tiny` model per session (float32, checkpoint weights).
+
+The suite runs the backend strict (`DSV41_STRICT=1`): a pass family that raises fails its test instead of being
+undone and reported, which is what a user's compile gets. Tests of that fallback pass `options={"strict": False}`.
+"""
+
+import os
 
 import pytest
 import torch
+
+os.environ.setdefault("DSV41_STRICT", "1")
 
 
 @pytest.fixture(scope="session")

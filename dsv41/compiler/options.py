@@ -14,6 +14,8 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200); off, they show in the report as off with that reason. CPU always runs them |
 | `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: on for graphs on CUDA replayed as CUDA graphs, Inductor's or the regional wrapper's (validated on the H200: `tests/test_streams_gpu.py`, `small` 365.6 -> 407.5 tok/s), off otherwise (outside a graph every fork/join is a host-side event record and wait; on CPU they are no-ops); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
+| `strict`       | bool or None      | None    | re-raise when a pass family (or the stream rewrite) raises on a graph; None: the environment variable `DSV41_STRICT` (`1`/`true`/`yes`; the test suite sets it), else off. Off, a failing family's changes to that graph are undone, the other families run, and the report records a `family_failed` finding naming the family, the exception and the source line it was examining |
+
 The environment variable `DSV41_REPORT` adds to `report`: `1`/`true`/`yes` prints the report, any other
 non-empty value except `0`/`false`/`no` is a JSON path to write it to.
 """
@@ -36,6 +38,7 @@ OPTION_KEYS = {
     "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
     "streams": "bool or None (auto: on with CUDA graphs on CUDA): move off-critical-path dsv41 ops to a side stream",
     "gpu_unvalidated": "bool: also run on CUDA the families whose kernels have not yet run on a GPU",
+    "strict": "bool or None (auto: environment DSV41_STRICT, else off): re-raise when a pass family fails on a graph",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -54,6 +57,7 @@ class Options:
     pdl: bool | None = None
     streams: bool | None = None
     gpu_unvalidated: bool = False
+    strict: bool = False
     #: Not a user option: set by `compile_regional` when its wrapper captures the whole step as one CUDA graph while
     #: the regions compile without Inductor's (cuda_graphs False). PDL and side streams follow it when unset.
     step_captured: bool = False
@@ -63,7 +67,7 @@ class Options:
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
                 "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
                 "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": self.gpu_unvalidated,
-                **({"step_captured": True} if self.step_captured else {})}
+                "strict": self.strict, **({"step_captured": True} if self.step_captured else {})}
 
     def gated_families(self, on_cuda: bool) -> dict:
         """{family: reason} of the families switched off for a graph on CUDA because their kernels have not yet
@@ -116,7 +120,7 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
 
     Args:
         options: None or a mapping with keys from `OPTION_KEYS`.
-        environ: environment to read `DSV41_REPORT` from (default `os.environ`).
+        environ: environment to read `DSV41_REPORT` and `DSV41_STRICT` from (default `os.environ`).
     Raises:
         ValueError: an unknown key (named, with the list of valid keys), or an unknown family in `disable`.
         TypeError: `options` is not a mapping, or a value has the wrong type (the key is named).
@@ -139,7 +143,8 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
         path = os.fspath(report)
     else:
         raise TypeError(f"dsv41 option 'report' must be a bool or a JSON file path, got {report!r}")
-    env = (environ if environ is not None else os.environ).get("DSV41_REPORT", "").strip()
+    environ = environ if environ is not None else os.environ
+    env = environ.get("DSV41_REPORT", "").strip()
     if env.lower() in _TRUE:
         print_report = True
     elif env.lower() not in _FALSE and path is None:
@@ -155,6 +160,9 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
     for key in ("cuda_graphs", "pdl", "streams"):
         v = options.get(key)
         tri[key] = None if v is None else _bool(key, v)
+    strict = options.get("strict")
+    if strict is None:
+        strict = environ.get("DSV41_STRICT", "").strip().lower() in _TRUE
     return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
                    _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"], tri["streams"],
-                   _bool("gpu_unvalidated", options.get("gpu_unvalidated", False)))
+                   _bool("gpu_unvalidated", options.get("gpu_unvalidated", False)), _bool("strict", strict))

@@ -200,11 +200,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     # The side-stream scheduler runs last, after dsv41's families and any post-grad pass installed before.
     apply_streams, streams_reason = opts.use_streams(on_cuda)
-    stream_pass = StreamPass(apply_streams, streams_reason, debug=opts.debug)
+    stream_pass = StreamPass(apply_streams, streams_reason, debug=opts.debug, strict=opts.strict)
     prev = inductor_config.post_grad_custom_post_pass
     prev = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
     gated = opts.gated_families(on_cuda)
-    manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated)
+    manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated,
+                          strict=opts.strict)
     patches = {"post_grad_custom_post_pass": manager}
     if on_cuda and "emulate_precision_casts" in inductor_config.get_config_copy():
         # Inductor keeps fused bf16/fp16 intermediates in FP32, which is not what eager computes: measured on

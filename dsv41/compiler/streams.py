@@ -46,7 +46,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..passes.base import is_dataflow_op, is_view_op, node_label, size_hint, tensor_val
+from ..passes.base import (is_dataflow_op, is_view_op, node_label, restore_graph, size_hint, snapshot_graph,
+                           tensor_val)
 
 __all__ = ["CostModel", "Region", "StreamPlan", "StreamPass", "build_dag", "critical_path", "plan_streams",
            "apply_plan", "simulate", "is_collective", "is_mutating", "dsv41_eligible"]
@@ -565,12 +566,16 @@ class StreamPass(CustomGraphPass):
         cost_model: the cost model (default `CostModel()`).
         debug: keep the graph's code after the pass in each result (`code_after`; the compiler shows it as the
             graph's code after the passes).
+        strict: re-raise an exception of the rewrite; otherwise the graph is put back on one stream as it was and
+            the schedule says why it was not applied.
     Attributes:
         results: one schedule dict (`StreamPlan.to_dict`) per graph the pass ran on.
     """
 
-    def __init__(self, apply: bool, reason: str = "", cost_model: CostModel | None = None, debug: bool = False):
+    def __init__(self, apply: bool, reason: str = "", cost_model: CostModel | None = None, debug: bool = False,
+                 strict: bool = False):
         self.apply = bool(apply)
+        self.strict = bool(strict)
         self.reason = reason
         self.cost_model = cost_model or CostModel()
         self.debug = debug
@@ -587,9 +592,18 @@ class StreamPass(CustomGraphPass):
             self.results.append(d)
             return
         applied = self.apply and bool(plan.regions)
+        reason = self.reason
         if applied:
-            apply_plan(graph, plan)
-        d = plan.to_dict(applied, self.reason)
+            snap = None if self.strict else snapshot_graph(graph)
+            try:
+                apply_plan(graph, plan)
+                graph.lint()
+            except Exception as e:  # noqa: BLE001 - one stream is always a correct schedule
+                if self.strict:
+                    raise
+                restore_graph(graph, snap)
+                applied, reason = False, f"not applied: the rewrite raised {type(e).__name__}: {e}"
+        d = plan.to_dict(applied, reason)
         if self.debug:
             d["code_after"] = graph.python_code("self").src
         self.results.append(d)

@@ -31,7 +31,8 @@ __all__ = [
     "BATCH", "LENGTH", "token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "is_dataflow_op", "is_view_op",
     "is_table_lookup", "sourced_nodes", "eliminate_dead_code",
     "RegionEvaluator", "RegionNotClosed", "collect_region", "insert_node", "size_args", "dsv41_op", "node_label",
-    "wide_scale_probes", "agree_where_representable", "group_in_order",
+    "wide_scale_probes", "agree_where_representable", "group_in_order", "snapshot_graph", "restore_graph",
+    "graph_fingerprint", "symbolic_part", "static_refusal",
 ]
 
 #: Symbols of the per-match byte expressions: batch size and sequence extent of the step's activations.
@@ -307,6 +308,59 @@ def dsv41_op(name: str):
     return getattr(ns, name).default if hasattr(ns, name) else None
 
 
+# ------------------------------------------------------------------------------------------------ symbolic values
+def _runtime_int(v) -> bool:
+    """Whether `v` is a SymInt / SymFloat / SymBool whose value is known only at run time."""
+    if not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False
+    expr = getattr(v.node, "expr", None)
+    return expr is None or bool(getattr(expr, "free_symbols", True))
+
+
+def symbolic_part(values: Iterable) -> str | None:
+    """A description of the first of `values` (graph nodes, or the plain arguments a rewrite would pass) that is
+    known only at run time, or None when all are static: a tensor node with a symbolic size (dynamic shapes), a
+    node whose value is a symbolic int (`sym_size`, `min(k, length)`), or a SymInt argument. Strides are not
+    looked at: the fused ops read them at run time."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            inner = symbolic_part(v)
+            if inner is not None:
+                return inner
+            continue
+        if _runtime_int(v):
+            return f"the value {v} known only at run time"
+        if not isinstance(v, fx.Node):
+            continue
+        val = v.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = [f"dim {d} = {s}" for d, s in enumerate(val.shape) if _runtime_int(s)]
+            if dims:
+                return f"{v.name} ({node_label(v) if v.op == 'call_function' else v.op}) has a size known only at " \
+                       f"run time ({', '.join(dims)})"
+        elif _runtime_int(val):
+            return f"{v.name} ({node_label(v) if v.op == 'call_function' else v.op}) is an int known only at run " \
+                   f"time ({val})"
+    return None
+
+
+def static_refusal(family: str, pattern: str, values: Iterable, location: "SourceLocation | None",
+                   op: str = "the fused op", check: str = "static_shapes") -> "NearMiss | None":
+    """The near-miss of a chain that matched on its compile-time sizes but reads `values` of which one is known
+    only at run time (see `symbolic_part`), or None when all are static.
+
+    Why: a family verifies a chain on probe tensors of the compiled sizes and bakes sizes into the fused op's
+    arguments and kernel plans; under dynamic shapes (Dynamo's automatic dynamic after a size changes, or
+    `dynamic=True`) the same graph then runs at other sizes, where such an op would read the wrong extent. Such a
+    chain stays with Inductor, which compiles it for every size. `check` names it (`static_shapes`, or `static_k`
+    for a top-k whose k is computed in the graph)."""
+    what = symbolic_part(values)
+    if what is None:
+        return None
+    return NearMiss(family, pattern, check, f"{what}; {op} is specialised to the sizes it was compiled for, so this "
+                    "chain stays with Inductor, which handles sizes known only at run time", location)
+
+
 # ------------------------------------------------------------------------------------------------ op classes
 _REDUCTION_TAG = getattr(torch.Tag, "reduction", None)
 _NONDET_TAG = getattr(torch.Tag, "nondeterministic_seeded", None)
@@ -575,6 +629,41 @@ def size_args(graph: fx.Graph, before: fx.Node, src: fx.Node, dims: Iterable[int
         else:
             out.append(int(s))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ undo
+def snapshot_graph(graph: fx.Graph) -> fx.Graph:
+    """A node-for-node copy of `graph` (names, targets, arguments, shallow-copied meta) to restore from."""
+    copy = fx.Graph()
+    env: dict = {}
+    for n in graph.nodes:
+        env[n] = copy.node_copy(n, env.__getitem__)
+    return copy
+
+
+def graph_fingerprint(graph: fx.Graph) -> int:
+    """A hash of every node's name, target and arguments: equal before and after a family that changed nothing, so
+    a snapshot need not be taken again (copying a 50,000-node graph takes about 1 s; this about a tenth)."""
+    return hash(tuple((n.name, n.op, repr(n.target), repr(n.args), repr(n.kwargs)) for n in graph.nodes))
+
+
+def restore_graph(graph: fx.Graph, snap: fx.Graph) -> None:
+    """Make `graph` (in place: Inductor keeps using this object) node-for-node equal to `snap`, names included.
+
+    A family that raised may have left the graph with dangling users or out of order, so every node's arguments are
+    cleared before any is erased; the name table is reset so the copies get their old names back."""
+    from torch.fx.graph import _Namespace
+
+    nodes = list(graph.nodes)
+    for n in nodes:
+        n.args, n.kwargs = (), {}
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    graph._graph_namespace = _Namespace()
+    env: dict = {}
+    for n in snap.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+
 
 
 # ------------------------------------------------------------------------------------------------ probes

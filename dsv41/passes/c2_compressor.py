@@ -44,7 +44,7 @@ from ..model.norm import rms_norm
 from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
-                   size_args, sourced_nodes, tensor_val, token_rows)
+                   size_args, sourced_nodes, static_refusal, tensor_val, token_rows)
 
 __all__ = ["C2CompressorFamily"]
 
@@ -88,6 +88,12 @@ class C2CompressorFamily(FusionFamily):
             pool, why = _match_pool(norm["u"], ev)
             if why is not None:
                 misses.append(NearMiss(self.name, "pair pool -> rmsnorm -> rope -> fp4 -> bank write", *why, loc))
+            refused = static_refusal(self.name, "rmsnorm -> rope -> fp4 -> bank write",
+                                     [rope.x, rope.cos, rope.sin, *rope.region, *quant.closure, *writes,
+                                      *norm.values(), *(pool or {}).values()], loc, "dsv41::c2_*norm_rope_fp4_store")
+            if refused is not None:
+                misses.append(refused)
+                continue
             rec = self._fuse(graph, y, rope, quant, writes, norm, pool)
             if isinstance(rec, NearMiss):
                 misses.append(rec)

@@ -60,7 +60,7 @@ from ..model import formats
 from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
                    SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op,
                    eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label,
-                   same_shape, sourced_nodes, tensor_val, token_rows, wide_scale_probes)
+                   same_shape, sourced_nodes, symbolic_part, tensor_val, token_rows, wide_scale_probes)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]
@@ -156,6 +156,12 @@ class DispatchFamily(FusionFamily):
                         f"the weight bytes ({node_label(computed[0])}) are computed or written in place inside the "
                         "graph; the fused linear ops read their weight before waiting on the previous kernel (PDL), "
                         "so only weights no kernel of the step writes are fused")
+            if ok:
+                what = symbolic_part([cand.codes, cand.scale, cand.node])
+                if what is not None:  # the activation's row count may be symbolic: the ops take any M at run time
+                    ok, check, reason = False, "static_shapes", (
+                        f"{what}; the fused linear ops are planned for the weight's compile-time shape, so this "
+                        "chain stays with Inductor")
             if not ok:
                 # Only a chain that reaches a matmul "started to match"; other look-alike tensors are not reported.
                 for u in matmuls:

@@ -59,8 +59,8 @@ from ..model.engram import engram_row_ids, engram_update
 from ..model.formats import dequantize_fp8_1x32
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, tensor_val, token_rows,
-                   wide_scale_probes)
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, static_refusal, tensor_val,
+                   token_rows, wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 
@@ -127,6 +127,11 @@ class EngramFamily(FusionFamily):
             found, near = finder(graph, ev)
             misses.extend(near)
             for site in found:
+                refused = static_refusal(self.name, site.pattern, [*site.args, site.end, *site.region],
+                                         SourceLocation.from_node(site.anchor), f"dsv41::{site.op_name}")
+                if refused is not None:
+                    misses.append(refused)
+                    continue
                 op = dsv41_op(site.op_name)
                 if op is None:
                     missing.add(site.op_name)

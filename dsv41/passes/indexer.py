@@ -60,7 +60,7 @@ import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, tensor_val, token_rows)
+                   is_view_op, node_label, static_refusal, tensor_val, token_rows)
 
 __all__ = ["IndexerFamily"]
 
@@ -617,6 +617,7 @@ class IndexerFamily(FusionFamily):
         cands, m2, claimed = _find_candidates(graph, ev)
         topks, m3 = _find_topks(graph, ev, claimed)
         misses = misses + m2 + m3
+        scores, cands, topks = (_static_only(sites, misses) for sites in (scores, cands, topks))
         pos = _position(graph)
         for site in scores + cands + topks:
             site.region.sort(key=pos.__getitem__)
@@ -693,6 +694,24 @@ class IndexerFamily(FusionFamily):
                                        "pool_mask", "the candidate mask restricts no matched top-k chain; left as is",
                                        SourceLocation.from_node(c.anchor)))
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
+
+
+def _static_only(sites: list, misses: list) -> list:
+    """The sites whose inputs, region and outputs have compile-time sizes; a near-miss (`static_k` when it is the
+    top-k's k, else `static_shapes`) for each other one."""
+    kept = []
+    for s in sites:
+        loc = SourceLocation.from_node(s.anchor)
+        op = f"dsv41::{s.kind}"
+        ks = [n.args[1] if len(n.args) > 1 else n.kwargs.get("k") for n in s.region
+              if n.op == "call_function" and n.target == torch.ops.aten.topk.default]
+        refused = (static_refusal("indexer", s.kind, ks, loc, op, "static_k")
+                   or static_refusal("indexer", s.kind, [*s.cut.values(), s.end, *s.region], loc, op))
+        if refused is None:
+            kept.append(s)
+        else:
+            misses.append(refused)
+    return kept
 
 
 def _register_ops() -> None:

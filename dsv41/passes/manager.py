@@ -26,6 +26,12 @@ Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladd
    13. sibling_gemv   2-4 block-FP8 GEMVs of one activation (q / kv down-projections, gate / up) -> one op, one
                       launch at decode (after dispatch, which makes the GEMVs; last, so no family sees its op)
 
+A family can fail; the compile cannot. Each family runs on the graph as the previous one left it; if it raises,
+the graph is put back as it was before that family ran (not half rewritten), the other families go on, and the
+family's record carries a `Finding` of kind `family_failed` naming the exception and the user's source line of
+the node it was examining. With `strict=True` (option `strict`, environment `DSV41_STRICT=1`, on in the test
+suite) the exception is re-raised instead, so a failing family fails its test.
+
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
 `uuid()` hashes the source of every pass module, the reference formats they verify against, the options
@@ -39,7 +45,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -47,7 +55,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .base import FusionFamily, PassRecord
+from .base import (Finding, FusionFamily, PassRecord, SourceLocation, graph_fingerprint, node_label, restore_graph,
+                   snapshot_graph)
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
 from .engram import EngramFamily
@@ -62,7 +71,7 @@ from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
 
-__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED"]
+__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "FamilyFailed"]
 
 #: Registered families by name, in the order they run.
 FAMILIES: dict[str, type[FusionFamily]] = {
@@ -119,6 +128,45 @@ def _drop_restored(rec: PassRecord, restored: set) -> PassRecord:
     return dataclasses.replace(rec, matches=keep)
 
 
+class FamilyFailed(RuntimeError):
+    """Raised in strict mode when a family raises on a graph: names the family and the node it was examining; the
+    family's own exception is the `__cause__`."""
+
+
+def _examined_node(family: FusionFamily, tb) -> fx.Node | None:
+    """The graph node the family was examining when it raised: its explicit `family.anchor` if it set one, else the
+    innermost frame of the family's own module that holds a node (a local named `anchor`, a `site` with an
+    `anchor`, or any node local with a stack trace)."""
+    if isinstance(getattr(family, "anchor", None), fx.Node):
+        return family.anchor
+    module_file = getattr(sys.modules.get(type(family).__module__), "__file__", None)
+    frames = [f for f, _ in traceback.walk_tb(tb)]
+    for frame in reversed(frames):
+        if module_file is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(module_file):
+            continue
+        local = frame.f_locals
+        for name in ("anchor", "site", "st"):
+            v = local.get(name)
+            v = v if isinstance(v, fx.Node) else getattr(v, "anchor", None)
+            if isinstance(v, fx.Node):
+                return v
+        for v in local.values():
+            if isinstance(v, fx.Node) and v.meta.get("stack_trace"):
+                return v
+    return None
+
+
+def _failure_record(family: FusionFamily, exc: BaseException, node: fx.Node | None) -> PassRecord:
+    """The record of a family that raised on a graph: no matches, one `family_failed` finding."""
+    where = SourceLocation.from_node(node)
+    at = f" while examining {node.name} ({node_label(node)})" if node is not None else ""
+    msg = (f"{family.name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{at}; the "
+           "graph was left as it was before this family ran and the other families went on (option strict=True "
+           "re-raises)")
+    return PassRecord(family.name, True, findings=(Finding(family.name, "family_failed", msg, where),),
+                      note=f"failed on this graph ({type(exc).__name__}); its changes were undone")
+
+
 class PassManager(CustomGraphPass):
     """Run the enabled families on a post-grad graph and keep one `GraphPassResult` per graph in `results`.
 
@@ -128,11 +176,15 @@ class PassManager(CustomGraphPass):
         debug: keep the graph's code before/after the passes in each result.
         chained: a post-grad custom pass that was installed before dsv41's (or a list of them); it runs after
             dsv41's families, and its uuid is part of ours (None if it has none, which disables caching).
+        strict: re-raise a family's exception (as `FamilyFailed`) instead of undoing its changes and recording a
+            `family_failed` finding.
     Raises:
         ValueError: a name in `disabled` that is not a family.
+        FamilyFailed: (when called, strict only) a family raised on the graph.
     """
 
-    def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None, notes=None):
+    def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None, notes=None,
+                 strict: bool = False):
         disabled = frozenset(disabled)
         self.notes = dict(notes or {})
         unknown = sorted(disabled - set(FAMILY_ORDER))
@@ -140,6 +192,7 @@ class PassManager(CustomGraphPass):
             raise ValueError(f"unknown pass families {unknown}; valid families: {', '.join(FAMILY_ORDER)}")
         self.disabled = disabled
         self.debug = bool(debug)
+        self.strict = bool(strict)
         if chained is None:
             self.chained: tuple = ()
         elif isinstance(chained, (list, tuple)):
@@ -152,21 +205,47 @@ class PassManager(CustomGraphPass):
         gm = graph.owning_module
         before = graph.python_code("self").src if self.debug else None
         records = []
+        self._snap = None
         for name in FAMILY_ORDER:
             if name in self.disabled:
                 records.append(PassRecord(name, False, note=self.notes.get(name, "disabled by options")))
                 continue
             t0 = time.perf_counter()
-            rec = FAMILIES[name]().run(gm)
-            graph.lint()
+            family = FAMILIES[name]()
+            rec = self._guarded(graph, family, lambda: family.run(gm))
             records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
-        restored = restore_batch1_mm(gm)
-        if restored:
+        restored = self._guarded(graph, FAMILIES["normalize"](), lambda: restore_batch1_mm(gm))
+        if isinstance(restored, PassRecord):  # the restore raised: the bmm forms stay, which Inductor lowers too
+            records = [dataclasses.replace(r, findings=r.findings + restored.findings) if r.family == "normalize"
+                       else r for r in records]
+        elif restored:
             records = [_drop_restored(r, restored) for r in records]
+        self._snap = None
         after = graph.python_code("self").src if self.debug else None
         for p in self.chained:
             p(graph)
         self.results.append(GraphPassResult(tuple(records), before, after))
+
+    def _guarded(self, graph: fx.Graph, family: FusionFamily, step):
+        """`step()` (which rewrites `graph` for `family`), or, when it raises, the graph put back as it was and a
+        `family_failed` record (strict: `FamilyFailed`). A snapshot is taken only when the graph changed since the
+        last one."""
+        if self._snap is None and not self.strict:
+            self._snap = (snapshot_graph(graph), graph_fingerprint(graph))
+        try:
+            out = step()
+            graph.lint()
+        except Exception as exc:  # noqa: BLE001 - any failure of a family must leave the user's compile working
+            node = _examined_node(family, exc.__traceback__)
+            if self.strict:
+                where = f" while examining {node.name}" if node is not None else ""
+                raise FamilyFailed(f"dsv41 pass family {family.name!r} raised {type(exc).__name__}{where}: {exc}") \
+                    from exc
+            restore_graph(graph, self._snap[0])
+            return _failure_record(family, exc, node)
+        if not self.strict and graph_fingerprint(graph) != self._snap[1]:
+            self._snap = None
+        return out
 
     def uuid(self) -> str | None:
         """SHA-256 (hex) of the pass, model and kernel sources, the options and the registered dsv41 ops; None if a
@@ -175,8 +254,8 @@ class PassManager(CustomGraphPass):
         for path in _source_files():
             with open(path, "rb") as f:
                 h.update(path.encode() + b"\0" + f.read())
-        state = {"disabled": sorted(self.disabled), "debug": self.debug, "torch": torch.__version__,
-                 "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}
+        state = {"disabled": sorted(self.disabled), "debug": self.debug, "strict": self.strict,
+                 "torch": torch.__version__, "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}
         h.update(json.dumps(state, sort_keys=True).encode())
         for p in self.chained:
             u = p.uuid() if hasattr(p, "uuid") else None

@@ -59,7 +59,7 @@ from ..model.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..model.norm import rms_norm
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, tensor_val, token_rows)
+                   is_view_op, node_label, static_refusal, tensor_val, token_rows)
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED"]
 
@@ -122,6 +122,11 @@ class MhcFamily(FusionFamily):
             found, near = finder(graph, ev)
             misses.extend(near)
             for site in found:
+                refused = static_refusal(self.name, site.pattern, [*site.args, *site.outputs, *site.region],
+                                         SourceLocation.from_node(site.anchor), f"dsv41::{site.op_name}")
+                if refused is not None:
+                    misses.append(refused)
+                    continue
                 op = dsv41_op(site.op_name)
                 if op is None:
                     missing.add(site.op_name)

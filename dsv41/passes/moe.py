@@ -65,7 +65,7 @@ import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, size_hint, tensor_val, token_rows)
+                   is_view_op, node_label, size_hint, static_refusal, tensor_val, token_rows)
 
 __all__ = ["MoeFamily"]
 
@@ -320,7 +320,7 @@ def _router_structure(tk: fx.Node):
     check only a router would reach, (None, None) for a top-k that is not a router."""
     score = tk.args[0]
     lead, e = _shape(score)[:-1], _shape(score)[-1]
-    k = int(size_hint(_arg(tk, 1, "k", None)))
+    k_arg = _arg(tk, 1, "k", None)
     ids = next((u for u in tk.users if u.target is operator.getitem and u.args[1] == 1), None)
     vals = next((u for u in tk.users if u.target is operator.getitem and u.args[1] == 0), None)
     if ids is None:
@@ -368,6 +368,12 @@ def _router_structure(tk: fx.Node):
                               "selection bias", loc)
     w = ws[-1]
     ends = _weight_ends(gathers, ids)
+    refused = (static_refusal("moe", pattern, [k_arg], loc, "dsv41::moe_router", "static_k")
+               or static_refusal("moe", pattern, [tk, mm, xs[-1], w, *biases, *ends, *region], loc,
+                                 "dsv41::moe_router"))
+    if refused is not None:
+        return None, refused
+    k = int(k_arg)
     return _Router(tk, k, ids, mm, xs[-1], w, _holds_transpose(mm.args[1], w), biases[0] if biases else None,
                    ends, region), None
 
@@ -592,16 +598,17 @@ def _router_ks(y: fx.Node) -> set:
     for _ in range(_ROUTER_DEPTH):
         nxt = []
         for n in frontier:
+            # A k known only at run time is no k a tail can be specialised to (the router was refused: static_k).
             if n.op == "call_function" and n.target == aten.topk.default:
-                ks.add(int(size_hint(_arg(n, 1, "k", 0))))
+                ks.add(_arg(n, 1, "k", 0))
             elif n.op == "call_function" and router_op is not None and n.target == router_op:
-                ks.add(int(size_hint(n.args[3])))
+                ks.add(n.args[3])
             for a in n.all_input_nodes:
                 if a not in seen:
                     seen.add(a)
                     nxt.append(a)
         frontier = nxt
-    return ks
+    return {k for k in ks if isinstance(k, int)}
 
 
 def _unfuse_addmm(graph: fx.Graph, red: fx.Node) -> None:
@@ -770,6 +777,11 @@ def _find_tails(graph: fx.Graph, ev: _Evaluator):
             continue
         end, cut, region = found
         done.update(region)
+        refused = static_refusal("moe", "moe tail (sum of routed experts + shared expert)",
+                                 [end, *cut.values(), *region], loc, "dsv41::moe_combine")
+        if refused is not None:
+            misses.append(refused)
+            continue
         sites.append(_tail_site(end, cut, region, kind, k))
     return sites, misses
 

@@ -45,7 +45,7 @@ from ..model import formats
 from ..model.rope import apply_rope
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label,
-                   same_shape, size_args, sourced_nodes, tensor_val, token_rows)
+                   same_shape, size_args, sourced_nodes, static_refusal, tensor_val, token_rows)
 
 __all__ = ["RopeFp4Family", "QUANT_RULES"]
 
@@ -122,6 +122,11 @@ class RopeFp4Family(FusionFamily):
             if rope is None:
                 if why is not None:
                     misses.append(NearMiss(self.name, pattern, why[0], why[1], loc))
+                continue
+            refused = static_refusal(self.name, pattern, [rope.x, rope.cos, rope.sin, *rope.region, *quant.closure],
+                                     loc, "dsv41::rope_fp4_*")
+            if refused is not None:
+                misses.append(refused)
                 continue
             rec, miss = self._fuse(gm, y, rope, quant, ev, sourced)
             if rec is not None:

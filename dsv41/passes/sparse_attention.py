@@ -53,7 +53,8 @@ from ..model import formats
 from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, tensor_val, token_rows)
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, static_refusal, tensor_val,
+                   token_rows)
 
 __all__ = ["SparseAttentionFamily", "OP_NAME"]
 
@@ -100,6 +101,11 @@ class SparseAttentionFamily(FusionFamily):
             found, near = _match(gm, ev, sourced, gc, gs)
             misses.extend(near)
             for site in found:  # sites sharing one gather (a Reuse layer and its source) are all rewritten
+                refused = static_refusal(self.name, "sparse fp4 attention", [*site.args, site.end, *site.region],
+                                         SourceLocation.from_node(site.anchor), f"dsv41::{OP_NAME}")
+                if refused is not None:
+                    misses.append(refused)
+                    continue
                 if op is None:
                     misses.append(NearMiss(self.name, "sparse fp4 attention", "op_registered",
                                            f"dsv41::{OP_NAME} is not registered (import dsv41.kernels."
