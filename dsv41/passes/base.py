@@ -32,7 +32,7 @@ __all__ = [
     "is_table_lookup", "sourced_nodes", "eliminate_dead_code",
     "RegionEvaluator", "RegionNotClosed", "collect_region", "insert_node", "size_args", "dsv41_op", "node_label",
     "wide_scale_probes", "agree_where_representable", "group_in_order", "snapshot_graph", "restore_graph",
-    "graph_fingerprint", "symbolic_part", "static_refusal",
+    "graph_fingerprint", "symbolic_part", "static_refusal", "rms_norm_eps_outside", "rms_eps_reason",
 ]
 
 #: Symbols of the per-match byte expressions: batch size and sequence extent of the step's activations.
@@ -629,6 +629,31 @@ def size_args(graph: fx.Graph, before: fx.Node, src: fx.Node, dims: Iterable[int
         else:
             out.append(int(s))
     return out
+
+
+def rms_norm_eps_outside(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The RMSNorm look-alike `weight * x / (sqrt(mean(x^2)) + eps)` (eps outside the square root), in FP32, cast
+    back to `x.dtype`: x [..., d], weight [d] or None. Only for naming a near-miss (`rms_eps_reason`)."""
+    xf = x.float()
+    y = xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def rms_eps_reason(lits: Iterable[float], outside_matches: Callable[[float], bool]) -> tuple[str, str]:
+    """(check, reason) of an RMS statistic that agrees with `x * rsqrt(mean(x^2) + eps)` at ordinary magnitudes but
+    with none of the region's literals `lits` as eps at small ones. `outside_matches(eps)` says whether the region
+    computes the eps-outside-the-square-root look-alike (`rms_norm_eps_outside`); the reason then says that, since
+    the literal is there, only placed elsewhere."""
+    lits = list(lits)
+    for eps in lits:
+        if outside_matches(eps):
+            return "rms_eps", (f"the RMSNorm adds its eps {eps} outside the square root, x / (sqrt(mean(x^2)) + eps); "
+                               "the fused op computes x * rsqrt(mean(x^2) + eps) (MODEL.md §2.2), which differs "
+                               "for small x")
+    return "rms_eps", ("the RMS statistic agrees with x * rsqrt(mean(x^2) + eps) at ordinary magnitudes but, at small "
+                       f"ones, with none of the region's literals {lits} as the eps inside the square root")
 
 
 # ------------------------------------------------------------------------------------------------ undo

@@ -44,7 +44,8 @@ from ..model.norm import rms_norm
 from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
-                   size_args, sourced_nodes, static_refusal, tensor_val, token_rows)
+                   rms_eps_reason, rms_norm_eps_outside, size_args, sourced_nodes, static_refusal,
+                   tensor_val, token_rows)
 
 __all__ = ["C2CompressorFamily"]
 
@@ -277,7 +278,8 @@ def _match_norm(latent: fx.Node, ev: RegionEvaluator):
         if all(_close(got, rms_norm(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)):
             return dict(u=u, w=w, eps=float(eps), region=region), None
     if any(_close(runs[0], rms_norm(envs[0][u].to(lv.dtype), wp, eps)) for eps in lits):
-        return None, ("rms_eps", f"the RMSNorm eps is none of the region's literals {lits}")
+        return None, rms_eps_reason(lits, lambda eps: all(
+            _close(got, rms_norm_eps_outside(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)))
     return None, ("rmsnorm_values", "the region reads a [..., D] tensor and a [D] weight but does not compute "
                   "w * x * rsqrt(mean(x^2) + eps) in FP32 (MODEL.md §2.2)")
 

@@ -59,8 +59,8 @@ from ..model.engram import engram_row_ids, engram_update
 from ..model.formats import dequantize_fp8_1x32
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, static_refusal, tensor_val,
-                   token_rows, wide_scale_probes)
+                   is_dataflow_op, is_table_lookup, is_view_op, node_label, rms_eps_reason, sourced_nodes,
+                   static_refusal, tensor_val, token_rows, wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 
@@ -702,7 +702,7 @@ def _verify_gate(ev, end: fx.Node, cut: dict, region: list):
         return None, ("gate_floor", "the gate's |dot| is floored at another value than 1e-6 under the signed square "
                       "root (MODEL.md §2.10)")
     if any(_close_rounded(got[0], engram_update(*args(runs[0]), eps)) for eps in lits):
-        return None, ("rms_eps", f"the RMS statistics' eps is none of the region's literals {lits}")
+        return None, rms_eps_reason(lits, lambda eps: False)
     return None, ("gate_values", "the region reads H and keys [B, T, 4, d], value [B, T, d] and [4, d] weights but "
                   "does not compute H + sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) * value with the two RMS "
                   "statistics (MODEL.md §2.10; dsv41/model/engram.py engram_update)")

@@ -59,7 +59,8 @@ from ..model.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..model.norm import rms_norm
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, static_refusal, tensor_val, token_rows)
+                   is_view_op, node_label, rms_eps_reason, rms_norm_eps_outside, static_refusal,
+                   tensor_val, token_rows)
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED"]
 
@@ -820,7 +821,9 @@ def _verify_collapse_norm(ev, end, cut, region):
                for got, env in zip(runs, envs)):
             return eps, None
     if any(_close_rounded(runs[0], rms_norm(mhc_collapse(envs[0][cut["H"]], pre), w, eps)) for eps in lits):
-        return None, ("rms_eps", f"the RMSNorm eps is none of the region's literals {lits}")
+        return None, rms_eps_reason(lits, lambda eps: all(
+            _close_rounded(got, rms_norm_eps_outside(mhc_collapse(env[cut["H"]], pre), w, eps))
+            for got, env in zip(runs, envs)))
     return None, ("collapse_rmsnorm_values", "the region reads H [B, T, 4, d], pre [B, T, 4] and a weight [d] but "
                   "does not compute rms_norm(sum_i pre_i H_i, weight, eps) (MODEL.md §2.2, §2.3 collapse)")
 
