@@ -207,10 +207,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated,
                           strict=opts.strict)
     patches = {"post_grad_custom_post_pass": manager}
-    if on_cuda and "emulate_precision_casts" in inductor_config.get_config_copy():
+    if "emulate_precision_casts" in inductor_config.get_config_copy():
         # Inductor keeps fused bf16/fp16 intermediates in FP32, which is not what eager computes: measured on
         # the H200, plain Inductor on `small` (bf16) drifts to a 0.62 relative logit error and other greedy
-        # tokens. The backend must not change the model's numbers, so round every intermediate as eager does.
+        # tokens; on CPU `x.to(bfloat16).float()` came back unrounded. The backend must not change the model's
+        # numbers, so round every intermediate as eager does, on every device.
         patches["emulate_precision_casts"] = True
     if "online_softmax" in inductor_config.get_config_copy():
         # Inductor's online-softmax rewrite (on GPUs) turns amax/exp/sum into `prepare_softmax_online` before the

@@ -13,6 +13,10 @@ re-viewed as float8 before use). Rewrites, each an Inductor pattern (`register_g
     alias                  alias(x)                                                     -> x
     batch1_bmm             unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0), a, b [1, m, k] / [1, k, n] -> bmm(a, b)
 
+A cast round trip that is NOT value-preserving (`convert(convert(x, narrow), x.dtype)` where `narrow` does not hold
+every value of x, e.g. float32 -> bfloat16 -> float32) is the program's own rounding and stays; it is reported once
+per source line as a near-miss `cast_rounds`, so a user who expected it gone sees why.
+
 Inductor's own `remove_noop_ops` (run before dsv41's passes) already drops casts to the same dtype and
 views to the same shape; these are the two-step detours it leaves.
 
@@ -31,7 +35,8 @@ import threading
 import torch
 import torch.fx as fx
 
-from .base import FusionFamily, MatchRecord, PassRecord, SourceLocation, eliminate_dead_code, node_label, tensor_val
+from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, eliminate_dead_code, node_label,
+                   tensor_val)
 
 __all__ = ["NormalizeFamily", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
 
@@ -234,4 +239,29 @@ class NormalizeFamily(FusionFamily):
         finally:
             _local.sink = None
         eliminate_dead_code(gm.graph)
-        return PassRecord(self.name, True, tuple(sink))
+        return PassRecord(self.name, True, tuple(sink), tuple(_rounding_roundtrips(gm.graph)))
+
+
+def _rounding_roundtrips(graph: fx.Graph) -> list:
+    """Near-misses `cast_rounds`: the cast round trips left in `graph` whose intermediate dtype rounds (one per
+    source line and dtype pair)."""
+    out, seen = [], set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target != prims.convert_element_type.default:
+            continue
+        inner = n.args[0]
+        if not (isinstance(inner, fx.Node) and inner.op == "call_function"
+                and inner.target == prims.convert_element_type.default and isinstance(inner.args[0], fx.Node)):
+            continue
+        src, mid, dst = _dtype_of(inner.args[0]), _dtype_of(inner), _dtype_of(n)
+        if src is None or src != dst or mid in EXACT_CASTS.get(src, ()):
+            continue
+        loc = SourceLocation.from_node(inner)
+        key = (src, mid, str(loc))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(NearMiss("normalize", "cast round trip", "cast_rounds",
+                            f"{inner.args[0].name} goes {src} -> {mid} -> {src}: {mid} does not hold every {src} value, "
+                            "so the round trip rounds (the program's own rounding) and stays", loc))
+    return out
