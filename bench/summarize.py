@@ -27,7 +27,9 @@ def main(folder: str) -> None:
                 dec = r.get("decode_tok_s") or {}
                 rows.append(f"{name:34s} {b:22s} decode {dec.get('median', float('nan')):8.2f} tok/s "
                             f"(min {dec.get('min', float('nan')):.2f}, max {dec.get('max', float('nan')):.2f})  "
-                            f"match {r.get('tokens_match_eager')}")
+                            f"match {r.get('tokens_match_eager')}"
+                            + (f"  logit err vs fp32 {r['logit_err_vs_fp32']:.2e}" if r.get("logit_err_vs_fp32")
+                               is not None else ""))
         elif "rows" in d:  # bench/kernels.py: the plan's row and the best sweep row per (kernel, shape, M)
             best: dict = {}
             for k in d["rows"]:

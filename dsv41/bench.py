@@ -14,6 +14,8 @@ off: each toggled alone from the default, issue 6).
 Protocol, in this order (every backend gets the same prompt, seed 42, and the same eager module underneath):
 1. eager reference: greedy tokens of `generate(model, prompt, N)` and the logits of its N-1 decode steps, kept
    from that run (`return_logits=True`: the same logits as teacher-forcing those tokens, without a second run).
+   Then the FP32 reference (`dsv41.accuracy.fp32_reference`): those tokens teacher-forced through an FP32 eager copy
+   of the same weights (shared quantised codes), freed before anything compiles; the run's own logits when FP32.
 2. cold compile: per backend, `torch.compiler.reset()` and an empty TORCHINDUCTOR_CACHE_DIR of its own, then
    the first `generate` run (capture + compile + one run of the workload). `compile_s` = that run's wall time
    minus the median wall time of the backend's measured runs.
@@ -23,7 +25,7 @@ Protocol, in this order (every backend gets the same prompt, seed 42, and the sa
    (their first run warmed them).
 4. per backend: kernels of ONE decode step under torch.profiler (CUDA only), and the teacher-forced logits
    against eager's (`max_rel_logit_err`; eager rows run the reference's module and step, so their logits are
-   the reference's, not recomputed).
+   the reference's, not recomputed), and against the FP32 reference (`logit_err_vs_fp32`, `dsv41.accuracy`).
 5. `repeats` measured runs per backend in the order A B C A B C ...; caches are reset in place by `generate`.
 
 `kernels_per_step`: GPU kernel activities torch.profiler records while one warmed-up decode step runs (CUDA
@@ -54,9 +56,11 @@ top level `date`, `gpu`, `driver`, `torch`, `triton`, `cuda`, `host`, `preset`, 
 `roofline_tok_s`, `run_order` (the measured order), `ablations_note`, `definitions` (the rules above, as
 text), and `backends` = {name: {`decode_tok_s`: {median, min, max}, `prefill_tok_s`: {median, min, max},
 `kernels_per_step`, `memcpy_memset_per_step`, `roofline_fraction`, `compile_s`, `compile_warm_s`,
-`peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `options`, `new_tokens`
+`peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `logit_err_vs_fp32`,
+`logit_err_vs_fp32_over_eager`, `options`, `new_tokens`
 (tokens each of the row's runs decodes: `new_tokens`, `eager_new_tokens` for eager rows, or the row's
-`row_new_tokens`), `note`}}; top level `row_new_tokens` {row: R} (the rows run shorter on request, else {});
+`row_new_tokens`), `note`}}; top level `row_new_tokens` {row: R} (the rows run shorter on request, else {}),
+`logit_err_vs_fp32_eager` and `fp32_reference` (how the FP32 reference was built, its bytes and seconds);
 the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold compile), and every dsv41 row
 `fusion_matches` {family: matches}, `kernels_per_step_by_role`, `kernels_per_step_static` and
 `kernels_static_minus_profiler` (null on CPU). With `--speculative E` (DSpark, simulated acceptance) the top level
@@ -79,6 +83,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+
+from .accuracy import DEFINITIONS as _ACCURACY_DEFINITIONS
 
 __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternating", "copy_bandwidth_tb_s",
            "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
@@ -127,7 +133,9 @@ DEFINITIONS = {
     "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
     "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
                          "max |logits - eager logits| / max |eager logits| over the decode steps of the shorter of "
-                         "the row's run (row_new_tokens) and the reference",
+                         "the row's run (row_new_tokens) and the reference (one scale for all the steps; "
+                         "logit_err_vs_fp32 scales each step by its own)",
+    **_ACCURACY_DEFINITIONS,
     "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
     "step_span_us": "first GPU activity start to last end of the profiled step; busy > span means activities "
                     "overlapped (PDL, side streams), busy < span means gaps between them",
@@ -694,7 +702,8 @@ def _empty_row() -> dict:
     return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
-            "teacher_forced_logits_sha256": None, "same_tokens_as": None, "same_logits_as": None,
+            "logit_err_vs_fp32": None, "logit_err_vs_fp32_over_eager": None, "teacher_forced_logits_sha256": None,
+            "same_tokens_as": None, "same_logits_as": None,
             "options": None, "new_tokens": None, "note": None}
 
 
@@ -807,6 +816,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     from rich.console import Console
     from rich.progress import Progress
 
+    from .accuracy import fp32_reference, logit_err_vs_fp32, ratio_to_eager
     from .cli import build_model, environment
     from .model import generate
     from .model.budget import budget
@@ -900,7 +910,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
            "kv_bytes_per_token": {"logical": b.kv_bytes_per_token, "allocated": b.kv_bytes_per_token_allocated},
            "decode_context": decode_context(prompt_len, new_tokens), "decode_bytes_per_step": decode_bytes,
            "copy_bandwidth_tb_s": copy_bandwidth_tb_s() if cuda else None,
-           "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "backends": {}}
+           "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "logit_err_vs_fp32_eager": None,
+           "fp32_reference": None, "backends": {}}
     res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
     if tp_info is not None:
         res["tp"] = tp_info
@@ -911,7 +922,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         rows[n]["options"] = _backend_options(n, options)
         rows[n]["new_tokens"] = tokens_of[n]
 
-    ref = None
+    ref = ref32 = None
     runnable, cold_wall, warm_wall, runners = [], {}, {}, {}
     outs: dict = {}
     order: list = []
@@ -944,6 +955,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         for n in names:
             row = r["backends"][n]
             row.update(same[n])
+            row["logit_err_vs_fp32_over_eager"] = ratio_to_eager(row["logit_err_vs_fp32"],
+                                                                 r["logit_err_vs_fp32_eager"])
             if notes_[n]:
                 row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes_[n])
 
@@ -1036,6 +1049,16 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 tp_info["ranks_agree"] = all(t == toks[0] for t in toks)
             prog.advance(task)
             say(f"eager reference: {time.perf_counter() - t_ref:.1f} s")
+            try:  # before any compile, so the FP32 copy never shares the GPU with a compiled runner
+                if tp_info is not None and model.dtype != torch.float32:  # an FP32 run is its own reference
+                    raise ValueError("not built under tensor parallelism (the copy would need the same sharding)")
+                ref32, res["fp32_reference"] = fp32_reference(model, prompt, ref.tokens, ref_logits)
+                res["logit_err_vs_fp32_eager"] = logit_err_vs_fp32(ref_logits, ref32)
+                say(f"FP32 reference: {res['fp32_reference']['seconds']:.1f} s; eager's error against it "
+                    f"{res['logit_err_vs_fp32_eager']:.3e}")
+            except Exception as e:  # the rows keep every other figure
+                ref32, res["fp32_reference"] = None, {"source": None, "note": _fail(e)}
+                say(f"FP32 reference: {_fail(e)}")
             wait_workers()
             update()
 
@@ -1166,6 +1189,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         if nt < ref.tokens.shape[1]:
                             notes[n].append(f"teacher-forced over eager's first {nt} tokens (its run length)")
                     rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, want)
+                    if ref32 is not None:
+                        rows[n]["logit_err_vs_fp32"] = logit_err_vs_fp32(tf, ref32[:, :tf.shape[1]])
                     rows[n]["teacher_forced_logits_sha256"] = tensor_digest(tf)
                 except Exception as e:
                     notes[n].append("teacher forcing " + _fail(e))
@@ -1270,6 +1295,7 @@ def print_table(res: dict, console=None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from .accuracy import fp32_err_text
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log file: rich would wrap at 80 columns
@@ -1282,7 +1308,7 @@ def print_table(res: dict, console=None) -> None:
               title=f"decode benchmark: {res['preset']} ({res['weight_mode']}), prompt {res['prompt_len']}, "
                     f"{res['new_tokens']} new tokens, {res['repeats']} runs, {res.get('gpu') or 'cpu'}")
     for col in ("backend", "decode tok/s med [min, max]", "prefill tok/s", "kernels/step", "roofline",
-                "compile s cold / warm", "peak GB", "= eager", "max rel logit err", "note"):
+                "compile s cold / warm", "peak GB", "= eager", "max rel logit err", "logit err vs fp32", "note"):
         t.add_column(escape(col), overflow="fold", no_wrap=col != "note")
     for name, e in res["backends"].items():
         d = e.get("decode_tok_s")
@@ -1294,7 +1320,7 @@ def print_table(res: dict, console=None) -> None:
                   f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}"
                   + (f" (worker {e['precompile_wall_s']:.0f})" if e.get("precompile_wall_s") else ""),
                   _fmt(e.get("peak_mem_gb"), ".2f"), "-" if match is None else ("yes" if match else "NO"),
-                  _fmt(e.get("max_rel_logit_err"), ".2e"), escape(e.get("note") or ""))
+                  _fmt(e.get("max_rel_logit_err"), ".2e"), fp32_err_text(e), escape(e.get("note") or ""))
     console.print(t)
 
 

@@ -190,7 +190,8 @@ def _bench_result():
             "backends": {"eager": {**none, "decode_tok_s": {"median": 10.0, "min": 9.0, "max": 11.0},
                                    "kernels_per_step": 900, "tokens_match_eager": True},
                          "dsv41": {**none, "decode_tok_s": {"median": 14.0, "min": 13.0, "max": 15.0},
-                                   "kernels_per_step": 120, "compile_s": 30.0, "tokens_match_eager": True},
+                                   "kernels_per_step": 120, "compile_s": 30.0, "tokens_match_eager": True,
+                                   "logit_err_vs_fp32": 0.02, "logit_err_vs_fp32_over_eager": 1.25},
                          "torch_tensorrt": {**none, "decode_tok_s": None, "note": "not installed"}}}
 
 
@@ -214,6 +215,8 @@ def test_bench_section_lists_every_backend_and_draws_the_plot():
     assert [r[0] for r in t["rows"]] == ["eager", "dsv41", "torch_tensorrt"]
     assert t["rows"][0][1:3] == ["10.00 [9.00, 11.00]", "900"]
     assert t["rows"][2][-1] == "not installed"
+    col = t["headers"].index("logit err vs fp32")  # issue [robust] 7: each row's error against the FP32 reference
+    assert [r[col] for r in t["rows"]] == ["-", "2.00e-02 (1.25x eager)", "-"]
     assert len(p.imgs) == 1 and p.imgs[0]["src"].startswith("data:image/png;base64,iVBORw0KGgo")
 
 

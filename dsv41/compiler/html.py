@@ -325,6 +325,7 @@ def _layer_kernels(d: dict) -> str:
 
 
 def _bench(bench: dict) -> str:
+    from ..accuracy import fp32_err_text
     rows = []
     for name, r in (bench.get("backends") or {}).items():
         d = r.get("decode_tok_s") or {}
@@ -335,7 +336,7 @@ def _bench(bench: dict) -> str:
                      "-" if r.get("compile_warm_s") is None else f"{r['compile_warm_s']:.1f}",
                      "-" if r.get("tokens_match_eager") is None else ("yes" if r["tokens_match_eager"] else "NO"),
                      "-" if r.get("max_rel_logit_err") is None else f"{r['max_rel_logit_err']:.2e}",
-                     r.get("note") or ""])
+                     fp32_err_text(r), r.get("note") or ""])
     roof = bench.get("roofline_tok_s")
     head = (f"{bench.get('preset')} preset, prompt {bench.get('prompt_len')}, {bench.get('new_tokens')} new "
             f"tokens, {bench.get('gpu') or 'cpu'}, torch {bench.get('torch')}, triton {bench.get('triton')}")
@@ -343,7 +344,7 @@ def _bench(bench: dict) -> str:
         head += (f"; roofline {roof:,.1f} tok/s = {_human(bench.get('decode_bytes_per_step'))}/step at "
                  f"{bench.get('copy_bandwidth_tb_s'):.2f} TB/s")
     cols = ["backend", "decode tok/s median [min, max]", "kernels/step", "roofline fraction", "compile s (cold)",
-            "compile s (warm)", "tokens = eager", "max rel logit err", "note"]
+            "compile s (warm)", "tokens = eager", "max rel logit err", "logit err vs fp32", "note"]
     return f"<h2>Benchmark</h2><p>{_e(head)}</p>" + _table(cols, rows, num_cols=("kernels/step",))
 
 
