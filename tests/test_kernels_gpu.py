@@ -365,6 +365,31 @@ def test_mhc_sinkhorn_with_approximate_division_stays_within_tolerance(logit_sca
 
 
 
+@pytest.mark.parametrize("d", [1024, 5120], ids=["small", "h200"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
+def test_mhc_mixes_with_norm_weight_match_float64_reference(d, wdtype, monkeypatch):
+    # The normalise-then-project spelling (norm_weight, HAS_W): decode (split-K over programs), prefill rows in one
+    # program each (split 1), and PDL (the weight block is read before the wait) bit-identical to no PDL.
+    poison_outputs(monkeypatch, mk)
+    w = (0.5 + torch.rand(4 * d, generator=torch.Generator().manual_seed(d + 5))).to(wdtype).to(DEV)
+    hh, fn, base, scale = (t.to(DEV) for t in H.make_mix_inputs(1, 1, d, torch.bfloat16, d + 1))
+    assert mk.mixes_plan(1, d)["SPLIT"] > 1
+    got = mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, H.ITERS, norm_weight=w)
+    want = H.ref_mixes(hh.cpu(), fn.cpu(), base.cpu(), scale.cpu(), weight=w.cpu())
+    for g, r, name in zip(got, want, ("pre", "post", "comb")):
+        H.assert_close(g.cpu(), r, 2e-5, 1e-4, name)
+    kernels.set_pdl(True)
+    again = mk.triton_mhc_mixes(hh, fn, base, scale, H.NORM_EPS, H.HC_EPS, H.ITERS, norm_weight=w)
+    kernels.set_pdl(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    rows, fn1, base1, scale1 = (t.to(DEV) for t in H.make_mix_inputs(2, 3, 1024, torch.float32, 9))
+    w1 = (0.5 + torch.rand(4096, generator=torch.Generator().manual_seed(6))).to(wdtype).to(DEV)
+    got = mk.triton_mhc_mixes(rows, fn1, base1, scale1, H.NORM_EPS, H.HC_EPS, H.ITERS, split=1, norm_weight=w1)
+    want = H.ref_mixes(rows.cpu(), fn1.cpu(), base1.cpu(), scale1.cpu(), weight=w1.cpu())
+    for g, r, name in zip(got, want, ("pre", "post", "comb")):
+        H.assert_close(g.cpu(), r, 2e-5, 1e-4, name)
+
+
 # ------------------------------------------------------------------------------------------- linear_upcast
 U = load_reference("test_kernels_upcast_gemv")
 

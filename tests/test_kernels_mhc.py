@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs
+from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs, sm90_ttir
 
 from dsv41.kernels import mhc as mk
 
@@ -69,13 +69,14 @@ def ref_sinkhorn(logits: list, iters: int, eps: float) -> list:
     return c
 
 
-def ref_mixes(H, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS):
-    """float64 (pre [B, T, 4], post [B, T, 4], comb [B, T, 4, 4]) following MODEL.md §2.3 steps 1-6."""
+def ref_mixes(H, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS, weight=None):
+    """float64 (pre [B, T, 4], post [B, T, 4], comb [B, T, 4, 4]) following MODEL.md §2.3 steps 1-6; with an RMS
+    `weight` w [4d] the projection reads z * w (m_q = sum_k fn[q, k] w[k] z[k] * r: normalise, then project)."""
     b, t, _, d = H.shape
     pre = torch.empty(b, t, 4, dtype=torch.float64)
     post = torch.empty(b, t, 4, dtype=torch.float64)
     comb = torch.empty(b, t, 4, 4, dtype=torch.float64)
-    f = fn.double().tolist()
+    f = (fn.double() if weight is None else fn.double() * weight.double().cpu()[None, :]).tolist()
     bs, sc = base.double().tolist(), scale.double().tolist()
     for bi in range(b):
         for ti in range(t):
@@ -154,6 +155,20 @@ def test_cpu_ops_match_the_float64_spec(dtype):
     assert_rounded(out, ref_expand(y, H, post, comb), dtype, "expand")
 
 
+@pytest.mark.parametrize("wdtype", DTYPES, ids=_ids_dtype)
+def test_cpu_op_with_norm_weight_matches_the_float64_spec(wdtype):
+    H, fn, base, scale = make_mix_inputs(2, 3, 96, torch.bfloat16, 21)
+    w = (0.5 + torch.rand(4 * 96, generator=torch.Generator().manual_seed(22))).to(wdtype)
+    got = torch.ops.dsv41.mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, w)
+    for g, r, name in zip(got, ref_mixes(H, fn, base, scale, weight=w), ("pre", "post", "comb")):
+        assert g.dtype == torch.float32 and g.is_contiguous()
+        assert_close(g, r, 2e-5, 1e-4, name)
+    # Without the weight (None or left out) the op is the unweighted one, bit for bit.
+    plain = torch.ops.dsv41.mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+    none = torch.ops.dsv41.mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, None)
+    assert all(torch.equal(a, b) for a, b in zip(plain, none))
+
+
 # ------------------------------------------------------------------------------------------- Triton (interpreted)
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids_dtype)
@@ -178,6 +193,52 @@ def test_triton_mixes_split_k_sums_partials_of_every_split(split, poisoned_outpu
     got = mk.triton_mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, split=split)
     for g, w, name in zip(got, ref_mixes(H, fn, base, scale), ("pre", "post", "comb")):
         assert_close(g, w, 2e-5, 1e-4, name)
+
+
+@interpreted
+@pytest.mark.parametrize("split, hdtype, wdtype", [(1, torch.float32, torch.float32),
+                                                   (2, torch.bfloat16, torch.bfloat16),
+                                                   (5, torch.float32, torch.bfloat16)],
+                         ids=["split1-fp32", "split2-bf16", "split5-fp32-wbf16"])
+def test_triton_mixes_with_norm_weight_match_float64_reference(split, hdtype, wdtype, poisoned_outputs):
+    # K = 1280 = 5 blocks of 256 (as above); the weight is read block by block with z, also across splits.
+    H, fn, base, scale = make_mix_inputs(2, 1, 320, hdtype, 31, logit_scale=4.0)
+    w = (0.5 + torch.rand(1280, generator=torch.Generator().manual_seed(32))).to(wdtype)
+    assert mk.mixes_plan(2, 320, split=split)["SPLIT"] == split
+    got = mk.triton_mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, split=split, norm_weight=w)
+    for g, r, name in zip(got, ref_mixes(H, fn, base, scale, weight=w), ("pre", "post", "comb")):
+        assert_close(g, r, 2e-5, 1e-4, name)
+
+
+@interpreted
+def test_triton_mixes_norm_weight_with_masked_tail_and_small_rms(poisoned_outputs):
+    # K = 384: the second block is half masked (the weight load must be too); |H| ~ 1e-3 so that norm_eps = 1e-6
+    # matters; the weight must not enter the statistic (a weight of 4 on every other channel would make the mean
+    # square 8.5 times larger).
+    H, fn, base, scale = make_mix_inputs(2, 3, 96, torch.float32, 33, logit_scale=6.0)
+    H = H * 1e-3
+    w = torch.ones(384)
+    w[::2] = 4.0
+    got = mk.triton_mhc_mixes(H, fn, base, scale, 1e-6, 1e-3, 5, norm_weight=w)
+    want = ref_mixes(H, fn, base, scale, norm_eps=1e-6, hc_eps=1e-3, iters=5, weight=w)
+    for g, r, name in zip(got, want, ("pre", "post", "comb")):
+        assert_close(g, r, 2e-5, 1e-4, name)
+
+
+def test_mixes_kernel_reads_the_norm_weight_only_with_has_w_and_before_the_pdl_wait():
+    # Built offline for sm_90: without HAS_W the weight pointer is never used (the unweighted kernel is unchanged);
+    # with it, the first weight block is loaded before the PDL wait (a weight, like fn) and once more per loop block.
+    ptrs = {n: "fp32" for n in ("h_ptr", "fn_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr",
+                                "part_ptr")}
+    ptrs.update(cnt_ptr="i32", nw_ptr="bf16")
+    consts = dict(D=320, BLOCK_K=256, CHUNK=512, SPLIT_POW2=4, USE_PDL=True)
+    scalars = {"norm_eps": "fp32", "hc_eps": "fp32"}
+    plain = sm90_ttir(mk._mhc_mixes_kernel, ptrs, dict(consts, HAS_W=False), scalars).splitlines()
+    assert not [ln for ln in plain if "%nw_ptr" in ln and "tt.func" not in ln]
+    weighted = sm90_ttir(mk._mhc_mixes_kernel, ptrs, dict(consts, HAS_W=True), scalars).splitlines()
+    w_loads = [i for i, ln in enumerate(weighted) if "tt.load" in ln and "!tt.ptr<bf16>" in ln]
+    wait = next(i for i, ln in enumerate(weighted) if "tt.grid_dependency_wait" in ln)
+    assert len(w_loads) == 2 and w_loads[0] < wait < w_loads[1]
 
 
 def test_mixes_plan_spreads_the_decode_reduction():
@@ -286,6 +347,8 @@ def _op_args():
 def test_ops_pass_torch_library_opcheck():
     H, fn, base, scale, pre, post, comb = _op_args()
     torch.library.opcheck(torch.ops.dsv41.mhc_mixes.default, (H, fn, base, scale, NORM_EPS, HC_EPS, ITERS))
+    torch.library.opcheck(torch.ops.dsv41.mhc_mixes.default,
+                          (H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, torch.rand(128).bfloat16() + 0.5))
     torch.library.opcheck(torch.ops.dsv41.mhc_collapse_rmsnorm.default, (H.bfloat16(), pre, torch.ones(32), 1e-6))
     torch.library.opcheck(torch.ops.dsv41.mhc_expand.default, (torch.randn(1, 2, 32), H, post, comb))
 
@@ -297,6 +360,9 @@ def test_fake_functions_give_shapes_under_fake_tensor_mode():
         pre, post, comb = torch.ops.dsv41.mhc_mixes(H, torch.empty(24, 640), torch.empty(24), torch.empty(3),
                                                     NORM_EPS, HC_EPS, ITERS)
         assert pre.shape == post.shape == (2, 3, 4) and comb.shape == (2, 3, 4, 4) and comb.dtype == torch.float32
+        weighted = torch.ops.dsv41.mhc_mixes(H, torch.empty(24, 640), torch.empty(24), torch.empty(3), NORM_EPS,
+                                             HC_EPS, ITERS, torch.empty(640, dtype=torch.bfloat16))
+        assert [tuple(r.shape) for r in weighted] == [(2, 3, 4), (2, 3, 4), (2, 3, 4, 4)]
         x = torch.ops.dsv41.mhc_collapse_rmsnorm(H, pre, torch.empty(160, dtype=torch.bfloat16), NORM_EPS)
         assert x.shape == (2, 3, 160) and x.dtype == torch.bfloat16
         out = torch.ops.dsv41.mhc_expand(x, H, post, comb)
@@ -315,6 +381,10 @@ def test_bad_inputs_raise_errors_naming_the_argument():
         mk.reference_mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, 0)
     with pytest.raises(ValueError, match="scale must be"):
         mk.reference_mhc_mixes(H, fn, base, scale[:2], NORM_EPS, HC_EPS, ITERS)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        mk.reference_mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, torch.ones(32))
+    with pytest.raises(TypeError, match="norm_weight has dtype"):
+        mk.reference_mhc_mixes(H, fn, base, scale, NORM_EPS, HC_EPS, ITERS, torch.ones(128, dtype=torch.int32))
     with pytest.raises(ValueError, match="weight must be"):
         mk.reference_mhc_collapse_rmsnorm(H, pre, torch.ones(31), NORM_EPS)
     with pytest.raises(ValueError, match="pre must be"):

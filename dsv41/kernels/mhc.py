@@ -3,13 +3,15 @@
 Around every sublayer the eager model (dsv41/model/mhc.py, MODEL.md §2.3) runs three chains of small ops on the
 four-stream residual H [B, T, 4, d]; each becomes one op here:
 
-- `dsv41::mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters) -> (pre, post, comb)`:
+- `dsv41::mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None) -> (pre, post, comb)`:
   z = flatten(H) in FP32, r = rsqrt(mean(z^2) + norm_eps), m = (z @ fn^T) * r (24 values), pre = sigmoid(m[0:4] *
   scale[0] + base[0:4]) + hc_eps, post = 2 sigmoid(m[4:8] * scale[1] + base[4:8]), comb = Sinkhorn of the 4x4
   logits m[8:24] * scale[2] + base[8:24] (softmax over j + hc_eps, column normalisation, then `iters - 1` times
   row then column normalisation, each `C / (sum + hc_eps)`). H [B, T, 4, d] fp32/bf16/fp16, fn fp32 [24, 4d],
   base fp32 [24], scale fp32 [3]; pre, post fp32 [B, T, 4]; comb fp32 [B, T, 4, 4] (comb[..., i, j] = weight of
-  source stream i in destination stream j). Reference: `dsv41.model.mhc.mhc_mixes`.
+  source stream i in destination stream j). With `norm_weight` w [4d] (fp32/bf16/fp16; schema `Tensor?
+  norm_weight=None`) m = ((z * w) @ fn^T) * r, the spelling `F.linear(rms_norm(flatten(H), (4d,), w, eps), fn)`
+  (the statistic r stays unweighted). Reference: `dsv41.model.mhc.mhc_mixes` (with fn * w for the weight).
 - `dsv41::mhc_collapse_rmsnorm(H, pre, weight, eps) -> x`: x = rms_norm(sum_i pre_i H_i, weight, eps) with the
   collapse accumulated in FP32 and rounded to H.dtype before the norm (as the eager code does), the norm in FP32;
   x [B, T, d] in H.dtype, pre fp32 [B, T, 4], weight [d] any float dtype. Reference: `rms_norm(mhc_collapse(...))`.
@@ -24,7 +26,9 @@ BLOCK_K elements (streams concatenated, so any d works), accumulating sum(z^2) a
 [4], [4] and [4, 4] tiles (fn rows 0:4, 4:8, 8:24 loaded in that shape). With more than one split the 25
 partial sums go to a workspace and the last program of the row to arrive (split-K counter, as in quant_gemv)
 sums them, every split in one vector load per group and a fixed reduction tree (deterministic), then runs the
-sigmoids and the Sinkhorn iterations on the 4x4 tile in registers; so at
+sigmoids and the Sinkhorn iterations on the 4x4 tile in registers. With a norm_weight (constexpr HAS_W) each
+block also loads its BLOCK_K weights and multiplies z by them after the sum of squares (the weight is never
+folded into fn: that would read and write all of fn every step); without it the kernel is unchanged. So at
 decode the 2 MB fn read (d = 5120) is spread over 80 programs instead of one. Under PDL each program reads
 its first fn block before waiting for the previous kernel (fn is a weight); at the h200 decode shape (80
 programs of one block) that took the kernel from 11.98 to 10.80 us on the H200 against a 0.48 us byte floor
@@ -88,13 +92,19 @@ def _check_h(H):
         raise ValueError(f"H has an empty hidden dim: {tuple(H.shape)}")
 
 
-def _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters):
+def _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None):
     _check_h(H)
     check_tensor("fn", fn, dtypes=(torch.float32,), ndim=2)
     check_tensor("base", base, dtypes=(torch.float32,), ndim=1)
     check_tensor("scale", scale, dtypes=(torch.float32,), ndim=1)
     check_same_device(H=H, fn=fn, base=base, scale=scale)
     k = HC_MULT * H.shape[3]
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, dtypes=_FLOAT_DTYPES, ndim=1)
+        check_same_device(H=H, norm_weight=norm_weight)
+        if tuple(norm_weight.shape) != (k,):
+            raise ValueError(f"norm_weight must be [4d] = [{k}] for H {tuple(H.shape)}, "
+                             f"got {tuple(norm_weight.shape)}")
     if tuple(fn.shape) != (N_MIX, k):
         raise ValueError(f"fn must be [{N_MIX}, 4d] = [{N_MIX}, {k}] for H {tuple(H.shape)}, got {tuple(fn.shape)}")
     if tuple(base.shape) != (N_MIX,):
@@ -138,17 +148,25 @@ def _check_expand(y, H, post, comb):
 
 # ------------------------------------------------------------------------------------------- references
 def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                        norm_eps: float, hc_eps: float, iters: int):
+                        norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None):
     """Plain-PyTorch `dsv41::mhc_mixes`: `dsv41.model.mhc.mhc_mixes` with contiguous results.
+
+    With `norm_weight` w the projection reads the weighted normalised streams, m = (z * r * w) @ fn^T, the
+    "RMS-normalise, then project" spelling `F.linear(rms_norm(flatten(H), (4d,), w, eps), fn)`; the statistic r
+    stays over the unweighted z. Computed as `mhc_mixes` with fn * w[None, :] (one more FP32 rounding per fn
+    element than the eager spelling's z * r * w: equal to FP32 rounding).
 
     Args:
         H: [B, T, 4, d] fp32/bf16/fp16. fn: fp32 [24, 4d]. base: fp32 [24]. scale: fp32 [3].
         norm_eps: eps of the RMS statistic (1e-20 in V4.1). hc_eps: 1e-6. iters: Sinkhorn rounds (20), >= 1.
+        norm_weight: None, or the RMS weight [4d] fp32/bf16/fp16.
     Returns: (pre fp32 [B, T, 4], post fp32 [B, T, 4], comb fp32 [B, T, 4, 4]).
     Raises: TypeError / ValueError naming the bad argument (dtype, shape, iters out of range, negative eps).
     Source: MODEL.md §2.3 steps 1-6; dsv41/model/mhc.py.
     """
-    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
+    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
+    if norm_weight is not None:
+        fn = fn * norm_weight.float()[None, :]
     pre, post, comb = _model_mhc_mixes(H, fn, base, scale, float(norm_eps), float(hc_eps), int(iters))
     return pre.contiguous(), post.contiguous(), comb.contiguous()
 
@@ -181,9 +199,10 @@ def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, c
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _mhc_mixes_kernel(
-    h_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, cnt_ptr,
+    h_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, cnt_ptr, nw_ptr,
     T, sh_b, sh_t, sh_s, stride_fn, norm_eps, hc_eps, iters, SPLIT,
     D: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, SPLIT_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_W: tl.constexpr,
 ):
     # Program (row, split) reduces z[split * CHUNK : (split + 1) * CHUNK] against the 24 fn rows; with
     # SPLIT > 1 the partial sums go to a workspace and the last program of the row to arrive sums them (all
@@ -209,12 +228,16 @@ def _mhc_mixes_kernel(
     w_pre = tl.load(fn_pre + k_first, mask=k_ok[None, :], other=0.0)
     w_post = tl.load(fn_post + k_first, mask=k_ok[None, :], other=0.0)
     w_comb = tl.load(fn_comb + k_first, mask=k_ok[None, None, :], other=0.0)
+    if HAS_W:  # the RMS weight is a weight too
+        nw = tl.load(nw_ptr + k_first + kk, mask=k_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # z[k] = H[stream k // D, channel k % D] (flatten(H) of the reference, any row stride per stream).
     k = k_first + kk
     z = tl.load(h_row + (k // D) * sh_s + (k % D), mask=k_ok, other=0.0).to(tl.float32)
     sumsq = z * z
+    if HAS_W:  # the statistic is over the unweighted z; the projection reads z * w (r is applied at the end)
+        z = z * nw
     acc_pre = w_pre * z[None, :]
     acc_post = w_post * z[None, :]
     acc_comb = w_comb * z[None, None, :]
@@ -226,6 +249,8 @@ def _mhc_mixes_kernel(
         w_pre = tl.load(fn_pre + k0, mask=k_ok[None, :], other=0.0)
         w_post = tl.load(fn_post + k0, mask=k_ok[None, :], other=0.0)
         w_comb = tl.load(fn_comb + k0, mask=k_ok[None, None, :], other=0.0)
+        if HAS_W:
+            z = z * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         acc_pre += w_pre * z[None, :]
         acc_post += w_post * z[None, :]
         acc_comb += w_comb * z[None, None, :]
@@ -390,15 +415,17 @@ def mixes_plan(rows: int, d: int, split: int | None = None) -> dict:
 
 
 def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     norm_eps: float, hc_eps: float, iters: int, split: int | None = None):
+                     norm_eps: float, hc_eps: float, iters: int, split: int | None = None,
+                     norm_weight: torch.Tensor | None = None):
     """Triton `dsv41::mhc_mixes` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, results (to FP32 rounding, see the module docstring) and errors as `reference_mhc_mixes`.
     One launch over (token, K split) programs (`mixes_plan`; `split` overrides the number of splits); H's and
-    fn's last dims are made contiguous if they are not. Raises RuntimeError for CPU tensors without the
-    interpreter.
+    fn's last dims are made contiguous if they are not. `norm_weight` (keyword: `split` came first) is read in
+    the same loop as fn, one [4d] vector per program's chunk; without it the kernel is the unweighted one
+    (constexpr HAS_W False). Raises RuntimeError for CPU tensors without the interpreter.
     """
-    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
+    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
     require_launchable(_mhc_mixes_kernel, H.device, "triton_mhc_mixes")
     b, t, _, d = H.shape
     pre = _empty((b, t, HC_MULT), torch.float32, H.device)
@@ -410,6 +437,8 @@ def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     fn = _last_dim_contiguous(fn)
     base = base.contiguous()
     scale = scale.contiguous()
+    has_w = norm_weight is not None
+    nw = norm_weight.contiguous() if has_w else fn  # not read when HAS_W is False
     k = HC_MULT * d
     block_k = min(_MIXES_BLOCK_K, next_power_of_2(k))
     plan = mixes_plan(b * t, d, split=split)
@@ -422,9 +451,9 @@ def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
         cnt = torch.empty(1, dtype=torch.int32, device=H.device)
     pdl = use_pdl_for(_mhc_mixes_kernel, H.device)
     _mhc_mixes_kernel[(b * t, n_split)](
-        H, fn, base, scale, pre, post, comb, part, cnt,
+        H, fn, base, scale, pre, post, comb, part, cnt, nw,
         t, H.stride(0), H.stride(1), H.stride(2), fn.stride(0), float(norm_eps), float(hc_eps), int(iters), n_split,
-        D=d, BLOCK_K=block_k, CHUNK=chunk, SPLIT_POW2=next_power_of_2(n_split), USE_PDL=pdl,
+        D=d, BLOCK_K=block_k, CHUNK=chunk, SPLIT_POW2=next_power_of_2(n_split), USE_PDL=pdl, HAS_W=has_w,
         num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return pre, post, comb
 
@@ -483,18 +512,20 @@ def triton_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb
 # ------------------------------------------------------------------------------------------- ops
 @torch.library.custom_op("dsv41::mhc_mixes", mutates_args=(), device_types="cpu")
 def mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-              hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC pre / post / Sinkhorn coefficients of one site; see `reference_mhc_mixes`."""
-    return reference_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
+              hc_eps: float, iters: int,
+              norm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre / post / Sinkhorn coefficients of one site (optionally with the RMS weight of the "normalise,
+    then project" spelling); see `reference_mhc_mixes`."""
+    return reference_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
 
 
 @register_cuda(mhc_mixes, "dsv41::mhc_mixes")
-def _mhc_mixes_cuda(H, fn, base, scale, norm_eps, hc_eps, iters):
-    return triton_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters)
+def _mhc_mixes_cuda(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None):
+    return triton_mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=norm_weight)
 
 
 @mhc_mixes.register_fake
-def _mhc_mixes_fake(H, fn, base, scale, norm_eps, hc_eps, iters):
+def _mhc_mixes_fake(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None):
     b, t = H.shape[0], H.shape[1]
     return (H.new_empty((b, t, HC_MULT), dtype=torch.float32), H.new_empty((b, t, HC_MULT), dtype=torch.float32),
             H.new_empty((b, t, HC_MULT, HC_MULT), dtype=torch.float32))

@@ -5,6 +5,9 @@ Chains matched (ARCHITECTURE.md "Fusion patterns", row "mHC"; MODEL.md §2.3; ea
     coefficients  z = flatten(H).float(); r = rsqrt(mean(z^2) + norm_eps); m = (z @ fn^T) * r;
                   pre = sigmoid(..) + hc_eps; post = 2 sigmoid(..); comb = Sinkhorn(iters) of m[8:24]
                       -> dsv41::mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters) -> (pre, post, comb)
+                  or normalise-then-project: m = F.linear(rms_norm(flatten(H), w, norm_eps), fn), w [4d] optional
+                      -> dsv41::mhc_mixes(..., iters, norm_weight=w) (structure and the operand's check in
+                         passes/mhc_spellings.py; near-misses rms_input, rms_eps, rms_input_leaves)
     expand        H'_j = post_j * y + sum_i comb[i, j] H_i       -> dsv41::mhc_expand(y, H, post, comb)
     collapse+norm x = rms_norm(sum_i pre_i H_i, weight, eps)       -> dsv41::mhc_collapse_rmsnorm(H, pre, weight, eps)
 
@@ -61,6 +64,7 @@ from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvalua
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
                    is_view_op, node_label, rms_eps_reason, rms_norm_eps_outside, static_refusal,
                    tensor_val, token_rows)
+from .mhc_spellings import normalised_input, verify_normalised_input
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED"]
 
@@ -298,22 +302,27 @@ def _exact_cast(src: fx.Node, dst: fx.Node) -> bool:
 
 
 def _projection(mm: fx.Node):
-    """(H, fn, fn_transposed) when `mm` is `[.., 4d] x [4d, 24]` with the left operand a view / cast of a
-    [B, T, 4, d] tensor and the right one of an FP32 [24, 4d] or [4d, 24] tensor; else None."""
+    """(H, fn, fn_transposed, normalised) when `mm` is `[.., 4d] x [4d, 24]` with the right operand a view / cast
+    of an FP32 [24, 4d] or [4d, 24] tensor fn and the left one a view / cast of a [B, T, 4, d] tensor H
+    (normalised None), or computed from H (and an RMS weight) through dataflow ops (normalised: the
+    `mhc_spellings.NormalisedInput`, possibly a refusal); else None."""
     if mm.op != "call_function" or mm.target != aten.mm.default:
         return None
     rs = _shape(mm.args[1])
     if rs is None or len(rs) != 2 or rs[1] != N_MIX or rs[0] % HC_MULT:
         return None
     k = rs[0]
-    hs = [n for n in _chain_back(mm.args[0]) if _is_float(n) and len(_shape(n)) == 4
-          and _shape(n)[2:] == (HC_MULT, k // HC_MULT)]
     fs = [n for n in _chain_back(mm.args[1]) if tensor_val(n).dtype == torch.float32
           and _shape(n) in ((N_MIX, k), (k, N_MIX))]
-    if not hs or not fs:
+    if not fs:
         return None
     fn = fs[-1]
-    return hs[-1], fn, _shape(fn) == (k, N_MIX)
+    hs = [n for n in _chain_back(mm.args[0]) if _is_float(n) and len(_shape(n)) == 4
+          and _shape(n)[2:] == (HC_MULT, k // HC_MULT)]
+    if hs:
+        return hs[-1], fn, _shape(fn) == (k, N_MIX), None
+    normalised = normalised_input(mm.args[0], k)
+    return None if normalised is None else (normalised.H, fn, _shape(fn) == (k, N_MIX), normalised)
 
 
 class _Resolver:
@@ -361,9 +370,10 @@ class _Resolver:
         return True
 
 
-def _coefficient_region(mm: fx.Node, H: fx.Node, fn: fx.Node):
-    """(forward nodes, side nodes, small parameter leaves) of the chain anchored at `mm`, or None if too large."""
-    resolve = _Resolver({H, fn})
+def _coefficient_region(mm: fx.Node, H: fx.Node, fn: fx.Node, weight: fx.Node | None = None):
+    """(forward nodes, side nodes, small parameter leaves) of the chain anchored at `mm`, or None if too large.
+    `weight` (the RMS weight [4d] of the normalise-then-project spelling) is an input like H and fn."""
+    resolve = _Resolver({H, fn} if weight is None else {H, fn, weight})
     if not (resolve(mm.args[0]) and resolve(mm.args[1])):
         return None
     region = {mm}
@@ -386,11 +396,13 @@ _TRIANGLE = torch.tensor([[0.0, 0.0, 0.0, 0.0], [-30.0, 0.0, 0.0, 0.0], [-30.0, 
                           [-30.0, -30.0, -30.0, 0.0]])
 
 
-def _mix_probes(H: fx.Node, fn: fx.Node, fn_t: bool, small: list, base: fx.Node, scale: fx.Node):
+def _mix_probes(H: fx.Node, fn: fx.Node, fn_t: bool, small: list, base: fx.Node, scale: fx.Node,
+                weight: fx.Node | None = None):
     """Three probe environments (node -> tensor) and the matching reference arguments (H, fn [24, 4d], base,
     scale): A random with comb logits of spread ~3; B the same with H scaled by 1e-4 (pins norm_eps); C with
     scale = 0 and base = (-20 for pre, random for post, the triangular pattern for comb) (pins hc_eps and the
-    Sinkhorn round count)."""
+    Sinkhorn round count). An RMS `weight` w gets 0.5 + U(0, 1) in its dtype, and the reference fn is then
+    fn * w[None, :] (F.linear(z * r * w, fn) = ((fn * w) @ z) * r), rounded to FP32 once."""
     gen = torch.Generator().manual_seed(41)
     hv, fv = tensor_val(H), tensor_val(fn)
     hs = concrete_shape(hv)
@@ -406,6 +418,12 @@ def _mix_probes(H: fx.Node, fn: fx.Node, fn_t: bool, small: list, base: fx.Node,
     # Every probe lives on its node's device: the region's own ops (and any constants it creates) run there.
     others = {n: _probe(concrete_shape(tensor_val(n)), tensor_val(n).dtype, gen).to(tensor_val(n).device)
               for n in small if n not in (base, scale)}
+    fn_ref = fn_p.float()
+    if weight is not None:  # drawn last: the other probes are those of the unweighted spelling
+        wv = tensor_val(weight)
+        w = (0.5 + torch.rand(k, generator=gen, dtype=torch.float64)).to(wv.dtype)
+        others[weight] = w.to(wv.device)
+        fn_ref = (fn_p * w.double()[None, :]).float()
     envs, refs = [], []
     for h, b, s in ((h_a, base_a, scale_a), ((h_a.double() * 1e-4).to(hv.dtype), base_a, scale_a),
                     (h_c, base_c, scale_c)):
@@ -415,7 +433,7 @@ def _mix_probes(H: fx.Node, fn: fx.Node, fn_t: bool, small: list, base: fx.Node,
                scale: s.to(tensor_val(scale).dtype).to(tensor_val(scale).device)}
         env.update(others)
         envs.append(env)
-        refs.append((h, f32, b.float(), s.float()))
+        refs.append((h, fn_ref, b.float(), s.float()))
     return envs, refs
 
 
@@ -429,13 +447,25 @@ def _find_mixes(graph: fx.Graph, ev: _Evaluator):
         proj = _projection(mm)
         if proj is None:
             continue
-        H, fn, fn_t = proj
+        H, fn, fn_t, normalised = proj
         loc = SourceLocation.from_node(mm)
         pattern = "mhc coefficients (rms -> projection -> sigmoid -> sinkhorn)"
-        found = _coefficient_region(mm, H, fn)
+        weight = norm_eps = None
+        if normalised is not None:
+            pattern = "mhc coefficients (rms_norm -> projection -> sigmoid -> sinkhorn)"
+            if normalised.refusal is not None:
+                misses.append(NearMiss("mhc", pattern, *normalised.refusal, loc))
+                continue
+            weight = normalised.weight
+        found = _coefficient_region(mm, H, fn, weight)
         if found is None:
             continue
         forward, side, small = found
+        if normalised is not None:  # the operand first: its near-miss names the norm, not a coefficient
+            norm_eps, why = verify_normalised_input(ev, mm.args[0], normalised, _literals(normalised.nodes))
+            if why is not None:
+                misses.append(NearMiss("mhc", pattern, *why, loc))
+                continue
         bases = [n for n in small if _shape(n) == (N_MIX,)]
         scales = [n for n in small if _shape(n) == (3,)]
         if len(bases) != 1 or len(scales) != 1:
@@ -451,7 +481,8 @@ def _find_mixes(graph: fx.Graph, ev: _Evaluator):
                                    f"base / scale are {tensor_val(bad[0]).dtype}; dsv41::mhc_mixes takes FP32 "
                                    "(the checkpoint stores them in FP32, MODEL.md §2.3)", loc))
             continue
-        site, miss = _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, pattern)
+        site, miss = _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, pattern, weight,
+                                   norm_eps)
         if site is not None:
             sites.append(site)
         if miss is not None:
@@ -460,9 +491,12 @@ def _find_mixes(graph: fx.Graph, ev: _Evaluator):
 
 
 @_real_tensors()
-def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, pattern):
-    """Evaluate the coefficient region on the probes and pin (pre, post, comb, norm_eps, hc_eps, iters)."""
-    envs, refs = _mix_probes(H, fn, fn_t, small, base, scale)
+def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, pattern, weight=None,
+                  norm_eps_found=None):
+    """Evaluate the coefficient region on the probes and pin (pre, post, comb, norm_eps, hc_eps, iters).
+    `norm_eps_found` is given only for the normalise-then-project spelling (the eps its normalised operand was
+    verified with, then the only candidate); its RMS `weight` (or None) makes the reference project with fn * w."""
+    envs, refs = _mix_probes(H, fn, fn_t, small, base, scale, weight)
     try:
         runs = [ev.evaluate(forward, env) for env in envs]
     except (RegionNotClosed, RuntimeError) as e:
@@ -492,16 +526,17 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
         return None
 
     post = norm_eps = None
-    for e in lits:
+    norm_lits = lits if norm_eps_found is None else [norm_eps_found]
+    for e in norm_lits:
         post = find(vec, [r[1] for r in reference(e, 0.0, 1)])
         if post is not None:
             norm_eps = e
             break
     if post is None:
         # Probes A and C do not depend on norm_eps (|H| ~ 1, or scale = 0); B does (|H| ~ 1e-4).
-        if any(find(vec, [r[1] for r in reference(e, 0.0, 1)], probes=(0, 2)) is not None for e in lits):
+        if any(find(vec, [r[1] for r in reference(e, 0.0, 1)], probes=(0, 2)) is not None for e in norm_lits):
             return None, NearMiss("mhc", pattern, "rms_eps",
-                                  f"the RMS statistic's eps is none of the chain's literals {lits}", loc)
+                                  f"the RMS statistic's eps is none of the chain's literals {norm_lits}", loc)
         return None, NearMiss("mhc", pattern, "post_mix",
                               "no tensor of the chain equals post = 2 * sigmoid(m[4:8] * scale[1] + base[4:8]) with "
                               "m = (flatten(H) @ fn^T) * rsqrt(mean(z^2) + eps) (MODEL.md §2.3 steps 2, 3, 5)", loc)
@@ -559,8 +594,12 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
     region = [n for n in (forward + side + [mm]) if n in inside]
     detail = (("iters", iters), ("norm_eps", norm_eps), ("hc_eps", hc_eps), ("d", concrete_shape(hv)[3]),
               ("fn_layout", "[4d, 24]" if fn_t else "[24, 4d]"))
-    return _Site("mhc_mixes", "mhc_mixes", mm, (H, fn_arg, base, scale, norm_eps, hc_eps, iters),
-                 (pre, post, comb), region, (H,), detail), None
+    args = (H, fn_arg, base, scale, norm_eps, hc_eps, iters)
+    if norm_eps_found is not None:  # the normalise-then-project spelling
+        wdt = "none" if weight is None else str(tensor_val(weight).dtype).replace("torch.", "")
+        detail += (("spelling", "rms_norm -> projection"), ("norm_weight", wdt))
+        args += (weight,) if weight is not None else ()
+    return _Site("mhc_mixes", "mhc_mixes", mm, args, (pre, post, comb), region, (H,), detail), None
 
 
 def _normalised_further(comb: fx.Node, forward: list):
