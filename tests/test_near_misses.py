@@ -75,3 +75,36 @@ class CastRoundTrips(unittest.TestCase):
         self.assertEqual(len(checks), 1, checks)
         self.assertEqual(checks[0][0], "cast_rounds")
         self.assertIn("bfloat16", fam["near_misses"][0]["reason"])
+
+
+class NormaliseThenProjectEpsOutside(unittest.TestCase):
+    """mHC coefficients in the 'normalise, then project' spelling with the eps outside the square root: refused
+    with the eps's place named (the spelling with the eps inside fuses: tests/test_pass_mhc_spellings.py)."""
+
+    def test_named(self):
+        g = torch.Generator().manual_seed(8)
+        d = 16
+        H = torch.randn(1, 1, 4, d, generator=g)
+        fn = torch.randn(24, 4 * d, generator=g) / 8
+        base, scale = torch.randn(24, generator=g), 0.5 + torch.rand(3, generator=g)
+
+        def coefficients(H, fn, base, scale):
+            z = H.flatten(2).float()
+            m = torch.nn.functional.linear(z / (z.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6), fn)
+            pre = torch.sigmoid(m[..., :4] * scale[0] + base[:4]) + 1e-6
+            post = 2 * torch.sigmoid(m[..., 4:8] * scale[1] + base[4:8])
+            c = torch.softmax((m[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4)), -1) + 1e-6
+            c = c / (c.sum(-2, keepdim=True) + 1e-6)
+            for _ in range(3):
+                c = c / (c.sum(-1, keepdim=True) + 1e-6)
+                c = c / (c.sum(-2, keepdim=True) + 1e-6)
+            return pre, post, c
+
+        got, report = _compile_and_report(coefficients, H, fn, base, scale)
+        for a, b in zip(got, coefficients(H, fn, base, scale)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        fam = report["families"]["mhc"]
+        self.assertEqual(fam["matches"], 0)
+        (miss,) = fam["near_misses"]
+        self.assertEqual(miss["check"], "rms_eps")
+        self.assertIn("outside the square root", miss["reason"])

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..model.mhc import HC_MULT
-from .base import RegionNotClosed, concrete_shape, node_label, tensor_val
+from .base import RegionNotClosed, concrete_shape, node_label, rms_eps_reason, tensor_val
 
 __all__ = ["NormalisedInput", "normalised_input", "verify_normalised_input"]
 
@@ -152,10 +152,12 @@ def verify_normalised_input(ev, x: fx.Node, found: NormalisedInput, lits: list):
             except (RegionNotClosed, RuntimeError) as e:
                 return None, ("region_evaluates", f"the projection's input could not be evaluated on probes: {e}")
 
-        def want(hp, eps):
-            """float64 flatten(H) * rsqrt(mean(z^2) + eps) [* w] in x's shape, rounded to FP32."""
+        def want(hp, eps, outside=False):
+            """float64 flatten(H) * rsqrt(mean(z^2) + eps) [* w] in x's shape, rounded to FP32 (`outside`: the
+            look-alike z / (sqrt(mean(z^2)) + eps), only to name the near-miss)."""
             z = hp.double().flatten(2)
-            out = z * torch.rsqrt(z.square().mean(-1, keepdim=True) + eps)
+            ms = z.square().mean(-1, keepdim=True)
+            out = z / (ms.sqrt() + eps) if outside else z * torch.rsqrt(ms + eps)
             out = out if w is None else out * w.double()
             return out.reshape(xs).float() if out.numel() == torch.Size(xs).numel() else None
 
@@ -163,7 +165,8 @@ def verify_normalised_input(ev, x: fx.Node, found: NormalisedInput, lits: list):
             if all(_close_rounded(got, want(hp, eps)) for got, hp in zip(runs, probes)):
                 return eps, None
         if any(_close_rounded(runs[0], want(probes[0], eps)) for eps in lits):
-            return None, ("rms_eps", f"the RMS statistic's eps is none of the chain's literals {lits}")
+            return None, rms_eps_reason(lits, lambda eps: all(
+                _close_rounded(got, want(hp, eps, outside=True)) for got, hp in zip(runs, probes)))
     weighted = " * w" if weight is not None else ""
     return None, ("rms_input", f"the projection's input is computed from H {H.name} [B, T, 4, d]"
                   f"{f' and a weight {weight.name} [4d]' if weight is not None else ''} but is not "
