@@ -26,7 +26,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $sections; do
   case $s in
     tests)
-      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_kernels_gpu_fp8_scaled.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
     regional)
       # The regional wrapper's whole-step CUDA graph (no faulthandler_timeout: its dump segfaulted inside Dynamo here).
       timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s tests/test_regional_gpu.py \

@@ -3,6 +3,8 @@
 Importing this package registers every op under the `dsv41::` namespace:
 
 - `dsv41::linear_fp8_block`, `dsv41::linear_fp4` (quant_gemv.py): quantised-weight GEMV, the dispatch target.
+- `dsv41::linear_fp8_scaled` (gemv_scaled.py): block-FP8 GEMV for the layouts FP8 checkpoints ship (E4M3 codes with
+  FP32 or UE8M0 scales per 128x128, 32x32 or 1x128 block), the dispatch target of `passes/fp8_layouts.py`.
 - `dsv41::linear_fp8_block_multi` (gemv_multi.py): 2-4 block-FP8 GEMVs of one activation in one launch, the
   sibling_gemv target.
 - `dsv41::rope_fp4_quant`, `dsv41::rope_fp4_fake_quant`, `dsv41::rope_fp4_quant_store` (rope_fp4.py).
@@ -29,8 +31,8 @@ call launches (shapes only, on meta tensors) for the compiler's static launch co
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import (c2_compressor, engram, gemv_multi, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4,
+from . import (c2_compressor, engram, gemv_multi, gemv_scaled, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4,
                sparse_attention, streams, upcast_gemv)
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["c2_compressor", "engram", "gemv_multi", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "gemv_multi", "gemv_scaled", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]

@@ -26,7 +26,7 @@ __all__ = [
     "e2m1_round", "e2m1_to_float", "pack_e2m1", "unpack_e2m1",
     "ue8m0_exponent", "ue8m0_to_float",
     "e4m3_to_bytes", "e4m3_from_bytes",
-    "quantize_fp8_block", "dequantize_fp8_block",
+    "quantize_fp8_block", "dequantize_fp8_block", "dequantize_fp8_scaled",
     "quantize_fp4_1x32", "dequantize_fp4_1x32", "dequantize_fp4_1x32_table",
     "quantize_fp8_1x32", "dequantize_fp8_1x32", "fake_quant_fp8_1x32",
     "quantize_fp4_e4m3_1x16", "dequantize_fp4_e4m3_1x16", "fake_quant_fp4_e4m3_1x16",
@@ -143,6 +143,39 @@ def dequantize_fp8_block(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.
     s = ue8m0_to_float(scale).to(dtype)
     s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return codes.view(torch.float8_e4m3fn).to(dtype) * s
+
+
+def dequantize_fp8_scaled(codes: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, dtype: torch.dtype,
+                          scale_cast: torch.dtype = torch.float32) -> torch.Tensor:
+    """Block-FP8 weight as FP8 checkpoints store it: E4M3 codes times one scale per `block_n` x `block_k` block.
+
+    Args:
+        codes: [N, K] E4M3 codes, `uint8` bit patterns or `float8_e4m3fn` (0x7F / 0xFF decode to NaN).
+        scale: [ceil(N/block_n), ceil(K/block_k)], `float32` values (e.g. DeepSeek-V3's `weight_scale_inv`, 128x128
+            blocks; 1x128 blocks have block_n = 1) or `uint8` UE8M0 exponents e (value 2^(e-127)).
+        block_n, block_k: block size in weight rows / columns (>= 1).
+        dtype: dtype of the result; the FP32 product is rounded to it once.
+        scale_cast: dtype the scale is rounded to before the product (float32: unchanged), as eager code that writes
+            `w.to(torch.bfloat16) * s.to(torch.bfloat16)` does.
+    Returns: [N, K] in `dtype`: `(code.float() * scale.to(scale_cast).float()).to(dtype)` per element, the product
+        rounded to FP32 first (what `(w.float() * s).to(dtype)` computes; for a bf16 / fp16 scale_cast the product of
+        two such values is exact in FP32, so this is also `w.to(dtype) * s.to(dtype)`).
+    Raises: TypeError for other code or scale dtypes; ValueError for a scale grid of another shape.
+    Source: DeepSeek-V3 `inference/kernel.py` `weight_dequant` (128x128 blocks, scale multiplies); MODEL.md §2.1
+        (UE8M0 value rule).
+    """
+    if codes.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise TypeError(f"codes must be uint8 or float8_e4m3fn E4M3 codes, got {codes.dtype}")
+    if scale.dtype not in (torch.uint8, torch.float32):
+        raise TypeError(f"scale must be float32 or uint8 (UE8M0), got {scale.dtype}")
+    n, k = codes.shape
+    grid = (-(-n // block_n), -(-k // block_k))
+    if tuple(scale.shape) != grid:
+        raise ValueError(f"scale has shape {tuple(scale.shape)}; a {block_n}x{block_k} grid of [{n}, {k}] is {grid}")
+    s = ue8m0_to_float(scale) if scale.dtype == torch.uint8 else scale
+    s = s.to(scale_cast).float().repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
+    c = codes.view(torch.float8_e4m3fn).float() if codes.dtype == torch.uint8 else codes.float()
+    return (c * s).to(dtype)
 
 
 def quantize_fp4_1x32(w: torch.Tensor):

@@ -9,7 +9,11 @@ with W, S in one of the checkpoint formats
     fp8_block  W uint8 [N, K] E4M3 bytes, S uint8 [ceil(N/32), ceil(K/32)] UE8M0 (value 2^(e-127))
     fp4        W uint8 [N, K/2] packed E2M1 (low nibble = even k), S uint8 [N, K/32] UE8M0
 
-becomes `dsv41::linear_fp8_block(x, W, S, act_quant)` / `dsv41::linear_fp4(x, W, S, act_quant)`.
+becomes `dsv41::linear_fp8_block(x, W, S, act_quant)` / `dsv41::linear_fp4(x, W, S, act_quant)`. Block-FP8 weights
+laid out as FP8 checkpoints store them (float8_e4m3fn codes, float32 or UE8M0 scales per 128x128, 1x128 or 32x32
+block, format "fp8_scaled") are read, probed and rewritten by `fp8_layouts` (its docstring lists its near-misses)
+into `dsv41::linear_fp8_scaled(x, W_u8, S, bn, bk, weight_dtype, scale_cast)`, or `linear_fp8_block` on the uint8 view
+of float8-typed codes in dsv41's own layout.
 
 How a chain is found (structure): the dequantised weight is a float 2-D tensor computed only by pointwise
 ops, views, repeats and concatenation from exactly two uint8 tensors whose shapes are a weight and its scale
@@ -57,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from ..model import formats
+from . import fp8_layouts
 from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
                    SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op,
                    eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label,
@@ -66,8 +71,8 @@ from .small_ops import _view_base, mutated_inputs
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]
 
 aten = torch.ops.aten
-#: format -> fused op name.
-WEIGHT_FORMATS = {"fp8_block": "linear_fp8_block", "fp4": "linear_fp4"}
+#: format -> fused op name ("fp8_scaled": the checkpoint layouts of `fp8_layouts`, whose verdict names the op).
+WEIGHT_FORMATS = {"fp8_block": "linear_fp8_block", "fp4": "linear_fp4", "fp8_scaled": "linear_fp8_scaled"}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_LEAVES = 3
 #: fused op of the gathered-experts chain (FP4 1x32 is the only gathered format in the model).
@@ -95,6 +100,7 @@ class _Weight:
     n: int
     k: int
     transposed: bool  # node holds W^T [K, N] rather than W [N, K]
+    layout: object = None  # fmt "fp8_scaled": a `fp8_layouts.Layout` or `fp8_layouts.Unmatched`
 
 
 class DispatchFamily(FusionFamily):
@@ -124,7 +130,7 @@ class DispatchFamily(FusionFamily):
             verdict = None
             for cand in readings:
                 region = collect_region([cand.node], [cand.codes, cand.scale])
-                key = (_signature(region, (cand.codes, cand.scale)), cand.fmt, cand.transposed,
+                key = (_signature(region, (cand.codes, cand.scale)), cand.fmt, cand.layout, cand.transposed,
                        tensor_val(cand.node).device.type)
                 if key not in verdicts:
                     other_inputs = [n for n in region if n.op == "placeholder"]
@@ -132,7 +138,7 @@ class DispatchFamily(FusionFamily):
                         # e.g. a SymInt input: the probe would see only its hint, the fused op not at all.
                         verdicts[key] = (False, "region_closed", (
                             f"the weight region also reads graph input {other_inputs[0].name} besides (codes, "
-                            "scale); a fused op's weight must be a function of its codes and scales alone"))
+                            "scale); a fused op's weight must be a function of its codes and scales alone"), ())
                     elif all(n.op == "call_function" for n in region):
                         verdicts[key] = _cached_verdict(key, cand, ev)
                     else:  # a constant tensor (get_attr) is keyed by name only: the verdict holds for this graph
@@ -141,11 +147,11 @@ class DispatchFamily(FusionFamily):
                     verdict = (cand, verdicts[key])
                 if verdicts[key][0]:
                     break
-            cand, (ok, check, reason) = verdict
+            cand, (ok, check, reason, params) = verdict
             users = list(cand.node.users)
             matmuls = [u for u in users if _is_linear_mm(u, cand.node)]
             mm_users = matmuls if cand.transposed else []
-            if ok and cand.k % 32:
+            if ok and cand.k % 32 and cand.fmt != "fp8_scaled":
                 ok, check, reason = False, "op_shape", (f"K = {cand.k} is not a multiple of 32; the fused linear ops "
                                                        "quantise activations in 1x32 blocks")
             if ok:
@@ -168,14 +174,15 @@ class DispatchFamily(FusionFamily):
                     misses.append(NearMiss(self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", check, reason,
                                            SourceLocation.from_node(u)))
                 continue
-            op = dsv41_op(WEIGHT_FORMATS[cand.fmt])
+            op_name = dict(params).get("op", WEIGHT_FORMATS[cand.fmt])
+            op = dsv41_op(op_name)
             for u in mm_users:
                 if op is None:
                     misses.append(NearMiss(self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", "op_registered",
-                                           f"dsv41::{WEIGHT_FORMATS[cand.fmt]} is not registered (import "
-                                           "dsv41.kernels)", SourceLocation.from_node(u)))
+                                           f"dsv41::{op_name} is not registered (import dsv41.kernels)",
+                                           SourceLocation.from_node(u)))
                     continue
-                matches.append(self._fuse(gm, u, cand, op, ev, sourced, lookalikes))
+                matches.append(self._fuse(gm, u, cand, op, ev, sourced, lookalikes, params))
             lv = leaves[cand.node]
             for u in users:
                 if u in mm_users or _continues_region(u, lv, leaves):
@@ -200,14 +207,15 @@ class DispatchFamily(FusionFamily):
 
     # -------------------------------------------------------------------------------------------- rewrite
     def _fuse(self, gm, mm: fx.Node, cand: _Weight, op, ev: RegionEvaluator, sourced: set,
-              lookalikes: list) -> MatchRecord:
+              lookalikes: list, params: tuple = ()) -> MatchRecord:
         graph = gm.graph
         if mm.target == aten.addmm.default:
             bias, lhs = mm.args[0], mm.args[1]
         else:
             bias, lhs = None, mm.args[0]
         near: list = []
-        x = _act_quant_input(lhs, cand.k, ev, sourced, lookalikes=near)
+        scaled = dict(params).get("op") == "linear_fp8_scaled"  # no activation quantiser: x is read as it is
+        x = None if scaled else _act_quant_input(lhs, cand.k, ev, sourced, lookalikes=near)
         lookalikes.extend((mm, d.name, kind) for d, kind in near)
         act_quant = x is not None
         region_nodes = collect_region([cand.node], [cand.codes, cand.scale])
@@ -219,7 +227,13 @@ class DispatchFamily(FusionFamily):
         if not same_shape(tensor_val(x).shape, tensor_val(lhs).shape):
             # mm's operand is [M, K]; -1 keeps the reshape valid under symbolic M.
             x_in = insert_node(graph, mm, aten.reshape.default, (x, [-1, cand.k]), like=mm)
-        out = insert_node(graph, mm, op, (x_in, cand.codes, cand.scale, act_quant), like=mm)
+        if cand.fmt == "fp8_scaled":
+            out = fp8_layouts.fused_call(graph, mm, cand, params, x_in, act_quant)
+            pattern, op_name, extra = fp8_layouts.pattern(cand, params, act_quant)
+        else:
+            out = insert_node(graph, mm, op, (x_in, cand.codes, cand.scale, act_quant), like=mm)
+            op_name, extra = WEIGHT_FORMATS[cand.fmt], ()
+            pattern = f"{op_name}(act_quant={act_quant})"
         if bias is not None:
             out = insert_node(graph, mm, aten.add.Tensor, (out, bias), like=mm)
         mm.replace_all_uses_with(out)
@@ -229,7 +243,7 @@ class DispatchFamily(FusionFamily):
         esize = tensor_val(out).element_size()
         rows, subs = token_rows(_token_shape(x)[:-1])
         n, k = cand.n, cand.k
-        w_bytes = tensor_val(cand.codes).numel() + tensor_val(cand.scale).numel()
+        w_bytes = sum(tensor_val(t).numel() * tensor_val(t).element_size() for t in (cand.codes, cand.scale))
         bias_bytes = n * esize if bias is not None else 0
         # Before: the dequantised weight crosses a kernel boundary (written once, read by the GEMM) and so
         # does the fake-quantised activation; after: the fused op reads codes, scales and x once.
@@ -237,12 +251,12 @@ class DispatchFamily(FusionFamily):
                   + rows * n * esize + bias_bytes)
         after = w_bytes + rows * k * xsize + rows * n * esize + bias_bytes
         return MatchRecord(
-            self.name, f"{WEIGHT_FORMATS[cand.fmt]}(act_quant={act_quant})", f"dsv41::{WEIGHT_FORMATS[cand.fmt]}",
+            self.name, pattern, f"dsv41::{op_name}",
             SourceLocation.from_node(mm), tuple(n_.name for n_ in region_nodes + [mm]),
             tuple(node_label(n_) for n_ in region_nodes + [mm]), str(sympy.expand(before)), str(sympy.expand(after)),
             tuple(sorted(subs.items())),
             (("format", cand.fmt), ("N", n), ("K", k), ("act_quant", act_quant), ("bias", bias is not None),
-             ("x_dtype", _dtype_name(x))))
+             ("x_dtype", _dtype_name(x))) + extra)
 
 
 # ------------------------------------------------------------------------------------------------ structure
@@ -291,7 +305,7 @@ def _formats_for(a: fx.Node, b: fx.Node, shape: tuple) -> list:
             continue
         for transposed in (False, True):
             n, k = (shape[1], shape[0]) if transposed else shape
-            if c == (n, k) and s == (-(-n // 32), -(-k // 32)):
+            if c == (n, k) and s == (-(-n // 32), -(-k // 32)) and k % 32 == 0:  # else linear_fp8_scaled's
                 out.append(("fp8_block", codes, scale, n, k, transposed))
             if k % 32 == 0 and c == (n, k // 2) and s == (n, k // 32):
                 out.append(("fp4", codes, scale, n, k, transposed))
@@ -300,8 +314,9 @@ def _formats_for(a: fx.Node, b: fx.Node, shape: tuple) -> list:
 
 def _candidates(graph: fx.Graph, leaves: dict) -> list:
     """Boundary nodes of dequantisation regions: float 2-D tensors computed from exactly a (codes, scale) pair
-    of uint8 tensors in a known weight format, with a user outside the region. One list of `_Weight` readings
-    (format, orientation) per boundary node."""
+    of uint8 tensors in a known weight format, or of an FP8 checkpoint layout (`fp8_layouts.readings`; an FP8-typed
+    weight with another scale is read as `fp8_layouts.unmatched`, to be reported), with a user outside the region.
+    One list of `_Weight` readings (format, orientation, layout) per boundary node."""
     found = []
     for n in graph.nodes:
         v = tensor_val(n)
@@ -311,15 +326,15 @@ def _candidates(graph: fx.Graph, leaves: dict) -> list:
         if not lv or len(lv) != 2:
             continue
         a, b = sorted(lv, key=lambda x: x.name)
-        if any(tensor_val(x).dtype != torch.uint8 for x in (a, b)):
-            continue
         if all(_continues_region(u, lv, leaves) for u in n.users):
             continue
-        readings = _formats_for(a, b, concrete_shape(v))
+        shape = concrete_shape(v)
+        readings = ((_formats_for(a, b, shape) if tensor_val(a).dtype == tensor_val(b).dtype == torch.uint8 else [])
+                    + fp8_layouts.readings(a, b, shape)) or fp8_layouts.unmatched(a, b, shape)
         if readings:
             # A square weight reads as W or W^T; the transposed reading (what mm's operand holds) goes first.
             readings.sort(key=lambda r: not r[5])
-            found.append([_Weight(n, codes, scale, fmt, nn, kk, tr) for fmt, codes, scale, nn, kk, tr in readings])
+            found.append([_Weight(n, codes, scale, fmt, *rest) for fmt, codes, scale, *rest in readings])
     return found
 
 
@@ -384,7 +399,7 @@ def _signature(region: list, inputs: tuple) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ semantics
-def _cached_verdict(key: tuple, cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str]:
+def _cached_verdict(key: tuple, cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str, tuple]:
     """`_verify_weight(cand, ev)`, served from `_VERDICT_CACHE` when a region with the same `key` was probed."""
     hit = _VERDICT_CACHE.get(key)
     if hit is not None:
@@ -429,25 +444,28 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.allclose(got.float(), ref.float(), rtol=2 * eps, atol=0.0))
 
 
-def _verify_weight(cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str]:
-    """(ok, failed check id, reason) for a candidate dequantised weight, by probe evaluation."""
+def _verify_weight(cand: _Weight, ev: RegionEvaluator) -> tuple[bool, str, str, tuple]:
+    """(ok, failed check id, reason, op params) for a candidate dequantised weight, by probe evaluation (params:
+    `fp8_layouts.verify`'s for its layouts, else ())."""
+    if cand.fmt == "fp8_scaled":
+        return fp8_layouts.verify(cand, ev)
     val = tensor_val(cand.node)
     codes, scale = _probe_weight(cand, val.device)
     try:
         got = ev.evaluate([cand.node], {cand.codes: codes, cand.scale: scale})[cand.node]
     except RegionNotClosed as e:
-        return False, "region_closed", f"the weight region is not a pure function of (codes, scale): {e}"
+        return False, "region_closed", f"the weight region is not a pure function of (codes, scale): {e}", ()
     if cand.transposed:
         got = got.t()
     ref = _reference_weight(cand.fmt, codes, scale, val.dtype)
     if not _close(got, ref):
-        return (False, *_diagnose_weight(cand, codes, scale, got, ref))
+        return (False, *_diagnose_weight(cand, codes, scale, got, ref), ())
     for wide in wide_scale_probes(scale):
         got = ev.evaluate([cand.node], {cand.codes: codes, cand.scale: wide})[cand.node]
         if not agree_where_representable(got.t() if cand.transposed else got,
                                           _reference_weight(cand.fmt, codes, wide, val.dtype)):
-            return False, "scale_range", _SCALE_RANGE_REASON
-    return True, "", ""
+            return False, "scale_range", _SCALE_RANGE_REASON, ()
+    return True, "", "", ()
 
 
 def _block_scale(cand: _Weight, scale: torch.Tensor) -> torch.Tensor:

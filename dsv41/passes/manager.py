@@ -95,7 +95,7 @@ FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 #: Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and gave eager's greedy
 #: tokens end to end (tiny, FP32; bench/results/2026-11-30_h200_s6). A new family starts here until it has.
 GPU_UNVALIDATED: tuple[str, ...] = ()
-_FUSED_OPS = ("linear_fp8_block", "linear_fp8_block_multi", "linear_fp4", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
+_FUSED_OPS = ("linear_fp8_block", "linear_fp8_block_multi", "linear_fp4", "linear_fp8_scaled", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
               "moe_router", "moe_combine", "grouped_linear_fp4", "grouped_linear_fp4_pair",
               "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention", "linear_upcast")
