@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 (default: tests kernels eager backends)
+#                                           tpbench h200 robust (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,6 +27,15 @@ for s in $sections; do
   case $s in
     tests)
       python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_kernels_gpu_fp8_scaled.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+    robust)
+      # Issue [robust]: the GPU tests of the new kernels (mhc_mixes with an RMS weight, the fp32-scaled block-FP8
+      # GEMV of real checkpoint layouts) with their outputs poisoned first, the byte-floor probe of that GEMV, and
+      # tiny in FP32 end to end (greedy tokens must equal eager's) with the guarded pass manager.
+      python3 -m pytest -q tests/test_kernels_gpu_fp8_scaled.py tests/test_kernels_gpu.py -k "scaled or mhc" 2>&1 \
+        | tail -8 | tee "$OUTDIR/gpu_tests_robust.log"
+      timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/fp8_layouts_probe.py --out "$OUTDIR/fp8_layouts.json" 2>&1 | tail -30
+      timeout ${E2E_TINY_TIMEOUT:-200} python3 -m dsv41 run --preset tiny --device cuda --dtype fp32 --prompt-len 40 \
+        --new-tokens 16 --json "$OUTDIR/run_tiny_fp32_dsv41.json" 2>&1 | tail -12 ;;
     regional)
       # The regional wrapper's whole-step CUDA graph (no faulthandler_timeout: its dump segfaulted inside Dynamo here).
       timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s tests/test_regional_gpu.py \
