@@ -7,6 +7,8 @@ numbers, with none of that family's half-done rewrite left in the graph, the oth
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,3 +144,30 @@ def test_stream_rewrite_that_raises_leaves_one_stream(monkeypatch):
     sched = report["schedule"]
     assert sched["moved"] >= 1  # the second router's chain goes to the side stream: the rewrite was attempted
     assert sched["applied"] is False and "injected stream failure" in sched["reason"]
+
+
+def test_fingerprint_sees_every_kind_of_edit_and_restore_keeps_names():
+    from dsv41.passes.base import GraphFingerprint, restore_graph, snapshot_graph
+
+    def f(x, y):
+        return (x * y + 1).relu()
+
+    gm = torch.fx.symbolic_trace(f)
+    g = gm.graph
+    names = [n.name for n in g.nodes]
+    snap, fp = snapshot_graph(g), GraphFingerprint(g)
+    assert fp.same(g)
+    mul = next(n for n in g.nodes if n.target is operator.mul)
+    mul.args = (mul.args[1], mul.args[0])  # a rewire without new nodes
+    assert not fp.same(g)
+    restore_graph(g, snap)
+    assert [n.name for n in g.nodes] == names and fp.same(g) is False  # new node objects, same names
+    fp = GraphFingerprint(g)
+    add = next(n for n in g.nodes if n.target is operator.add)
+    with g.inserting_before(add):
+        g.call_function(torch.relu, (add.args[0],))  # an insertion (unused: a half-done edit)
+    assert not fp.same(g)
+    restore_graph(g, snap)
+    gm.recompile()
+    x, y = torch.randn(3), torch.randn(3)
+    assert torch.equal(gm(x, y), f(x, y)) and [n.name for n in g.nodes] == names

@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .base import (Finding, FusionFamily, PassRecord, SourceLocation, graph_fingerprint, node_label, restore_graph,
+from .base import (Finding, FusionFamily, GraphFingerprint, PassRecord, SourceLocation, node_label, restore_graph,
                    snapshot_graph)
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
@@ -231,7 +231,7 @@ class PassManager(CustomGraphPass):
         `family_failed` record (strict: `FamilyFailed`). A snapshot is taken only when the graph changed since the
         last one."""
         if self._snap is None and not self.strict:
-            self._snap = (snapshot_graph(graph), graph_fingerprint(graph))
+            self._snap = (snapshot_graph(graph), GraphFingerprint(graph))
         try:
             out = step()
             graph.lint()
@@ -243,7 +243,7 @@ class PassManager(CustomGraphPass):
                     from exc
             restore_graph(graph, self._snap[0])
             return _failure_record(family, exc, node)
-        if not self.strict and graph_fingerprint(graph) != self._snap[1]:
+        if not self.strict and not self._snap[1].same(graph):
             self._snap = None
         return out
 
