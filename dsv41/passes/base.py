@@ -357,8 +357,9 @@ def static_refusal(family: str, pattern: str, values: Iterable, location: "Sourc
     what = symbolic_part(values)
     if what is None:
         return None
-    return NearMiss(family, pattern, check, f"{what}; {op} is specialised to the sizes it was compiled for, so this "
-                    "chain stays with Inductor, which handles sizes known only at run time", location)
+    return NearMiss(family, pattern, check, f"{what}; {family} fuses this chain into {op} only at compile-time sizes "
+                    "(it verifies the chain and plans the kernel for them), so it stays with Inductor, which handles "
+                    "sizes known only at run time", location)
 
 
 # ------------------------------------------------------------------------------------------------ op classes

@@ -45,7 +45,7 @@ from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
                    rms_eps_reason, rms_norm_eps_outside, size_args, sourced_nodes, static_refusal,
-                   tensor_val, token_rows)
+                   symbolic_part, tensor_val, token_rows)
 
 __all__ = ["C2CompressorFamily"]
 
@@ -184,6 +184,8 @@ def _rope_fp4_store_site(amax, ev, sourced):
     [B, Rows, *] caches at rows [B, T] of a [B, T, D] latent (rope_fp4's matchers); None otherwise."""
     ys = rf._quantised_tensor_candidates(amax)
     if not ys or rf._rope_structure(ys[0], sourced) is None:
+        return None
+    if symbolic_part([amax, *ys]) is not None:  # rope_fp4 reports it (static_shapes); no probe sees such sizes
         return None
     for y in ys:
         quant = rf._match_quant(y, amax, ev, sourced)

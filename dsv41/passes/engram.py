@@ -60,7 +60,7 @@ from ..model.formats import dequantize_fp8_1x32
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
                    is_dataflow_op, is_table_lookup, is_view_op, node_label, rms_eps_reason, sourced_nodes,
-                   static_refusal, tensor_val, token_rows, wide_scale_probes)
+                   static_refusal, symbolic_part, tensor_val, token_rows, wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 
@@ -581,6 +581,10 @@ def _find_lookups(graph: fx.Graph, ev):
             continue
         loc = SourceLocation.from_node(gw)
         pattern = "engram hash -> row gather (FP8 + UE8M0) -> dequantise"
+        refused = static_refusal("engram", pattern, [gw, gs, ids], loc, "dsv41::engram_lookup")
+        if refused is not None:  # before the value checks, which see the compiled sizes only
+            misses.append(refused)
+            continue
         cut, hash_region, miss = _find_hash(ids, ev, sourced, loc, pattern)
         if cut is None:
             if miss is not None:
@@ -708,7 +712,7 @@ def _verify_gate(ev, end: fx.Node, cut: dict, region: list):
                   "statistics (MODEL.md §2.10; dsv41/model/engram.py engram_update)")
 
 
-_CHECK_PRIORITY = ("gate_signed_sqrt", "gate_floor", "rms_eps", "gate_values", "region_evaluates")
+_CHECK_PRIORITY = ("static_shapes", "gate_signed_sqrt", "gate_floor", "rms_eps", "gate_values", "region_evaluates")
 
 
 def _find_gates(graph: fx.Graph, ev):
@@ -736,6 +740,11 @@ def _find_gates(graph: fx.Graph, ev):
         reasons, site = [], None
         for end, h, roles in itertools.product(reversed(ends), _residuals(add), (two, one)):
             for cut, region in _cuts(end, roles, sourced, by_leaves=True, pinned={"H": h}):
+                symbolic = symbolic_part([end, *cut.values(), *region])
+                if symbolic is not None:
+                    reasons.append(("static_shapes", f"{symbolic}; engram fuses this chain into dsv41::engram_gate "
+                                    "only at compile-time sizes, so it stays with Inductor"))
+                    continue
                 eps, why = _verify_gate(ev, end, cut, region)
                 if eps is not None:
                     site = _gate_site(end, add, cut, region, eps, d)

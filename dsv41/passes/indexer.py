@@ -60,7 +60,7 @@ import torch.fx as fx
 
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, static_refusal, tensor_val, token_rows)
+                   is_view_op, node_label, symbolic_part, tensor_val, token_rows)
 
 __all__ = ["IndexerFamily"]
 
@@ -303,7 +303,8 @@ def _find_scores(graph: fx.Graph, ev: _Evaluator):
             for cut, region in _score_cuts(end, pos):
                 if mm not in region:
                     continue
-                why = _verify_scores(ev, end, cut)
+                why = (_symbolic_reason([end, *cut.values(), *region], "dsv41::indexer_scores")
+                       or _verify_scores(ev, end, cut))
                 if why is None:
                     found = (end, cut, region)
                     break
@@ -327,7 +328,20 @@ def _find_scores(graph: fx.Graph, ev: _Evaluator):
     return sites, misses
 
 
-_PRIORITY = ("visibility", "tie_rule", "index_score_values", "block_max_values", "topk_values")
+def _symbolic_reason(nodes, op: str, k=None):
+    """(check, reason) when the chain reads a size or a top-k k known only at run time (`static_k` /
+    `static_shapes`), else None: checked before the value checks, which see the compiled sizes only."""
+    what = symbolic_part([k]) if k is not None else None
+    check = "static_k"
+    if what is None:
+        what, check = symbolic_part(nodes), "static_shapes"
+    if what is None:
+        return None
+    return check, (f"{what}; indexer fuses this chain into {op} only at compile-time sizes (it verifies the chain and "
+                   "plans the kernel for them), so it stays with Inductor, which handles sizes known only at run time")
+
+
+_PRIORITY = ("static_k", "static_shapes", "visibility", "tie_rule", "index_score_values", "block_max_values", "topk_values")
 
 
 def _most_specific(reasons):
@@ -418,7 +432,8 @@ def _find_candidates(graph: fx.Graph, ev: _Evaluator):
             for cut, region in _cuts(end, want, pos):
                 if amax not in region:
                     continue
-                n_blocks, why = _verify_candidates(ev, end, cut, region, block)
+                why = _symbolic_reason([end, *cut.values(), *region], "dsv41::indexer_candidates")
+                n_blocks, why = (None, why) if why is not None else _verify_candidates(ev, end, cut, region, block)
                 if why is None:
                     found = (end, cut, region, n_blocks)
                     break
@@ -532,7 +547,9 @@ def _find_topks(graph: fx.Graph, ev: _Evaluator, exclude: set):
             region = _closed_region(end, (x,), _CUT_REGION)
             if region is None or anchor not in region:
                 continue
-            offset, why = _verify_topk(ev, end, x, region, anchor)
+            k = anchor.args[1] if anchor.target == aten.topk.default and len(anchor.args) > 1 else None
+            why = _symbolic_reason([end, x, *region], "dsv41::indexer_topk", k)
+            offset, why = (None, why) if why is not None else _verify_topk(ev, end, x, region, anchor)
             if why is None:
                 found = (end, region, offset)
                 break
@@ -617,7 +634,6 @@ class IndexerFamily(FusionFamily):
         cands, m2, claimed = _find_candidates(graph, ev)
         topks, m3 = _find_topks(graph, ev, claimed)
         misses = misses + m2 + m3
-        scores, cands, topks = (_static_only(sites, misses) for sites in (scores, cands, topks))
         pos = _position(graph)
         for site in scores + cands + topks:
             site.region.sort(key=pos.__getitem__)
@@ -694,24 +710,6 @@ class IndexerFamily(FusionFamily):
                                        "pool_mask", "the candidate mask restricts no matched top-k chain; left as is",
                                        SourceLocation.from_node(c.anchor)))
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
-
-
-def _static_only(sites: list, misses: list) -> list:
-    """The sites whose inputs, region and outputs have compile-time sizes; a near-miss (`static_k` when it is the
-    top-k's k, else `static_shapes`) for each other one."""
-    kept = []
-    for s in sites:
-        loc = SourceLocation.from_node(s.anchor)
-        op = f"dsv41::{s.kind}"
-        ks = [n.args[1] if len(n.args) > 1 else n.kwargs.get("k") for n in s.region
-              if n.op == "call_function" and n.target == torch.ops.aten.topk.default]
-        refused = (static_refusal("indexer", s.kind, ks, loc, op, "static_k")
-                   or static_refusal("indexer", s.kind, [*s.cut.values(), s.end, *s.region], loc, op))
-        if refused is None:
-            kept.append(s)
-        else:
-            misses.append(refused)
-    return kept
 
 
 def _register_ops() -> None:

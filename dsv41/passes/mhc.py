@@ -461,6 +461,10 @@ def _find_mixes(graph: fx.Graph, ev: _Evaluator):
         if found is None:
             continue
         forward, side, small = found
+        refused = static_refusal("mhc", pattern, [mm, H, fn, *forward, *side], loc, "dsv41::mhc_mixes")
+        if refused is not None:  # before any value check: those see the compiled sizes only
+            misses.append(refused)
+            continue
         if normalised is not None:  # the operand first: its near-miss names the norm, not a coefficient
             norm_eps, why = verify_normalised_input(ev, mm.args[0], normalised, _literals(normalised.nodes))
             if why is not None:
@@ -741,6 +745,12 @@ def _find_expands(graph: fx.Graph, ev: _Evaluator):
         reasons, found = [], False
         for end in reversed(ends):
             for cut, region in _cuts(end, roles, pos):
+                refused = static_refusal("mhc", "mhc expand (post-mix + stream mixing)", [end, *cut.values(), *region],
+                                         SourceLocation.from_node(add), "dsv41::mhc_expand")
+                if refused is not None:  # the value check below would see the compiled sizes only
+                    misses.append(refused)
+                    reasons, found = [], True
+                    break
                 ok, why_cut = _verify_expand(ev, end, cut)
                 if ok:
                     sites.append(_Site("mhc_expand", "mhc_expand", end,
@@ -821,6 +831,14 @@ def _find_collapse_norms(graph: fx.Graph, ev: _Evaluator):
             if end in done:
                 continue
             for cut, region in _cuts(end, roles, pos):
+                refused = static_refusal("mhc", "mhc collapse -> rmsnorm", [end, *cut.values(), *region],
+                                         SourceLocation.from_node(end), "dsv41::mhc_collapse_rmsnorm")
+                if refused is not None:
+                    misses.append(refused)
+                    done.update(region)
+                    done.add(end)
+                    reasons, matched = [], True
+                    break
                 eps, why = _verify_collapse_norm(ev, end, cut, region)
                 if eps is not None:
                     sites.append(_Site("mhc_collapse_rmsnorm", "mhc_collapse_rmsnorm", end,

@@ -345,6 +345,11 @@ def _router_structure(tk: fx.Node):
         return None, None
     loc = SourceLocation.from_node(tk)
     pattern = "moe router (gate GEMV -> sqrt(softplus) -> biased top-k -> normalised weights)"
+    # Sizes first: the value checks below evaluate the chain at the compiled sizes only.
+    refused = (static_refusal("moe", pattern, [k_arg], loc, "dsv41::moe_router", "static_k")
+               or static_refusal("moe", pattern, [tk, mm, *region, *boundary], loc, "dsv41::moe_router"))
+    if refused is not None:
+        return None, refused
     if tensor_val(mm).dtype != torch.float32:
         return None, NearMiss("moe", pattern, "router_logits_fp32",
                               f"the gate GEMV runs in {tensor_val(mm).dtype}; dsv41::moe_router computes the logits "
@@ -368,9 +373,7 @@ def _router_structure(tk: fx.Node):
                               "selection bias", loc)
     w = ws[-1]
     ends = _weight_ends(gathers, ids)
-    refused = (static_refusal("moe", pattern, [k_arg], loc, "dsv41::moe_router", "static_k")
-               or static_refusal("moe", pattern, [tk, mm, xs[-1], w, *biases, *ends, *region], loc,
-                                 "dsv41::moe_router"))
+    refused = static_refusal("moe", pattern, [xs[-1], w, *biases, *ends], loc, "dsv41::moe_router")
     if refused is not None:
         return None, refused
     k = int(k_arg)
@@ -747,6 +750,11 @@ def _find_tails(graph: fx.Graph, ev: _Evaluator):
             continue
         kind, y_in, rows, k, d = info
         if k not in _router_ks(y_in):
+            continue
+        refused = static_refusal("moe", "moe tail (sum of routed experts + shared expert)", [red, y_in],
+                                 SourceLocation.from_node(red), "dsv41::moe_combine")
+        if refused is not None:
+            misses.append(refused)
             continue
         _unfuse_addmm(graph, red)
         pos = _position(graph)

@@ -104,6 +104,11 @@ class RopeFp4Family(FusionFamily):
             # Structure first (cheap): only a tensor computed from one x and a cos/sin pair is worth probing.
             if not ys or _rope_structure(ys[0], sourced) is None:
                 continue
+            refused = static_refusal(self.name, "rope -> fp4 quant", [amax, *ys], SourceLocation.from_node(ys[0]),
+                                     "dsv41::rope_fp4_*")
+            if refused is not None:  # before the value checks, which see the compiled sizes only
+                misses.append(refused)
+                continue
             quant, y = None, ys[0]
             for cand in ys:
                 quant = _match_quant(cand, amax, ev, sourced)

@@ -387,6 +387,9 @@ def _match(gm, ev, sourced, gc: fx.Node, gs: fx.Node):
     bank = _bank_tensor(gc, gs, pos)
     if bank is None:
         return [], []
+    refused = static_refusal("sparse_attention", pattern, [gc, gs, bank], loc, f"dsv41::{OP_NAME}")
+    if refused is not None:  # before the value checks, which see the compiled sizes only
+        return [], [refused]
     bsrc_c, bsrc_s = gc.args[0], gs.args[0]
     b, t, k, wc = _shape(gc)
     d = 2 * wc
