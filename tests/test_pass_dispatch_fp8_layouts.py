@@ -375,3 +375,34 @@ def test_eager_roundings_and_stored_dtypes_become_op_arguments(spelling):
     d = dict(rec.matches[0].detail)
     assert (d["weight_dtype"], d["scale_cast"], rec.matches[0].pattern) == want
     assert torch.equal(gm(*args), fn(*args))
+
+
+def test_unvalidated_op_is_gated_on_cuda_graphs(monkeypatch):
+    """An op whose kernel has not yet run on a GPU (`manager.GPU_UNVALIDATED_OPS`) is not emitted for a graph on
+    CUDA: the chain is a near-miss `gpu_unvalidated` and keeps eager's numbers. Simulated on CPU by gating as CUDA
+    does."""
+    import dsv41
+    from dsv41.compiler import options as opts_mod
+    from dsv41.passes import manager
+
+    monkeypatch.setattr(manager, "GPU_UNVALIDATED_OPS", ("linear_fp8_scaled",))
+    monkeypatch.setattr(opts_mod.Options, "gated_ops",
+                        lambda self, on_cuda: frozenset() if self.gpu_unvalidated else frozenset({"linear_fp8_scaled"}))
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(256, 256, generator=g) * 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 2, generator=g) + 0.5
+    x = torch.randn(1, 256, generator=g)
+
+    def layer(x, w, s):
+        deq = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return x @ deq.T
+
+    for unvalidated, fused in ((False, False), (True, True)):
+        torch._dynamo.reset()
+        got = torch.compile(layer, backend="dsv41", dynamic=False,
+                            options={"gpu_unvalidated": unvalidated})(x, w, s)
+        torch.testing.assert_close(got, layer(x, w, s), rtol=1e-5, atol=1e-4)
+        fam = dsv41.last_report().to_dict()["families"]["dispatch"]
+        assert fam["matches"] == (1 if fused else 0)
+        checks = [m["check"] for m in fam["near_misses"]]
+        assert checks == ([] if fused else ["gpu_unvalidated"]), checks

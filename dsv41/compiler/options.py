@@ -78,6 +78,14 @@ class Options:
         return {n: "off on CUDA: its kernels have not yet run on a GPU (option gpu_unvalidated=True runs them)"
                 for n in manager.GPU_UNVALIDATED if n not in self.disable}
 
+    def gated_ops(self, on_cuda: bool) -> frozenset:
+        """Fused ops the families must not emit on a graph on CUDA because their kernels have not yet run on a GPU
+        (`dsv41.passes.manager.GPU_UNVALIDATED_OPS`; none on CPU, none with `gpu_unvalidated=True`)."""
+        from ..passes import manager
+        if not on_cuda or self.gpu_unvalidated:
+            return frozenset()
+        return frozenset(manager.GPU_UNVALIDATED_OPS)
+
     def use_cuda_graphs(self, on_cuda: bool) -> bool:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
         return on_cuda and self.cuda_graphs is not False

@@ -211,6 +211,9 @@ class FusionFamily:
 
     name: str = ""
     summary: str = ""
+    #: Fused ops this family must not emit on this graph (set by the pass manager: ops whose kernels have not yet
+    #: run on a GPU, for a graph on CUDA); a chain that would become one is a near-miss `gpu_unvalidated`.
+    gated_ops: frozenset = frozenset()
 
     def run(self, gm: fx.GraphModule) -> PassRecord:  # pragma: no cover - interface
         """Rewrite `gm` in place and return what was matched, skipped and why (abstract: each family implements it)."""

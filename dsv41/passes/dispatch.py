@@ -168,6 +168,10 @@ class DispatchFamily(FusionFamily):
                     ok, check, reason = False, "static_shapes", (
                         f"{what}; the fused linear ops are planned for the weight's compile-time shape, so this "
                         "chain stays with Inductor")
+            if ok and dict(params).get("op", WEIGHT_FORMATS[cand.fmt]) in self.gated_ops:
+                ok, check, reason = False, "gpu_unvalidated", (
+                    f"dsv41::{dict(params).get('op', WEIGHT_FORMATS[cand.fmt])} has not yet run on a GPU, so on CUDA "
+                    "this chain stays with Inductor (option gpu_unvalidated=True fuses it)")
             if not ok:
                 # Only a chain that reaches a matmul "started to match"; other look-alike tensors are not reported.
                 for u in matmuls:

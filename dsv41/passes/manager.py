@@ -71,7 +71,8 @@ from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
 
-__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "FamilyFailed"]
+__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "GPU_UNVALIDATED_OPS",
+           "FamilyFailed"]
 
 #: Registered families by name, in the order they run.
 FAMILIES: dict[str, type[FusionFamily]] = {
@@ -95,6 +96,9 @@ FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 #: Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and gave eager's greedy
 #: tokens end to end (tiny, FP32; bench/results/2026-11-30_h200_s6). A new family starts here until it has.
 GPU_UNVALIDATED: tuple[str, ...] = ()
+#: The same per fused op, for an op added to a family that has run on a GPU: on CUDA, a chain that would become one
+#: of these is left unfused (near-miss `gpu_unvalidated`) unless the option `gpu_unvalidated` is set.
+GPU_UNVALIDATED_OPS: tuple[str, ...] = ("linear_fp8_scaled",)
 _FUSED_OPS = ("linear_fp8_block", "linear_fp8_block_multi", "linear_fp4", "linear_fp8_scaled", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
               "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
               "moe_router", "moe_combine", "grouped_linear_fp4", "grouped_linear_fp4_pair",
@@ -178,13 +182,14 @@ class PassManager(CustomGraphPass):
             dsv41's families, and its uuid is part of ours (None if it has none, which disables caching).
         strict: re-raise a family's exception (as `FamilyFailed`) instead of undoing its changes and recording a
             `family_failed` finding.
+        gated_ops: fused op names no family may emit on these graphs (`FusionFamily.gated_ops`).
     Raises:
         ValueError: a name in `disabled` that is not a family.
         FamilyFailed: (when called, strict only) a family raised on the graph.
     """
 
     def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None, notes=None,
-                 strict: bool = False):
+                 strict: bool = False, gated_ops: Iterable[str] = ()):
         disabled = frozenset(disabled)
         self.notes = dict(notes or {})
         unknown = sorted(disabled - set(FAMILY_ORDER))
@@ -193,6 +198,7 @@ class PassManager(CustomGraphPass):
         self.disabled = disabled
         self.debug = bool(debug)
         self.strict = bool(strict)
+        self.gated_ops = frozenset(gated_ops)
         if chained is None:
             self.chained: tuple = ()
         elif isinstance(chained, (list, tuple)):
@@ -212,6 +218,7 @@ class PassManager(CustomGraphPass):
                 continue
             t0 = time.perf_counter()
             family = FAMILIES[name]()
+            family.gated_ops = self.gated_ops
             rec = self._guarded(graph, family, lambda: family.run(gm))
             records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
         restored = self._guarded(graph, FAMILIES["normalize"](), lambda: restore_batch1_mm(gm))
@@ -255,6 +262,7 @@ class PassManager(CustomGraphPass):
             with open(path, "rb") as f:
                 h.update(path.encode() + b"\0" + f.read())
         state = {"disabled": sorted(self.disabled), "debug": self.debug, "strict": self.strict,
+                 "gated_ops": sorted(self.gated_ops),
                  "torch": torch.__version__, "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}
         h.update(json.dumps(state, sort_keys=True).encode())
         for p in self.chained:
