@@ -1267,7 +1267,7 @@ def _with_origins(top: list, origins: dict) -> list:
 def _attach_report(row: dict, full: bool, roles=None) -> None:
     """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`), with
     its static launches per step by layer role when the layer `roles` (`ModelConfig.roles`) are given."""
-    from . import last_report
+    from .compiler.report import last_report
     rep = last_report()
     if rep is None:
         row["note"] = "the dsv41 backend produced no fusion report"

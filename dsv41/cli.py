@@ -143,8 +143,8 @@ def _cmd_run(args) -> int:
                   kv_bytes_per_token=b.kv_bytes_per_token, kv_bytes_per_token_allocated=b.kv_bytes_per_token_allocated,
                   tokens_match_eager=None if ref is None else bool(torch.equal(ref.tokens, out.tokens)))
     if args.backend == "dsv41":
-        import dsv41
-        rep = getattr(runner, "report", None) or dsv41.last_report()
+        from .compiler.report import last_report
+        rep = getattr(runner, "report", None) or last_report()
         if rep is not None:
             rep.set_layer_roles(model.config.roles)  # launches per layer role: the backend never sees the config
             result["report"] = rep.to_dict()

@@ -304,7 +304,7 @@ class FusionReport:
         `schedule` / `buckets` when present."""
         import torch
 
-        from .. import __version__
+        from .._version import __version__
         fams = {n: self.family(n) for n in self.family_names()}
         fused = [f for n, f in fams.items() if n != "normalize"]
         bb = sum((sympy.sympify(f["bytes_before"], locals={"B": BATCH, "L": LENGTH}) for f in fused), sympy.Integer(0))
