@@ -13,7 +13,7 @@ after are recorded when the `count_kernels` option is on (see `profiling.py` for
 Kernel launches per call per decoder layer are always counted, statically from the generated code
 (`kernel_counts.py`: `kernels_by_layer`); `set_layer_roles(ModelConfig.roles)` adds `kernels_by_role`.
 
-Output: `to_dict()`, `to_json(path)`, `print()` / `str(report)` (a rich table). Source: ARCHITECTURE.md
+Output: `to_dict()`, `to_json(path)`, `summary()` (a few lines), `print()` / `str(report)` (rich tables). Source: ARCHITECTURE.md
 "Pipeline stages" 6 and "The user's view"; STYLE.md (records collected as the pipeline runs).
 """
 
@@ -472,6 +472,32 @@ class FusionReport:
         if kl["note"]:
             out.append(f"launch count note: {kl['note']}")
         return out
+
+    def summary(self) -> str:
+        """The report in a few plain-text lines: graphs; kernels per step before -> after (profiled with option
+        `count_kernels`, else the static launch count after); bytes per step moved by the fused chains before ->
+        after; matches per family (each match is one fused op); the `normalize` rewrites apart from them."""
+        from ..run_summary import REWRITE_FAMILIES, _human_bytes
+
+        d = self.to_dict()
+        k, kl, b = d["kernels"], d["kernels_by_layer"] or {}, d["bytes"]
+        lines = [f"dsv41 fusion report: {len(self.graphs)} graph(s)"
+                 + (f", {sum(g.from_cache for g in self.graphs)} served from the caches"
+                    if any(g.from_cache for g in self.graphs) else "")]
+        if k["before"] is not None:
+            lines.append(f"  kernels per step: {k['before']:,} -> {k['after']:,} (profiled)")
+        elif kl.get("total") is not None:
+            lines.append(f"  kernels per step: {kl['total']:,} launches after (static count; before: option "
+                         "count_kernels)")
+        lines.append(f"  bytes per step moved by the fused chains: {_human_bytes(b['before_value'])} -> "
+                     f"{_human_bytes(b['after_value'])}")
+        fams = d["families"]
+        fused = [f"{n} {f['matches']}" for n, f in fams.items() if n not in REWRITE_FAMILIES and f["matches"]]
+        lines.append("  matches per family: " + (", ".join(fused) if fused else "none"))
+        rewrites = [f"{n} {fams[n]['matches']}" for n in REWRITE_FAMILIES if n in fams]
+        if rewrites:
+            lines.append("  rewrites (not fusions): " + ", ".join(rewrites))
+        return "\n".join(lines)
 
     def print(self, file=None) -> None:
         """Print the report as rich tables to `file` (default stdout)."""
