@@ -34,6 +34,8 @@ def _compile_text(c: dict) -> str:
     cache = c.get("cache") or {}
     if c.get("served_from_cache"):
         how = f"served from the caches ({cache.get('fxgraph_hit', 0)} FX-graph hit(s), no miss)"
+    elif cache.get("fxgraph_hit") and c.get("dsv41_records_from_cache") is False:
+        how = "compiled again: Inductor's cache hit, but dsv41's records of it were missing"
     elif cache.get("fxgraph_miss"):
         how = f"cold ({cache['fxgraph_miss']} FX-graph cache miss(es))"
     else:
@@ -43,6 +45,8 @@ def _compile_text(c: dict) -> str:
              f"dsv41 passes {ph['pass.post_grad_passes.post_grad_custom_post_pass']:.0f} s"
              if "pass.post_grad_passes.post_grad_custom_post_pass" in ph else None,
              f"C++/Triton build {ph['compile_file']:.0f} s" if "compile_file" in ph else None]
+    if c.get("count_kernels_s"):
+        parts.append(f"kernel count {c['count_kernels_s']:.0f} s")
     parts = [p for p in parts if p]
     return f"{c['compile_s']:.1f} s, {how}" + (f"; {', '.join(parts)}" if parts else "")
 

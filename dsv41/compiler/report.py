@@ -77,6 +77,8 @@ class GraphReport:
     graph_after: str | None = None
     layer_kernels: LayerKernelCounts | None = None
     schedule: dict | None = None
+    #: seconds spent profiling the kernel count on this compile (0: not counted, or the kept count was reused)
+    count_s: float = 0.0
 
     def record(self, family: str) -> PassRecord:
         """The record of `family` (KeyError naming the valid families otherwise)."""
@@ -92,7 +94,7 @@ class GraphReport:
                 "records": [r.to_dict() for r in self.records],
                 "graph_before": self.graph_before, "graph_after": self.graph_after,
                 "layer_kernels": None if self.layer_kernels is None else self.layer_kernels.to_dict(),
-                "schedule": self.schedule}
+                "schedule": self.schedule, "count_s": round(self.count_s, 2)}
 
 
 def _loc(loc: SourceLocation | None) -> dict | None:
