@@ -1263,7 +1263,10 @@ def print_table(res: dict, console=None) -> None:
         match = e.get("tokens_match_eager")
         # Names and notes are text, not rich markup (an error message may hold "[...]").
         t.add_row(escape(name), f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
-                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"), _fmt(e.get("kernels_per_step"), "d"),
+                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"),
+                  # On CPU no GPU kernel is profiled; a dsv41 row still knows its static launches per step.
+                  _fmt(e.get("kernels_per_step"), "d") if e.get("kernels_per_step") is not None
+                  or e.get("kernels_per_step_static") is None else f"{e['kernels_per_step_static']} static",
                   _fmt(e.get("roofline_fraction"), ".3f"),
                   f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}"
                   + (f" (worker {e['precompile_wall_s']:.0f})" if e.get("precompile_wall_s") else ""),

@@ -75,6 +75,7 @@ def parser():
 
 
 def _contexts(text: str | None) -> list | None:
+    """`--contexts 4096,32768` -> [4096, 32768] (None without the flag); UsageError for anything else."""
     from .usage import UsageError
     if not text:
         return None
@@ -183,6 +184,7 @@ def _bench_from_args(a) -> int:
         console = Console(width=220)
 
     def wrote(path: str) -> None:
+        """Print the path of a file just written (relative to the current directory when below it)."""
         console.print(f"wrote {shown(path)}", markup=False, highlight=False)
 
     if a.json:

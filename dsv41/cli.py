@@ -128,6 +128,8 @@ def _run_request(args) -> dict:
 
 
 def _cmd_run(args) -> int:
+    """`dsv41 run` for parsed `args`: check them (`_run_request`), build, eager reference, compile + first run,
+    measured run, report page and summary. Returns 0, or 1 when the tokens differ from eager. Raises: UsageError."""
     from rich.console import Console
 
     from .compile_stats import CompileClock

@@ -31,6 +31,7 @@ def _count(n) -> str:
 
 
 def _compile_text(c: dict) -> str:
+    """The compile row: seconds, cold or served from the caches, and the largest phases."""
     cache = c.get("cache") or {}
     if c.get("served_from_cache"):
         how = f"served from the caches ({cache.get('fxgraph_hit', 0)} FX-graph hit(s), no miss)"

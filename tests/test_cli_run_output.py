@@ -112,3 +112,36 @@ def test_bench_png_without_a_path_goes_into_out(tmp_path, monkeypatch, capsys):
     assert "wrote out/dsv41_bench.png" in capsys.readouterr().out
     assert cli.main(["bench", "--backends", "eager", "--png", "-o", "elsewhere"]) == 0
     assert (tmp_path / "elsewhere" / "dsv41_bench.png").is_file()
+
+
+def test_phases_in_a_terminal_show_a_live_timer_and_leave_one_line_each():
+    import io
+
+    from rich.console import Console
+
+    from dsv41.progress import Phases
+
+    buf = io.StringIO()
+    ph = Phases("dsv41 run", console=Console(file=buf, force_terminal=True, width=100))
+    assert ph.live
+    with ph.phase("compile", hint="takes a while"):
+        pass
+    text = buf.getvalue()
+    assert re.search(r"compile: \d+\.\d s", text) and "dsv41 run:" not in text  # no log prefix in a terminal
+    assert "compile" in ph.seconds
+
+
+def test_bench_prints_a_line_per_phase_with_seconds_when_piped(capsys):
+    import dsv41.bench as bench
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.run_benchmark("tiny", "eager", prompt_len=8, new_tokens=3, repeats=1, device="cpu")
+    finally:
+        torch.set_num_threads(n)
+    err = capsys.readouterr().err
+    assert re.search(r"^\[\s*\d+\.\d s\] eager reference \.\.\.$", err, re.M), err
+    assert re.search(r"^\[\s*\d+\.\d s\] eager reference: \d+\.\d s$", err, re.M), err
+    assert re.search(r"^\[\s*\d+\.\d s\] eager: cold compile \+ first run \.\.\.$", err, re.M), err
+    assert "USDT" not in err

@@ -9,10 +9,11 @@ situation is reproduced without installing anything.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
-from clone_helpers import EDITABLE_FINDER, fresh_clone, script_env
+from clone_helpers import EDITABLE_FINDER, REPO, fresh_clone, script_env
 
 TOY = '''
 import json
@@ -52,3 +53,18 @@ def test_a_script_beside_the_clone_compiles_with_the_report_on_and_reads_last_re
     assert r["compiler_file"].startswith(str(clone / "dsv41")) and r["dsv41_file"] == str(clone / "dsv41" /
                                                                                             "__init__.py")
     assert "dsv41 fusion report" in proc.stdout  # options={"report": True} printed it
+
+
+def _readme_snippet() -> str:
+    text = (REPO / "README.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_readme_snippet_runs_beside_a_fresh_clone_and_prints_tokens_and_the_summary(tmp_path):
+    """The README's first snippet, verbatim, as a user's try.py beside the clone (one `tiny` compile: about two
+    minutes on a 2-core CPU when Inductor's cache is cold)."""
+    _, proc = _run(tmp_path, _readme_snippet(), timeout=1500)
+    out = proc.stdout
+    tokens = re.search(r"^\[(\d+(?:, \d+)*)\]$", out, re.M)
+    assert tokens and len(tokens.group(1).split(", ")) == 16, out[-2000:]
+    assert "kernels per step" in out and "matches" in out, out[-2000:]
