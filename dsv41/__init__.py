@@ -2,10 +2,11 @@
 
 `torch.compile(model, backend="dsv41", options={...})` works without importing this package (entry point
 `torch_dynamo_backends`); `dsv41.last_report()` returns the FusionReport of the most recent dsv41 compile.
-Importing `dsv41` stays light: the compiler is imported on first use.
+Importing `dsv41` stays light: the compiler is imported on first use. The same names live in submodules, which
+work from any working directory (`dsv41._version.__version__`, `dsv41.compiler.report.last_report`).
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["__version__", "last_report"]
 
@@ -13,7 +14,7 @@ __all__ = ["__version__", "last_report"]
 def last_report():
     """The `FusionReport` of the most recent dsv41 compile in this process, or None if there was none.
 
-    See `dsv41.compiler.report.FusionReport` (`to_dict()`, `to_json(path)`, `print()`, `str()`).
+    See `dsv41.compiler.report.FusionReport` (`to_dict()`, `to_json(path)`, `print()`, `summary()`, `str()`).
     """
     from .compiler.report import last_report as _last
     return _last()

@@ -70,7 +70,6 @@ has `speculative` {simulated_acceptance, block_size} (else null) and every row `
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -489,8 +488,9 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
     "names": {kernel name: count}}: CUDA device activities, memcpy/memset split off by name.
     Raises: RuntimeError when the model is not on a CUDA device.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
+    from .compiler.profiling import quiet_profile
     from .model import generate
     base = _base(runner)
     dev = base.embed.weight.device
@@ -505,7 +505,7 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
     tok = out.tokens[:, -1:].to(dev).clone(memory_format=torch.contiguous_format)
     pos = torch.full((b, 1), p + 1, dtype=torch.int64, device=dev)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner(tok, pos)
         torch.cuda.synchronize()
     kernels, copies, names, times, busy, t0, t1 = 0, 0, {}, {}, 0.0, None, None
@@ -662,40 +662,13 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
-#: Dynamo / Inductor compile phases kept in `compile_phases_s` (torch._dynamo.utils.compile_times names).
-_COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
-                   "create_aot_dispatcher_function", "compile_fx_inner", "_recursive_post_grad_passes",
-                   "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "GraphLowering.codegen",
-                   "async_compile.wait", "PyCodeCache.load_by_key_path", "compile_file", "build_guards")
-
-
-def _cache_hits() -> dict:
-    """Inductor's FX-graph and AOT autograd cache hits so far in this process (torch._dynamo.utils.counters)."""
-    from torch._dynamo.utils import counters
-    return {"fxgraph": int(counters["inductor"]["fxgraph_cache_hit"]),
-            "aot_autograd": int(counters["aot_autograd"]["autograd_cache_hit"])}
-
-
-def _cache_misses() -> int:
-    """Inductor's FX-graph cache misses so far in this process (lookups that compiled; torch._dynamo.utils.counters)."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"]["fxgraph_cache_miss"])
-
-
-def _compile_phase_totals() -> dict:
-    """Cumulative seconds per compile phase of this process ({} when torch does not report them)."""
-    try:
-        from torch._dynamo.utils import compile_times
-        heads, vals = compile_times(repr="csv", aggregate=True)
-        return {h: float(v) for h, v in zip(heads, vals) if h in _COMPILE_PHASES}
-    except Exception:  # noqa: BLE001 - a diagnostic only; its absence is visible as {}
-        return {}
-
-
-def _phase_deltas(before: dict, after: dict) -> dict:
-    """{phase: seconds added between two `_compile_phase_totals`} for the phases that grew (2 decimals)."""
-    out = {h: round(v - before.get(h, 0.0), 2) for h, v in after.items()}
-    return {h: d for h, d in out.items() if d > 0}
+# Compile phases and cache counters live in compile_stats (dsv41 run records them too); the old names stay, since
+# tests and callers patch them here.
+from .compile_stats import COMPILE_PHASES as _COMPILE_PHASES  # noqa: E402
+from .compile_stats import cache_hits as _cache_hits  # noqa: E402
+from .compile_stats import cache_misses as _cache_misses  # noqa: E402
+from .compile_stats import phase_deltas as _phase_deltas  # noqa: E402
+from .compile_stats import phase_totals as _compile_phase_totals  # noqa: E402
 
 
 def _empty_row() -> dict:
@@ -810,56 +783,28 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
             and after each backend's cold compile, warm-up and kernel count, after the measured runs and after the
             context sweep, so a run killed by a time limit still leaves what it measured.
     Raises:
-        ValueError: bad sizes, unknown backend names (before anything is built).
+        UsageError (a ValueError): a bad request, before anything is built (`dsv41.bench_plan.check_request`:
+            sizes, rows, token counts, contexts, workers, dtype, weight mode, cache positions).
     A backend that fails to compile or run is reported in its row's `note`, never dropped.
     """
     from rich.console import Console
-    from rich.progress import Progress
+    from rich.progress import Progress, TimeElapsedColumn
 
     from .accuracy import fp32_reference, logit_err_vs_fp32, ratio_to_eager
     from .cli import build_model, environment
     from .model import generate
     from .model.budget import budget
 
-    if eager_new_tokens is not None and not 2 <= eager_new_tokens <= new_tokens:
-        raise ValueError(f"eager_new_tokens must lie in [2, new_tokens={new_tokens}], got {eager_new_tokens}")
-    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
-        raise ValueError(f"need prompt_len >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_len}, "
-                         f"{new_tokens}, {repeats}")
-    families, ablation_note = ablation_families()
-    names = expand_backends(backends, families)
-    spec_of = row_speculation(names, speculative)
-    # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens`, its rows and the reference
-    # stop earlier.
-    tokens_of = {n: (eager_new_tokens or new_tokens) if base_backend(n) == "eager" else new_tokens for n in names}
-    row_new_tokens = dict(row_new_tokens or {})
-    unknown = sorted(set(row_new_tokens) - set(names))
-    if unknown:
-        raise ValueError(f"row_new_tokens names rows that are not in this run: {unknown}; rows: {names}")
-    for n, r in row_new_tokens.items():
-        if base_backend(n) == "eager":
-            raise ValueError(f"row_new_tokens[{n!r}]: eager rows take eager_new_tokens, which also shortens the eager "
-                             "reference")
-        if isinstance(r, bool) or not isinstance(r, int) or not 2 <= r <= new_tokens:
-            raise ValueError(f"row_new_tokens[{n!r}] must be an int in [2, new_tokens={new_tokens}], got {r!r}")
-        tokens_of[n] = r
-    if speculative is not None and speculative <= 0:
-        raise ValueError(f"speculative must be a positive mean acceptance length, got {speculative}")
-    if tp is not None and any(spec_of.values()):
-        raise ValueError("DSpark speculative rows are not supported with tensor parallelism")
+    from .bench_plan import check_request
+    plan = check_request(preset, backends, prompt_len, new_tokens, repeats, weight_mode=weight_mode, dtype=dtype,
+                         speculative=speculative, contexts=contexts, context_tokens=context_tokens, tp=tp,
+                         precompile=precompile, precompile_only=precompile_only, cache_dir=cache_dir,
+                         eager_new_tokens=eager_new_tokens, row_new_tokens=row_new_tokens)
+    families, ablation_note, names = plan["families"], plan["ablation_note"], plan["names"]
+    spec_of, tokens_of, row_new_tokens, contexts = (plan["spec_of"], plan["tokens_of"], plan["row_new_tokens"],
+                                                    plan["contexts"])
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-
-    if contexts:
-        contexts = sorted({int(c) for c in contexts})
-        if contexts[0] < 1 or context_tokens < 2:
-            raise ValueError(f"contexts must be >= 1 and context_tokens >= 2, got {contexts}, {context_tokens}")
-    if precompile and tp is not None:
-        raise ValueError("precompile workers are not supported with tensor parallelism")
-    if precompile < 0:
-        raise ValueError(f"precompile must be >= 0 workers, got {precompile}")
-    if precompile_only and not (precompile and cache_dir):
-        raise ValueError("precompile_only needs precompile workers and a cache_dir to keep what they compile")
     tp_info, rank = None, 0
     if tp is not None:
         import torch.distributed as dist
@@ -878,15 +823,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         # workers the benchmark builds its model after they exit, before the eager reference.
         from .cli import _DTYPES
         from .model import ModelConfig
-        from .model.model import WEIGHT_MODES
-        # What building the model would have checked, so a bad request fails here, not in every worker.
-        if dtype is not None and dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-        if weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"unknown weight_mode {weight_mode!r}; expected one of {WEIGHT_MODES}")
-        model, prompt = None, None
+        model, prompt = None, None  # dtype, weight mode and cache positions: checked by check_request above
         cfg = ModelConfig.preset(preset)
-        cache_positions(cfg, prompt_len, new_tokens, contexts, context_tokens, any(spec_of.values()))
     else:
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens, speculative=any(spec_of.values()))
@@ -999,10 +937,15 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         res["cache_note"] = "TRITON_CACHE_DIR is set, so cold compiles may reuse Triton binaries from it"
     try:
         with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)), \
-                Progress(console=console, transient=True) as prog:
+                Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
+                         transient=True) as prog:
+            t_start = time.perf_counter()
+
             def say(msg: str) -> None:  # one line per step, so the log of a non-interactive run shows progress
-                """Print one progress line above the bars (plain text, not rich markup)."""
-                prog.console.print(msg, markup=False, highlight=False)
+                """Print one progress line above the bars (plain text, not rich markup), with the seconds since the
+                run started, never wrapped (a log keeps it on one line)."""
+                prog.console.print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", markup=False, highlight=False,
+                                   soft_wrap=True)
 
             def update() -> None:
                 """Hand `on_update` a finalised copy of the result so far, with `partial: true` (a failing
@@ -1037,6 +980,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                             context_tokens, speculative=any(spec_of.values()))
             task = prog.add_task("eager reference (tokens + teacher-forced logits)", total=1)
+            say("eager reference ...")
             t_ref = time.perf_counter()
             # The greedy run's own step logits are eager's teacher-forced logits for its tokens: one eager pass,
             # not two (an eager `h200` decode step takes ~0.7 s on the H200).
@@ -1074,7 +1018,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         prog.advance(task)
                         continue
                 if not cuda:
-                    notes[n].append("CPU: kernels_per_step, roofline and peak_mem are CUDA-only")
+                    notes[n].append("CPU: kernels_per_step (GPU kernels), roofline and peak_mem are CUDA-only; CPU "
+                                    "launches per step: kernels_per_step_static (dsv41 rows), `dsv41 report`")
                 if base_backend(n) == "eager":
                     notes[n].append("eager does not compile")
                 if n in row_new_tokens and tokens_of[n] != new_tokens:
@@ -1088,6 +1033,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         torch.compiler.reset()
                     _use_cache_dir(row_cache(n))
                     runner = runners[n] = _make_runner(model, n, options, regional)
+                    say(f"{n}: cold compile + first run ...")
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
                     cold_wall[n] = _timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
@@ -1267,7 +1213,9 @@ def _with_origins(top: list, origins: dict) -> list:
 def _attach_report(row: dict, full: bool, roles=None) -> None:
     """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`), with
     its static launches per step by layer role when the layer `roles` (`ModelConfig.roles`) are given."""
-    from . import last_report
+    from ._package import repair
+    repair()  # dsv41 imported as a namespace package: its __init__ (last_report) runs first
+    from . import last_report  # the package's name, which callers may replace
     rep = last_report()
     if rep is None:
         row["note"] = "the dsv41 backend produced no fusion report"
@@ -1315,7 +1263,10 @@ def print_table(res: dict, console=None) -> None:
         match = e.get("tokens_match_eager")
         # Names and notes are text, not rich markup (an error message may hold "[...]").
         t.add_row(escape(name), f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
-                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"), _fmt(e.get("kernels_per_step"), "d"),
+                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"),
+                  # On CPU no GPU kernel is profiled; a dsv41 row still knows its static launches per step.
+                  _fmt(e.get("kernels_per_step"), "d") if e.get("kernels_per_step") is not None
+                  or e.get("kernels_per_step_static") is None else f"{e['kernels_per_step_static']} static",
                   _fmt(e.get("roofline_fraction"), ".3f"),
                   f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}"
                   + (f" (worker {e['precompile_wall_s']:.0f})" if e.get("precompile_wall_s") else ""),
@@ -1325,55 +1276,13 @@ def print_table(res: dict, console=None) -> None:
 
 
 def main(argv=None) -> int:
-    """CLI of the benchmark (`python -m dsv41.bench`, `dsv41 bench`); see `--help`."""
-    p = argparse.ArgumentParser(prog="dsv41 bench", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default=None, help="default: small on a GPU, tiny on CPU")
-    p.add_argument("--backends", default="all",
-                   help="comma-separated: eager, inductor, inductor-cudagraphs, dsv41, torch_tensorrt, "
-                        "dsv41-no-<family>, 'ablations', 'all' (default)")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 4096 on GPU, 32 on CPU")
-    p.add_argument("--new-tokens", type=int, default=None, help="default 1024 on GPU, 8 on CPU")
-    p.add_argument("--repeats", type=int, default=5, help="measured runs per backend (default 5)")
-    p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
-    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
-                   help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
-    p.add_argument("--speculative", type=float, default=None, metavar="E",
-                   help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5): every "
-                        "row, or only the <row>+dspark rows when there are any (their default E: 5.5)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=false")
-    p.add_argument("--shared-cache", action="store_true",
-                   help="one Inductor cache dir for all backends (compile_s is then not cold; fits a toggle matrix)")
-    p.add_argument("--regional", action="store_true",
-                   help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
-    p.add_argument("--precompile", type=int, default=0, metavar="N",
-                   help="N worker processes compile the rows into their caches in parallel first (dsv41.precompile)")
-    p.add_argument("--precompile-only", action="store_true",
-                   help="with --precompile and --cache-dir: only fill the caches (a later run is served from them)")
-    p.add_argument("--cache-dir", default=None,
-                   help="keep the rows' Inductor caches here (a later run with the same arguments is served from them)")
-    p.add_argument("--eager-new-tokens", type=int, default=None, metavar="R",
-                   help="eager reference and eager rows decode R tokens (<= --new-tokens); the other rows are "
-                        "compared with eager over those R")
-    p.add_argument("--row-new-tokens", action="append", default=[], metavar="ROW=R",
-                   help="this row decodes R tokens per run (repeatable), e.g. inductor=128 for a host-bound row")
-    p.add_argument("--contexts", default=None, metavar="N,N,...",
-                   help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
-    p.add_argument("--context-tokens", type=int, default=32, help="decode steps per context point (default 32)")
-    p.add_argument("--json", default=None, help="write the result JSON here")
-    p.add_argument("--png", nargs="?", const="", default=None,
-                   help="write the plot; without a path, next to --json with .png (else dsv41_bench.png)")
-    p.add_argument("--html", default=None, help="write the dsv41 fusion report with this benchmark as HTML here")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel ranks (spawned, or one per torchrun process); rank 0 writes the outputs")
-    p.add_argument("--tp-moe", choices=("tp", "ep"), default="tp", help="MoE layout under --tp")
-    p.add_argument("--tp-pad-to", type=int, default=None, help="per-rank expert inter padding multiple")
-    a = p.parse_args(argv)
-    if a.tp is not None:
-        return _bench_tp(a)
-    return _bench_from_args(a)
+    """CLI of the benchmark (`python -m dsv41.bench`, `dsv41 bench`); see `--help` and `dsv41.bench_cli.main`.
+
+    Returns the exit status. Raises: UsageError (a ValueError) for a bad argument found after parsing; the
+    console entry points print it as one line and exit with status 2.
+    """
+    from .bench_cli import main as _main
+    return _main(argv)
 
 
 def parse_row_new_tokens(items: Sequence[str]) -> dict:
@@ -1384,80 +1293,11 @@ def parse_row_new_tokens(items: Sequence[str]) -> dict:
         name, sep, val = item.rpartition("=")  # a row name may hold "=" itself: dsv41[pdl=false]=3
         name, val = name.strip(), val.strip()
         if not sep or not name or not re.fullmatch(r"[0-9]+", val):
-            raise ValueError(f"--row-new-tokens expects ROW=R with R a number of tokens, got {item!r}")
+            raise ValueError(f"argument --row-new-tokens: expected ROW=R with R a number of tokens, got {item!r}")
         if name in out:
-            raise ValueError(f"--row-new-tokens gives row {name!r} twice")
+            raise ValueError(f"argument --row-new-tokens: row {name!r} given twice")
         out[name] = int(val)
     return out
-
-
-def _bench_tp(a) -> int:
-    """`dsv41 bench --tp N`: under torchrun this process is one rank, else N local ranks are spawned (their exit
-    codes' maximum is returned). Raises ValueError for N < 1, a torchrun WORLD_SIZE other than N, or options
-    not supported under TP yet (--speculative, --contexts)."""
-    from .launch import launch_ranks
-
-    if a.speculative is not None or a.contexts:
-        raise ValueError("--speculative and --contexts are not supported with --tp yet")
-    return launch_ranks(_bench_from_args, a.tp, a, device=a.device)
-
-
-def _bench_from_args(a) -> int:
-    """Run the benchmark for parsed CLI arguments `a`; under TP (an initialised group) only rank 0 writes."""
-    from .cli import backend_options
-    tp, rank = None, 0
-    if a.tp is not None:
-        from .launch import init_distributed
-        info = init_distributed(a.device)
-        a.device, rank = str(info.device), info.rank
-        tp = {"moe_mode": a.tp_moe, "pad_to": a.tp_pad_to}
-    cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-
-    def write_json(r: dict) -> None:
-        """Write `r` to --json (rank 0 only); the partial results along the way, the final one at the end."""
-        if a.json and rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-            tmp = a.json + ".tmp"  # a kill mid-write leaves the previous file whole
-            with open(tmp, "w") as f:
-                json.dump(r, f, indent=1, default=str)
-            os.replace(tmp, a.json)
-
-    res = run_benchmark(a.preset or ("small" if cuda else "tiny"), a.backends,
-                        a.prompt_len or (4096 if cuda else 32), a.new_tokens or (1024 if cuda else 8), a.repeats,
-                        a.weight_mode, a.device, options=backend_options(a.option) or None, dtype=a.dtype,
-                        warm_compile=a.warm_compile,
-                        speculative=a.speculative,
-                        contexts=[int(c) for c in a.contexts.split(",") if c.strip()] if a.contexts else None,
-                        context_tokens=a.context_tokens, tp=tp, regional=a.regional, shared_cache=a.shared_cache,
-                        precompile=a.precompile, cache_dir=a.cache_dir, precompile_only=a.precompile_only,
-                        on_update=write_json, eager_new_tokens=a.eager_new_tokens,
-                        row_new_tokens=parse_row_new_tokens(a.row_new_tokens))
-    if rank != 0:
-        return 0
-    from rich.console import Console
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=220)
-    if a.json:
-        write_json(res)
-        console.print(f"wrote {a.json}")
-    png = None
-    if a.png is not None:
-        from .plots import plot_benchmark
-        png = a.png or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv41_bench.png")
-        plot_benchmark(res, png)
-        console.print(f"wrote {png}")
-    if a.html:
-        report = (res["backends"].get("dsv41") or {}).get("report")
-        if report is None:
-            console.print("no dsv41 fusion report in this run (dsv41 not run or failed): --html skipped")
-        else:
-            from .compiler.html import write_html
-            write_html(report, a.html, bench=res, png_path=png)
-            console.print(f"wrote {a.html}")
-    print_context_table(res, console)
-    print_table(res, console)
-    return 0
 
 
 def print_context_table(res: dict, console) -> None:
@@ -1480,4 +1320,5 @@ def print_context_table(res: dict, console) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .bench_cli import console_main
+    sys.exit(console_main())

@@ -4,9 +4,13 @@ Public API: `dsv41_backend` (registered as backend "dsv41"), `parse_options` / `
 `FusionReport` / `GraphReport` / `KernelCount`, `last_report()`.
 """
 
-from .backend import dsv41_backend
-from .options import OPTION_KEYS, Options, parse_options
-from .report import FusionReport, GraphReport, KernelCount, last_report
+from .._package import repair as _repair
+
+_repair()  # `dsv41` imported as a namespace package (a script beside the clone): run its __init__ now
+
+from .backend import dsv41_backend  # noqa: E402
+from .options import OPTION_KEYS, Options, parse_options  # noqa: E402
+from .report import FusionReport, GraphReport, KernelCount, last_report  # noqa: E402
 
 __all__ = ["dsv41_backend", "parse_options", "Options", "OPTION_KEYS", "FusionReport", "GraphReport",
            "KernelCount", "last_report"]

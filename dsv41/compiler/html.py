@@ -2,31 +2,38 @@
 
 `render_html(report_dict, bench=None, png_path=None)` turns `FusionReport.to_dict()` (optionally with a
 `dsv41.bench` result and its plot) into a page with inline CSS and no scripts or external resources, so it can
-be mailed or attached to an issue as it is. Sections, in order:
+be mailed or attached to an issue as it is. It leads with its point; sections, in order:
 
-- summary: graphs, options, kernels per step and bytes moved before / after the passes;
-- per family: on/off, matches, nodes replaced, near-misses, findings, bytes before -> after, with a bar chart;
-- fused sites: one row per (family, pattern, source line, layer when the match records one in its `detail`);
-  a line every layer runs shows its count of matches (one per layer);
+- summary: kernels per step and bytes moved per step before -> after, matches (fusions) apart from the
+  `normalize` rewrites, what was left unfused, pass time, options; then a plot of ops and bytes per step per
+  family, before / after (`report_plot.family_svg`, inline SVG: drawn from the report alone, no benchmark needed);
+- per family: on/off, matches, nodes replaced, near-misses, findings, bytes before -> after;
+- fused sites, heaviest first (bytes saved per step): the first `_SITES_SHOWN` rows, the rest folded, and the
+  matches that move no bytes (rewrites, index math) folded apart; one row per (family, pattern, source line,
+  layer when the match records one);
 - near-misses with the failed check and the reason; findings (what stays on a slow path);
-- kernels per step, total and per graph; kernel launches per decoder layer (and per layer role when the report
-  knows the roles); the `schedule` section when the report dict has one;
+- kernels per step, total and per graph; kernel launches per decoder layer (folded) and per layer role;
+- the side-stream schedule, folded, and left out when it was planned but not applied (CPU, streams off);
 - the benchmark table and plot (PNG embedded as base64) when given; each graph's code in debug mode.
+
+Nothing is wider than the window: tables of five columns or more take the page's width with column widths from
+their content (`_widths`) and wrap inside; code wraps; the plot scales (checked in headless Chromium by
+tests/test_html_layout.py).
 
 Every piece of text from the report is escaped with `html.escape` (family names, patterns, source code and
 reasons come from user code and must never become markup).
 
 `main(argv)` is the `dsv41 report` command: build a preset, compile it with backend="dsv41", run a couple of
-decode steps and write the page (default `dsv41_report.html`).
+decode steps and write the page (default `out/dsv41_report.html`).
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
 import os
+import re
 import sys
 from collections import Counter
 
@@ -36,24 +43,30 @@ _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _LAYER_KEYS = ("layer", "layer_id", "layer_idx")
 
 _CSS = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #1d1d1f;
-       background: #ffffff; font-size: 14px; }
-h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px;
-     border-bottom: 1px solid #d0d0d5; padding-bottom: 3px; }
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0 auto; padding: 16px 24px;
+       max-width: 1280px; color: #1d1d1f; background: #ffffff; font-size: 14px; line-height: 1.35; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 26px;
+     border-bottom: 1px solid #d0d0d5; padding-bottom: 3px; } h3 { font-size: 15px; margin: 16px 0 6px 0; }
 p.meta { color: #555; margin-top: 0; }
 table { border-collapse: collapse; margin: 8px 0 12px 0; max-width: 100%; }
-th, td { border: 1px solid #d0d0d5; padding: 3px 8px; text-align: left; vertical-align: top; max-width: 520px;
+table.fixed { table-layout: fixed; width: 100%; }
+th, td { border: 1px solid #d0d0d5; padding: 3px 8px; text-align: left; vertical-align: top;
          overflow-wrap: break-word; }
 th { background: #f1f1f4; } tr:nth-child(even) td { background: #fafafc; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 code, pre { font-family: "SFMono-Regular", Menlo, Consolas, monospace; font-size: 12px; }
 td code { overflow-wrap: anywhere; }
-pre { background: #f6f6f8; padding: 8px; overflow-x: auto; }
+pre { background: #f6f6f8; padding: 8px; white-space: pre-wrap; overflow-wrap: anywhere; }
 .off { color: #b00020; font-weight: bold; } .on { color: #1b7f3b; }
-.bar { height: 11px; display: inline-block; vertical-align: middle; }
+.bar { height: 11px; display: inline-block; vertical-align: middle; max-width: 100%; }
 .before { background: #9aa7c7; } .after { background: #dd8452; }
 .chart td { border: none; padding: 1px 6px; } .empty { color: #777; font-style: italic; }
-img.plot { max-width: 100%; border: 1px solid #d0d0d5; }
+img.plot, svg.plot { max-width: 100%; height: auto; border: 1px solid #d0d0d5; display: block; }
+table.summary td:first-child { font-weight: 600; white-space: nowrap; width: 1%; }
+table.summary td { border: none; border-bottom: 1px solid #ececf0; }
+details { margin: 8px 0; } summary { cursor: pointer; color: #333; }
+details > summary h2, details > summary h3 { display: inline; border: none; }
+.big { font-size: 16px; font-weight: 600; }
 """
 
 
@@ -69,9 +82,37 @@ def _cell(x) -> str:
     return x if isinstance(x, _Raw) else _e(x)
 
 
+def _cell_text(cell) -> str:
+    """Visible text of a cell (markup of `_Raw` cells replaced by spaces)."""
+    text = re.sub(r"<[^>]+>", " ", cell) if isinstance(cell, _Raw) else ("" if cell is None else str(cell))
+    return html.unescape(text)
+
+
+def _widths(headers, rows) -> list[float]:
+    """Column widths in percent for a fixed-layout table, from characters: each column gets its typical (80th
+    percentile) text length, at least its longest word (cells and header, up to 20 characters, so names such as
+    `sparse_attention` stay whole), at most 60; plus 3 characters of padding."""
+    weights = []
+    for i, h in enumerate(headers):
+        texts = [_cell_text(r[i]) for r in rows if i < len(r)]
+        lens = sorted(len(t.strip()) for t in texts)
+        typical = lens[min(len(lens) - 1, int(0.8 * len(lens)))] if lens else 0
+        word = max((len(w) for t in texts + [str(h)] for w in t.split()), default=0)
+        head = max((len(w) for w in str(h).split()), default=0) * 1.15  # headers are bold
+        weights.append(min(60.0, max(float(typical), float(min(word, 20)), head, 3.0)) + 3.0)
+    total = sum(weights)
+    return [100.0 * w / total for w in weights]
+
+
+#: Tables with this many columns or more are laid out at the page's width (`table-layout: fixed`), so their
+#: content wraps inside the columns instead of pushing the table past the window.
+_FIXED_FROM = 5
+
+
 def _table(headers, rows, num_cols=(), cls: str | None = None) -> str:
     """An HTML table; cells are escaped unless `_Raw`; columns named in `num_cols` are right-aligned; no header
-    row when every header is empty."""
+    row when every header is empty. Wide tables (`_FIXED_FROM` columns or more) take the page's width with column
+    widths from their content (`_widths`), so nothing is wider than the window."""
     if not rows:
         return '<p class="empty">none</p>'
     head = "".join(f"<th>{_e(h)}</th>" for h in headers) if any(headers) else ""
@@ -79,9 +120,14 @@ def _table(headers, rows, num_cols=(), cls: str | None = None) -> str:
     for r in rows:
         tds = "".join(f'<td{" class=num" if h in num_cols else ""}>{_cell(c)}</td>' for h, c in zip(headers, r))
         body.append(f"<tr>{tds}</tr>")
-    klass = f' class="{_e(cls)}"' if cls else ""
+    classes = [cls] if cls else []
+    cols = ""
+    if len(headers) >= _FIXED_FROM:
+        classes.append("fixed")
+        cols = "<colgroup>" + "".join(f'<col style="width:{w:.1f}%">' for w in _widths(headers, rows)) + "</colgroup>"
+    klass = f' class="{_e(" ".join(classes))}"' if classes else ""
     thead = f"<thead><tr>{head}</tr></thead>" if head else ""
-    return f"<table{klass}>{thead}<tbody>{''.join(body)}</tbody></table>"
+    return f"<table{klass}>{cols}{thead}<tbody>{''.join(body)}</tbody></table>"
 
 
 def _human(n) -> str:
@@ -181,26 +227,69 @@ def _generic(v, depth: int = 0) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sections
+def _options_text(opts) -> str:
+    """The compile options as `key=value` pairs, `auto` for the ones left to the backend (None)."""
+    if not isinstance(opts, dict):
+        return "-"
+    def val(v):
+        """One option value as written by the user: true / false, auto for None, a list joined by commas."""
+        if v is None:
+            return "auto"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(map(str, v)) + "]"
+        return str(v)
+    return ", ".join(f"{k}={val(v)}" for k, v in opts.items())
+
+
 def _summary(d: dict) -> str:
+    """The page's first section: what the passes did to one step in a few lines, then the plot."""
+    from .report_plot import _REWRITES
+
     k = d.get("kernels") or {}
+    kl = d.get("kernels_by_layer") or {}
     b = d.get("bytes") or {}
-    rows = [["graphs compiled", len(d.get("graphs") or [])],
-            ["kernels per step before -> after",
-             f"{_dash(k.get('before'))} -> {_dash(k.get('after'))}"],
-            ["kernel count method", k.get("method") or "not counted (option count_kernels off)"],
-            ["bytes moved by fused chains before -> after",
-             f"{_human(b.get('before_value'))} -> {_human(b.get('after_value'))}"],
-            ["bytes before (symbolic)", _Raw(f"<code>{_e(b.get('before'))}</code>")],
+    fams = d.get("families") or {}
+    fused = {n: f for n, f in fams.items() if n not in _REWRITES and f.get("matches")}
+    rewrites = [f"{n} {fams[n].get('matches', 0):,}" for n in _REWRITES if n in fams]
+    if k.get("before") is not None:
+        kern = _Raw(f'<span class="big">{k["before"]:,} &rarr; {k["after"]:,}</span> (profiled: {_e(k.get("method"))})')
+    elif kl.get("total") is not None:
+        kern = _Raw(f'<span class="big">{kl["total"]:,}</span> launches after the passes (static count; before '
+                    "needs option <code>count_kernels</code>)")
+    else:
+        kern = "not counted"
+    rows = [["kernels per step", kern],
+            ["bytes per step moved by the fused chains",
+             _Raw(f'<span class="big">{_e(_human(b.get("before_value")))} &rarr; '
+                  f'{_e(_human(b.get("after_value")))}</span>')],
+            ["fused", f"{sum(f['matches'] for f in fused.values()):,} matches in {len(fused)} families, each match "
+                      "one fused op" + (f"; rewrites (canonical forms, no bytes moved): {', '.join(rewrites)}"
+                                        if rewrites else "")],
+            ["left unfused", f"{sum(len(f.get('near_misses') or []) for f in fams.values()):,} near-misses, "
+                             f"{sum(len(f.get('findings') or []) for f in fams.values()):,} findings (below)"],
+            ["dsv41 pass time", f"{sum(f.get('pass_seconds') or 0 for f in fams.values()):.1f} s over "
+                                f"{len(d.get('graphs') or [])} graph(s)"],
+            ["options", _options_text(d.get("options"))]]
+    sym = [[f"symbol {k_}", meaning] for k_, meaning in (d.get("symbols") or {}).items()]
+    sym += [["bytes before (symbolic)", _Raw(f"<code>{_e(b.get('before'))}</code>")],
             ["bytes after (symbolic)", _Raw(f"<code>{_e(b.get('after'))}</code>")]]
-    for sym, meaning in (d.get("symbols") or {}).items():
-        rows.append([f"symbol {sym}", meaning])
-    if d.get("options") is not None:
-        rows.append(["options", _Raw(f"<code>{_e(json.dumps(d['options'], default=str))}</code>")])
-    return "<h2>Summary</h2>" + _table(["", ""], rows)
+    out = ("<h2>Summary</h2>" + _table(["", ""], rows, cls="summary")
+           + "<details><summary>symbolic bytes (B, L)</summary>" + _table(["", ""], sym, cls="summary")
+           + "</details>")
+    try:
+        from .report_plot import family_svg
+        svg = family_svg(d)
+    except ImportError as e:  # matplotlib is in the test extra, not a dependency
+        return out + f'<p class="empty">plot left out: {_e(e)}</p>'
+    if svg:
+        out += "<h3>Ops and bytes per step, per family: before &rarr; after</h3>" + svg
+    return out
 
 
 def _families(fams: dict) -> str:
-    rows, bars = [], []
+    rows = []
     for name, f in fams.items():
         on = _Raw('<span class="on">on</span>' if f.get("enabled") else '<span class="off">OFF</span>')
         rows.append([name, on, f.get("matches", 0), f.get("nodes_replaced", 0), len(f.get("near_misses") or []),
@@ -208,17 +297,20 @@ def _families(fams: dict) -> str:
                      f"{_human(f.get('bytes_before_value'))} -> {_human(f.get('bytes_after_value'))}",
                      _Raw(f"<code>{_e(f.get('bytes_before'))}</code> -> <code>{_e(f.get('bytes_after'))}</code>"),
                      f.get("note") or ""])
-        if f.get("bytes_before_value") or f.get("bytes_after_value"):  # rewrites that move no bytes: no bar
-            bars.append((name, f.get("bytes_before_value"), f.get("bytes_after_value")))
+
     cols = ["family", "on", "matches", "nodes replaced", "near-misses", "findings", "bytes before -> after",
             "symbolic (B, L)", "note"]
-    chart = _bars(bars, _human)
-    return ("<h2>Per family</h2>" + _table(cols, rows, num_cols=("matches", "nodes replaced", "near-misses",
-                                                                 "findings"))
-            + (f"<h3>Bytes moved per step by each family's chains</h3>{chart}" if chart else ""))
+    return "<h2>Per family</h2>" + _table(cols, rows, num_cols=("matches", "nodes replaced", "near-misses",
+                                                                "findings"))
+
+
+#: Fused-site rows shown before the rest are folded (the heaviest carry most of the bytes saved).
+_SITES_SHOWN = 15
 
 
 def _sites(fams: dict) -> str:
+    """Fused sites grouped by family, pattern, source line (and layer), heaviest first (bytes saved per step); the
+    matches that move no bytes (normalize's rewrites, index math) are folded below."""
     groups: Counter = Counter()
     info: dict = {}
     for name, f in fams.items():
@@ -229,22 +321,52 @@ def _sites(fams: dict) -> str:
             groups[key] += 1
             info.setdefault(key, s)
     with_layer = any(_layer(s.get("detail")) is not None for s in info.values())
-    rows = []
-    for key, count in groups.items():
+
+    def saved(key) -> float:
+        """Bytes per step this group's matches save (before - after, times the matches)."""
         s = info[key]
-        layer = _layer(s.get("detail"))
-        detail = s.get("detail") or {}
-        row = [key[0], s.get("pattern"), _Raw(f"<code>{_e(s.get('op'))}</code>"), _source(s.get("location"))]
-        row += (["-" if layer is None else layer] if with_layer else [])
-        row += [count, f"{_human(s.get('bytes_before_value'))} -> {_human(s.get('bytes_after_value'))}",
-                _Raw(f"<code>{_e(s.get('bytes_before'))}</code> -> <code>{_e(s.get('bytes_after'))}</code>"),
-                ", ".join(f"{k}={v}" for k, v in detail.items())]
-        rows.append(row)
+        return ((s.get("bytes_before_value") or 0) - (s.get("bytes_after_value") or 0)) * groups[key]
+
+    def moves(key) -> bool:
+        """Whether the group's matches move bytes at all (before or after)."""
+        s = info[key]
+        return bool(s.get("bytes_before_value") or s.get("bytes_after_value"))
+
+    def rows_of(keys) -> list:
+        """Table rows for these group keys."""
+        rows = []
+        for key in keys:
+            s = info[key]
+            layer = _layer(s.get("detail"))
+            detail = s.get("detail") or {}
+            row = [key[0], s.get("pattern"), _Raw(f"<code>{_e(s.get('op'))}</code>"), _source(s.get("location"))]
+            row += (["-" if layer is None else layer] if with_layer else [])
+            sym = f"{s.get('bytes_before')} -> {s.get('bytes_after')} (B, L symbolic)"
+            row += [groups[key], _Raw(f'<span title="{_e(sym)}">{_e(_human(s.get("bytes_before_value")))} -&gt; '
+                                      f'{_e(_human(s.get("bytes_after_value")))}</span>'),
+                    ", ".join(f"{k}={v}" for k, v in detail.items())]
+            rows.append(row)
+        return rows
+
+    order = sorted(groups, key=lambda k: (-saved(k), -groups[k], k[0], str(k[1])))
+    heavy = [k for k in order if moves(k)]
+    light = [k for k in order if not moves(k)]
     cols = ["family", "pattern", "fused op", "source"] + (["layer"] if with_layer else []) + [
-        "matches", "bytes per match", "symbolic (B, L)", "detail"]
-    return ("<h2>Fused sites</h2><p>One row per family, pattern and source line (and layer, where the match "
-            "records one): a line that every layer runs lists one match per layer.</p>"
-            + _table(cols, rows, num_cols=("matches",)))
+        "matches", "bytes per match", "detail"]
+    out = ("<h2>Fused sites</h2><p>Heaviest first (bytes saved per step). One row per family, pattern and source "
+           "line (and layer, where the match records one): a line that every layer runs lists one match per "
+           "layer. Hover the bytes for their formula in B (batch) and L (tokens per step).</p>"
+           + _table(cols, rows_of(heavy[:_SITES_SHOWN]), num_cols=("matches",)))
+    if heavy[_SITES_SHOWN:]:
+        rest = heavy[_SITES_SHOWN:]
+        out += (f"<details><summary>{len(rest)} lighter sites ({sum(groups[k] for k in rest):,} matches)</summary>"
+                + _table(cols, rows_of(rest), num_cols=("matches",)) + "</details>")
+    if light:
+        fams_light = sorted({k[0] for k in light})
+        out += (f"<details><summary>{sum(groups[k] for k in light):,} matches that move no bytes "
+                f"({_e(', '.join(fams_light))}): rewrites for the matchers and index math</summary>"
+                + _table(cols, rows_of(light), num_cols=("matches",)) + "</details>")
+    return out
 
 
 def _misses(fams: dict) -> str:
@@ -302,7 +424,8 @@ def _layer_kernels(d: dict) -> str:
     rows.append(["total", "", k.get("total")])
     out = (f"<h2>Kernel launches per layer</h2><p>{_e(k.get('method'))}. Launches outside every decoder layer "
            "(embedding, head, per-step math) count as <code>other</code>.</p>"
-           + _table(["layer", "role", "launches"], rows, num_cols=("launches",)))
+           + f"<details><summary>{len(by_layer)} rows: launches of each layer</summary>"
+           + _table(["layer", "role", "launches"], rows, num_cols=("launches",)) + "</details>")
     by_role = d.get("kernels_by_role")
     if by_role:
         per = by_role.get("per_layer") or {}
@@ -322,6 +445,29 @@ def _layer_kernels(d: dict) -> str:
     if k.get("note"):
         out += f'<p class="empty">{_e(k["note"])}</p>'
     return out
+
+
+def _schedule(sc) -> str:
+    """The side-stream schedule, folded: nothing when the report says it was planned but not applied (CPU, or
+    option streams off), else one sentence and the moved regions / kept ops in tables."""
+    if isinstance(sc, dict) and sc.get("applied") is False:
+        return ""
+    head = "<details><summary><h2>Schedule</h2> (side streams)</summary>"
+    if not (isinstance(sc, dict) and {"regions", "kept_on_main", "before_us", "after_us"} <= set(sc)):
+        return head + _generic(sc) + "</details>"
+    text = (f"{len(sc['regions'])} region(s) on {_e(sc.get('streams'))} stream(s), modelled step "
+            f"{sc['before_us']:.1f} &rarr; {sc['after_us']:.1f} us (critical path {sc.get('critical_path_us', 0):.1f} us); "
+            f"{_e(sc.get('reason'))}")
+    regions = [[r.get("graph"), r.get("slot"), _Raw(f"<code>{_e(r.get('op'))}</code>"), r.get("where"),
+                r.get("fork_after"), r.get("join_before"), f"{r.get('overlap_us') or 0:.2f}"] for r in sc["regions"]]
+    kept: Counter = Counter((k.get("op"), k.get("reason")) for k in sc["kept_on_main"])
+    return (head + f"<p>{text}</p>"
+            + _table(["graph", "slot", "op", "where", "fork after", "join before", "overlap us"], regions,
+                     num_cols=("overlap us",))
+            + "<h3>Kept on the main stream</h3>"
+            + _table(["op", "reason", "count"], [[_Raw(f"<code>{_e(op)}</code>"), why, c] for (op, why), c in
+                                                 kept.most_common()], num_cols=("count",))
+            + "</details>")
 
 
 def _bench(bench: dict) -> str:
@@ -409,7 +555,7 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
     body = [f"<h1>{_e(title)}</h1>", f'<p class="meta">{_e(meta)}</p>', _summary(report_dict), _families(fams),
             _sites(fams), _misses(fams), _findings(fams), _kernels(report_dict), _layer_kernels(report_dict)]
     if "schedule" in report_dict:
-        body.append("<h2>Schedule</h2>" + _generic(report_dict["schedule"]))
+        body.append(_schedule(report_dict["schedule"]))
     if "buckets" in report_dict:
         body.append("<h2>Batch-size buckets</h2>" + _generic(report_dict["buckets"]))
     if bench is not None:
@@ -440,49 +586,78 @@ def write_html(report, path, bench: dict | None = None, png_path: str | None = N
     return path
 
 
-def main(argv=None) -> int:
-    """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report.
+def _report_args(argv):
+    """Parse and check `dsv41 report` arguments before anything is built; returns the namespace with `device`,
+    `preset`, `bench_result` (the --bench JSON or None) and `out_path` filled in. Raises: UsageError naming the
+    flag (device, lengths beyond the preset's max_position_embeddings, a --bench or --png file that is missing or
+    not JSON / PNG); argparse's own errors exit with status 2 after one line."""
+    from ..outputs import output_path
+    from ..usage import OneLineParser, UsageError, check_lengths, int_at_least, resolve_device
 
-    Returns 0, or 1 when the compile produced no fusion report. Options: see `dsv41 report --help`.
-    """
-    import torch
-
-    p = argparse.ArgumentParser(prog="dsv41 report", description="write the dsv41 fusion report as an HTML page")
+    p = OneLineParser(prog="dsv41 report", description="write the dsv41 fusion report as an HTML page")
     p.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
                    help="default: small on a GPU, tiny on CPU")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=3, help="tokens to generate (default 3: two decode steps)")
+    p.add_argument("--prompt-len", type=int_at_least(1), default=32)
+    p.add_argument("--new-tokens", type=int_at_least(2, " (the report is of a decode step)"), default=3,
+                   help="tokens to generate (default 3: two decode steps)")
     p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",
                    help="skip profiling kernels per step before/after")
     p.add_argument("--bench", default=None, help="a `dsv41 bench --json` result to include")
-    p.add_argument("--png", default=None, help="a PNG to embed as the plot (default: drawn from --bench)")
-    p.add_argument("--out", default="dsv41_report.html", help="output path (default dsv41_report.html)")
+    p.add_argument("--png", default=None, help="a PNG to embed as the benchmark plot (default: drawn from --bench)")
+    p.add_argument("-o", "--out", default=None, metavar="PATH",
+                   help="a .html path, or a folder for dsv41_report.html (default out/)")
     a = p.parse_args(argv)
-    if a.prompt_len < 1 or a.new_tokens < 2:
-        p.error("--prompt-len must be >= 1 and --new-tokens >= 2 (the report is of a decode step)")
-    bench = None
+    a.device = resolve_device(a.device)
+    a.preset = a.preset or ("small" if a.device.startswith("cuda") else "tiny")
+    check_lengths(a.preset, a.prompt_len, a.new_tokens)
+    a.bench_result = None
     if a.bench:
-        with open(a.bench) as f:
-            bench = json.load(f)
+        try:
+            with open(a.bench) as f:
+                a.bench_result = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"argument --bench: cannot read {a.bench!r} as a `dsv41 bench --json` result: {e}") \
+                from None
+    if a.png:
+        try:
+            _read_png(a.png)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"argument --png: {e}") from None
+    a.out_path = output_path(a.out, "dsv41_report.html", ".html")
+    return a
 
+
+def main(argv=None) -> int:
+    """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report
+    (default `out/dsv41_report.html`, `-o` to choose) and print its path.
+
+    Returns 0, or 1 when the compile produced no fusion report. Raises: UsageError for a bad argument, before
+    anything is built (`dsv41 report` prints it as one line with status 2). Options: see `dsv41 report --help`.
+    """
     from .. import cli
     from ..model import benchmark_prompt, generate
-    from .report import last_report
+    from ..outputs import shown
+    from ..progress import Phases
+    from . import report as report_mod
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    preset = a.preset or ("small" if device.startswith("cuda") else "tiny")
-    model = cli.build_model(preset, device, a.weight_mode)
-    before = last_report()
+    a = _report_args(argv)
+    phases = Phases("dsv41 report")
+    with phases.phase(f"building {a.preset} ({a.weight_mode}) on {a.device}"):
+        model = cli.build_model(a.preset, a.device, a.weight_mode)
+    before = report_mod.last_report()
     fast = cli.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
-    generate(fast, benchmark_prompt(model.config, a.prompt_len, device=device), a.new_tokens)
-    rep = last_report()
+    with phases.phase(f"dsv41: compile + {a.new_tokens} tokens",
+                      hint=f"a cold {a.preset} compile takes minutes on a 2-core CPU" if a.device == "cpu" else ""):
+        generate(fast, benchmark_prompt(model.config, a.prompt_len, device=a.device), a.new_tokens)
+    rep = report_mod.last_report()
     if rep is None or rep is before:
         print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
               file=sys.stderr)
         return 1
     rep.set_layer_roles(model.config.roles)  # launches per layer role (the backend never sees the config)
-    write_html(rep, a.out, bench=bench, png_path=a.png)
-    print(f"wrote {a.out} ({preset} on {device}, {len(rep.graphs)} graph(s))")
+    with phases.phase("writing the page"):
+        write_html(rep, a.out_path, bench=a.bench_result, png_path=a.png)
+    print(f"wrote {shown(a.out_path)} ({a.preset} on {a.device}, {len(rep.graphs)} graph(s)); open it in a browser")
     return 0

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["Options", "parse_options", "OPTION_KEYS"]
+__all__ = ["Options", "parse_options", "OPTION_KEYS", "OptionError", "OptionTypeError"]
 
 #: Every valid option key, with a one-line description (printed in the unknown-key error).
 OPTION_KEYS = {
@@ -41,6 +41,37 @@ OPTION_KEYS = {
     "strict": "bool or None (auto: environment DSV41_STRICT, else off): re-raise when a pass family fails on a graph",
 }
 _TRUE = {"1", "true", "yes", "on"}
+
+try:
+    # Dynamo re-raises a ShortenTraceback from a backend as it is; any other exception it wraps in
+    # BackendCompilerFailed, whose message ends in PyTorch's "reporting a bug to PyTorch" hint. A bad option is the
+    # user's error, not PyTorch's: it should read as the one line below.
+    from torch._dynamo.exc import ShortenTraceback as _PassThrough
+except ImportError:  # pragma: no cover - every supported torch has it; without it the error is only wrapped
+    _PassThrough = Exception
+
+
+class _OptionErrorBase(_PassThrough):
+    """Shared part of the option errors: raised through Dynamo unwrapped, and printed as the message alone (Dynamo
+    appends its "from user code" frames and hints to an exception's first argument)."""
+
+    def __init__(self, message: str):
+        if _PassThrough is Exception:
+            super().__init__(message)
+        else:
+            super().__init__(message, first_useful_frame=None)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class OptionError(_OptionErrorBase, ValueError):
+    """An unknown option key or a bad value (a ValueError; the key is named, and the valid keys or values)."""
+
+
+class OptionTypeError(_OptionErrorBase, TypeError):
+    """An option value of the wrong type, or options that are not a dict (a TypeError; the key is named)."""
 _FALSE = {"", "0", "false", "no", "off"}
 
 
@@ -119,7 +150,7 @@ class Options:
 
 def _bool(key: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise TypeError(f"dsv41 option {key!r} must be a bool, got {type(v).__name__} {v!r}")
+        raise OptionTypeError(f"dsv41 option {key!r} must be a bool (true or false), got {type(v).__name__} {v!r}")
     return v
 
 
@@ -130,19 +161,24 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
         options: None or a mapping with keys from `OPTION_KEYS`.
         environ: environment to read `DSV41_REPORT` and `DSV41_STRICT` from (default `os.environ`).
     Raises:
-        ValueError: an unknown key (named, with the list of valid keys), or an unknown family in `disable`.
-        TypeError: `options` is not a mapping, or a value has the wrong type (the key is named).
+        OptionError (a ValueError): an unknown key (named, with the list of valid keys), or an unknown family in
+            `disable`.
+        OptionTypeError (a TypeError): `options` is not a mapping, or a value has the wrong type (the key is named).
+        Both pass through Dynamo unwrapped (not as BackendCompilerFailed) and print as their one-line message.
     """
     from ..passes.manager import FAMILY_ORDER
 
     if options is None:
         options = {}
     if not isinstance(options, Mapping):
-        raise TypeError(f"dsv41 options must be a dict, got {type(options).__name__}")
+        raise OptionTypeError(f"dsv41 options must be a dict, got {type(options).__name__}")
     unknown = sorted(str(k) for k in options if k not in OPTION_KEYS)
     if unknown:
-        valid = "; ".join(f"{k} ({d})" for k, d in OPTION_KEYS.items())
-        raise ValueError(f"unknown dsv41 option(s) {', '.join(repr(k) for k in unknown)}; valid options: {valid}")
+        import difflib
+        near = [m for k in unknown for m in difflib.get_close_matches(k, OPTION_KEYS, n=1)]
+        hint = f" (did you mean {', '.join(repr(m) for m in near)}?)" if near else ""
+        raise OptionError(f"unknown dsv41 option(s) {', '.join(repr(k) for k in unknown)}{hint}; valid options: "
+                          f"{', '.join(OPTION_KEYS)} (dsv41.compiler.options.OPTION_KEYS describes each)")
     report = options.get("report", False)
     print_report, path = False, None
     if isinstance(report, bool):
@@ -150,7 +186,7 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
     elif isinstance(report, (str, os.PathLike)) and str(report):
         path = os.fspath(report)
     else:
-        raise TypeError(f"dsv41 option 'report' must be a bool or a JSON file path, got {report!r}")
+        raise OptionTypeError(f"dsv41 option 'report' must be a bool or a JSON file path, got {report!r}")
     environ = environ if environ is not None else os.environ
     env = environ.get("DSV41_REPORT", "").strip()
     if env.lower() in _TRUE:
@@ -158,11 +194,12 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
     elif env.lower() not in _FALSE and path is None:
         path = env
     disable = options.get("disable", ())
-    if isinstance(disable, str) or not all(isinstance(d, str) for d in disable):
-        raise TypeError(f"dsv41 option 'disable' must be a list of family names, got {disable!r}")
+    if not isinstance(disable, (list, tuple, set, frozenset)) or not all(isinstance(d, str) for d in disable):
+        raise OptionTypeError(f"dsv41 option 'disable' must be a list of family names, got {disable!r}; "
+                              f"families: {', '.join(FAMILY_ORDER)}")
     bad = sorted(set(disable) - set(FAMILY_ORDER))
     if bad:
-        raise ValueError(f"dsv41 option 'disable' names unknown pass families {bad}; valid families: "
+        raise OptionError(f"dsv41 option 'disable' names unknown pass families {bad}; valid families: "
                          f"{', '.join(FAMILY_ORDER)}")
     tri = {}
     for key in ("cuda_graphs", "pdl", "streams"):

@@ -40,7 +40,7 @@ from ..passes.manager import GraphPassResult, PassManager
 from .fallback_text import bounded_operator_text
 from .kernel_counts import WrapperCapture, graph_counts, load_counts, provenance_config
 from .options import Options
-from .report import FusionReport, GraphReport, _set_last
+from .report import FusionReport, GraphReport, KernelCount, _set_last
 from .streams import StreamPass, merge_schedules
 
 __all__ = ["compile_graph"]
@@ -141,26 +141,32 @@ def _merge(results: list[GraphPassResult]) -> GraphPassResult:
     return GraphPassResult(tuple(merged), join(r.graph_before for r in results), join(r.graph_after for r in results))
 
 
-def _save(key: str, result: GraphPassResult, schedule: dict | None = None) -> None:
+def _save(key: str, result: GraphPassResult, schedule: dict | None = None,
+          kernels: KernelCount | None = None) -> None:
+    """Keep the records of a compiled graph (and its schedule and profiled kernel count) under `key`."""
     path = os.path.join(_records_dir(), key + ".json")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"records": [r.to_dict() for r in result.records], "graph_before": result.graph_before,
-                       "graph_after": result.graph_after, "schedule": schedule}, f, default=str)
+                       "graph_after": result.graph_after, "schedule": schedule,
+                       "kernels": None if kernels is None else dict(kernels.__dict__)}, f, default=str)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache directory only costs cache hits later, never correctness
 
 
-def _load(key: str) -> tuple[GraphPassResult, dict | None] | None:
+def _load(key: str) -> tuple[GraphPassResult, dict | None, KernelCount | None] | None:
+    """(records, schedule, profiled kernel count or None) kept under `key`, or None."""
     path = os.path.join(_records_dir(), key + ".json")
     try:
         with open(path) as f:
             d = json.load(f)
+        k = d.get("kernels")
+        kernels = KernelCount(**k) if isinstance(k, dict) and k.get("before") is not None else None
         return (GraphPassResult(tuple(PassRecord.from_dict(r) for r in d["records"]), d.get("graph_before"),
-                                d.get("graph_after")), d.get("schedule"))
+                                d.get("graph_after")), d.get("schedule"), kernels)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -254,7 +260,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         # Records without the launch count kept by the current counting rules (kernel_counts.py changed since, or
         # the count file is gone): a cache hit would skip the compile the count is read from, so compile afresh.
         loaded = None
-    stored, stored_schedule = loaded if loaded is not None else (None, None)
+    stored, stored_schedule, stored_kernels = loaded if loaded is not None else (None, None, None)
     dynamo_view = WrapperCapture()
     dynamo_view.remember_dynamo_graph(gm)  # before compile_fx, which may rewrite gm; shared by both compiles
 
@@ -289,8 +295,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
         result = _merge(manager.results)
         if schedule is not None and "code_after" in schedule:  # debug: show the graph with its fork / join ops
             result = GraphPassResult(result.records, result.graph_before, schedule.pop("code_after"))
-        if key is not None:
-            _save(key, result, schedule)
     elif stored is not None:
         result, schedule = stored, stored_schedule
     else:  # Inductor had nothing to lower (e.g. a graph without ops): no post-grad graph, nothing to fuse
@@ -299,13 +303,25 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
                                        for n in FAMILY_ORDER))
 
     compiled = _graph_call(compiled, report, len(report.graphs), pdl if on_cuda else None)
-    kernels = None
+    kernels, count_s = None, 0.0
     if opts.count_kernels:
-        from .profiling import count_step_kernels
-        kernels = count_step_kernels(gm, compiled, example_inputs)
+        if from_cache and stored_kernels is not None:
+            # The same graph and the same compiled code as when it was counted (the record key covers both): the
+            # profiled count is kept, not re-measured (about 10 s of a 25 s warm `tiny` compile on a 2-core CPU).
+            kernels = stored_kernels
+        else:
+            import time
+
+            from .profiling import count_step_kernels
+            t0 = time.perf_counter()
+            kernels = count_step_kernels(gm, compiled, example_inputs)
+            count_s = time.perf_counter() - t0
+    if key is not None and (manager.results or (kernels is not None and stored_kernels is None
+                                                and kernels.before is not None)):
+        _save(key, result, schedule, kernels if kernels is not None and kernels.before is not None else None)
     report.add_graph(GraphReport(len(report.graphs), _compile_id(), result.records, kernels, from_cache,
                                  result.graph_before, result.graph_after, layer_kernels=layer_kernels,
-                                 schedule=schedule))
+                                 schedule=schedule, count_s=count_s))
     _set_last(report)
     if opts.print_report:
         report.print()

@@ -17,15 +17,18 @@ clones of those, so counting never changes the model's state. The RNG state is r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .report import KernelCount
 
-__all__ = ["count_step_kernels", "CPU_METHOD", "CUDA_METHOD"]
+__all__ = ["count_step_kernels", "quiet_profile", "CPU_METHOD", "CUDA_METHOD"]
 
 CUDA_METHOD = "CUDA device activities recorded by torch.profiler in one run of the graph"
 CPU_METHOD = ("top-level computing operator calls + Inductor C++ kernels in one run of the graph "
@@ -41,6 +44,50 @@ _NO_COMPUTE = {
     "numpy_T", "movedim", "unfold", "diagonal", "result_type", "size", "stride", "dim", "is_nonzero",
     "_has_compatible_shallow_copy_type", "set_", "resize_", "record_stream", "to",
 }
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Send the process's file descriptor 2 to /dev/null inside the block (Python's sys.stderr is flushed first).
+
+    Kineto, below Python, prints "USDT: ... profiler_start" / "profiler_stop" lines to fd 2 at every profiler
+    start and stop; its log level (KINETO_LOG_LEVEL) is read once per process, at the first start, so setting it
+    here would not help after a user's own profiler run. Only the start and the stop are wrapped, never the
+    profiled code, so nothing of the user's goes missing."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no fd 2 (embedded interpreters): nothing to quiet
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_profile(activities) -> Iterator:
+    """`torch.profiler.profile(activities=activities)` without Kineto's start / stop lines on stderr.
+
+    Yields the started profiler (read `prof.events()` after the block). Raises what the profiler raises.
+    """
+    from torch.profiler import profile
+
+    prof = profile(activities=activities)
+    with _quiet_fd2():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _quiet_fd2():
+            prof.__exit__(None, None, None)
 
 
 def _is_op(name: str) -> bool:
@@ -141,7 +188,7 @@ def count_step_kernels(gm: Callable, compiled: Callable, example_inputs: Sequenc
     def fresh():
         return [t.clone() if i in mutated else t for i, t in enumerate(example_inputs)]
 
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     cpu_rng = torch.random.get_rng_state()
@@ -155,7 +202,7 @@ def count_step_kernels(gm: Callable, compiled: Callable, example_inputs: Sequenc
         with warnings.catch_warnings():
             # torch 2.11 warns that a profiler cycle keeps only its own events: exactly what is wanted here.
             warnings.simplefilter("ignore", UserWarning)
-            with profile(activities=activities) as prof:
+            with quiet_profile(activities) as prof:
                 with record_function(_MARK):
                     fn(*args)
                 if device == "cuda":

@@ -13,7 +13,7 @@ after are recorded when the `count_kernels` option is on (see `profiling.py` for
 Kernel launches per call per decoder layer are always counted, statically from the generated code
 (`kernel_counts.py`: `kernels_by_layer`); `set_layer_roles(ModelConfig.roles)` adds `kernels_by_role`.
 
-Output: `to_dict()`, `to_json(path)`, `print()` / `str(report)` (a rich table). Source: ARCHITECTURE.md
+Output: `to_dict()`, `to_json(path)`, `summary()` (a few lines), `print()` / `str(report)` (rich tables). Source: ARCHITECTURE.md
 "Pipeline stages" 6 and "The user's view"; STYLE.md (records collected as the pipeline runs).
 """
 
@@ -77,6 +77,8 @@ class GraphReport:
     graph_after: str | None = None
     layer_kernels: LayerKernelCounts | None = None
     schedule: dict | None = None
+    #: seconds spent profiling the kernel count on this compile (0: not counted, or the kept count was reused)
+    count_s: float = 0.0
 
     def record(self, family: str) -> PassRecord:
         """The record of `family` (KeyError naming the valid families otherwise)."""
@@ -92,7 +94,7 @@ class GraphReport:
                 "records": [r.to_dict() for r in self.records],
                 "graph_before": self.graph_before, "graph_after": self.graph_after,
                 "layer_kernels": None if self.layer_kernels is None else self.layer_kernels.to_dict(),
-                "schedule": self.schedule}
+                "schedule": self.schedule, "count_s": round(self.count_s, 2)}
 
 
 def _loc(loc: SourceLocation | None) -> dict | None:
@@ -304,7 +306,7 @@ class FusionReport:
         `schedule` / `buckets` when present."""
         import torch
 
-        from .. import __version__
+        from .._version import __version__
         fams = {n: self.family(n) for n in self.family_names()}
         fused = [f for n, f in fams.items() if n != "normalize"]
         bb = sum((sympy.sympify(f["bytes_before"], locals={"B": BATCH, "L": LENGTH}) for f in fused), sympy.Integer(0))
@@ -472,6 +474,32 @@ class FusionReport:
         if kl["note"]:
             out.append(f"launch count note: {kl['note']}")
         return out
+
+    def summary(self) -> str:
+        """The report in a few plain-text lines: graphs; kernels per step before -> after (profiled with option
+        `count_kernels`, else the static launch count after); bytes per step moved by the fused chains before ->
+        after; matches per family (each match is one fused op); the `normalize` rewrites apart from them."""
+        from ..run_summary import REWRITE_FAMILIES, _human_bytes
+
+        d = self.to_dict()
+        k, kl, b = d["kernels"], d["kernels_by_layer"] or {}, d["bytes"]
+        lines = [f"dsv41 fusion report: {len(self.graphs)} graph(s)"
+                 + (f", {sum(g.from_cache for g in self.graphs)} served from the caches"
+                    if any(g.from_cache for g in self.graphs) else "")]
+        if k["before"] is not None:
+            lines.append(f"  kernels per step: {k['before']:,} -> {k['after']:,} (profiled)")
+        elif kl.get("total") is not None:
+            lines.append(f"  kernels per step: {kl['total']:,} launches after (static count; before: option "
+                         "count_kernels)")
+        lines.append(f"  bytes per step moved by the fused chains: {_human_bytes(b['before_value'])} -> "
+                     f"{_human_bytes(b['after_value'])}")
+        fams = d["families"]
+        fused = [f"{n} {f['matches']}" for n, f in fams.items() if n not in REWRITE_FAMILIES and f["matches"]]
+        lines.append("  matches per family: " + (", ".join(fused) if fused else "none"))
+        rewrites = [f"{n} {fams[n]['matches']}" for n in REWRITE_FAMILIES if n in fams]
+        if rewrites:
+            lines.append("  rewrites (not fusions): " + ", ".join(rewrites))
+        return "\n".join(lines)
 
     def print(self, file=None) -> None:
         """Print the report as rich tables to `file` (default stdout)."""

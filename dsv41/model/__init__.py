@@ -6,10 +6,14 @@ config, `budget.py`) and its result `Budget`, `generate`, `GenerateResult`, `ben
 `from dsv41.model.budget import ...` for the other helpers there).
 """
 
-from .budget import Budget, budget
-from .config import ModelConfig
-from .generate import GenerateResult, benchmark_prompt, generate
-from .model import Block, DeepseekV41Flash
+from .._package import repair as _repair
+
+_repair()  # `dsv41` imported as a namespace package (a script beside the clone): run its __init__ now
+
+from .budget import Budget, budget  # noqa: E402
+from .config import ModelConfig  # noqa: E402
+from .generate import GenerateResult, benchmark_prompt, generate  # noqa: E402
+from .model import Block, DeepseekV41Flash  # noqa: E402
 
 __all__ = ["ModelConfig", "DeepseekV41Flash", "Block", "generate", "GenerateResult", "benchmark_prompt", "budget",
            "Budget"]

@@ -24,14 +24,21 @@ from safetensors.torch import save_file
 from .config import ModelConfig
 from .formats import dequantize_fp4_1x32, dequantize_fp8_block, quantize_fp8_block
 
-__all__ = ["save_pretrained", "from_pretrained", "CheckpointError"]
+__all__ = ["save_pretrained", "from_pretrained", "CheckpointError", "CheckpointNotFoundError"]
 
 _INDEX = "model.safetensors.index.json"
 _E4M3, _E8M0, _FP4 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: missing, extra or mis-shaped tensors (all named)."""
+    """A checkpoint that cannot be loaded into the model: a missing directory, config or shard, a truncated or corrupt
+    shard, missing, extra or mis-shaped tensors. The message names the checkpoint directory, the file and the
+    tensor where they apply."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory, its `config.json` or a shard the index lists does not exist (also a
+    FileNotFoundError, which `from_pretrained` raised for a missing `config.json` before)."""
 
 
 def _file_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -89,19 +96,63 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
         json.dump({"metadata": {"format": "dsv41"}, "weight_map": weight_map}, f, indent=1)
 
 
+def _corrupt(path: str, fn: str, e: Exception) -> CheckpointError:
+    """The error for a shard safetensors cannot read (truncated download, overwritten file)."""
+    return CheckpointError(f"checkpoint {path!r}: shard {fn!r} is truncated or corrupt, so it cannot be read "
+                           f"(safetensors: {e}); download or save it again")
+
+
+def _open_shard(path: str, fn: str):
+    """`safe_open` of shard `fn` of checkpoint `path`. Raises CheckpointNotFoundError (missing file) or
+    CheckpointError (a header safetensors cannot parse), both naming the directory and the file."""
+    from safetensors import SafetensorError
+
+    full = os.path.join(path, fn)
+    if not os.path.isfile(full):
+        raise CheckpointNotFoundError(f"checkpoint {path!r}: shard {fn!r} does not exist")
+    try:
+        return safe_open(full, "pt")
+    except SafetensorError as e:
+        raise _corrupt(path, fn, e) from None
+
+
 def _open_files(path: str) -> Dict[str, str]:
+    """{tensor name: shard file} from the index, or from the headers of every shard when there is no index.
+    Raises CheckpointError (naming the directory and file) for an unreadable index or shard, or no shards."""
     idx = os.path.join(path, _INDEX)
     if os.path.exists(idx):
-        with open(idx) as f:
-            return json.load(f)["weight_map"]
+        try:
+            with open(idx) as f:
+                wmap = json.load(f)["weight_map"]
+            if not isinstance(wmap, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint {path!r}: index {_INDEX!r} is not a safetensors index "
+                                  f"({type(e).__name__}: {e})") from None
+        return wmap
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"no safetensors files in {path!r}")
     out = {}
     for fn in files:
-        with safe_open(os.path.join(path, fn), "pt") as f:
+        with _open_shard(path, fn) as f:
             out.update({k: fn for k in f.keys()})
     return out
+
+
+def _check_shards(path: str, wmap: Dict[str, str]) -> None:
+    """Open every shard the map names and check it holds the tensors the map puts there, before any is read.
+    Raises CheckpointNotFoundError / CheckpointError naming the directory, the file and the missing tensors."""
+    by_file: Dict[str, list] = {}
+    for k, fn in wmap.items():
+        by_file.setdefault(fn, []).append(k)
+    for fn in sorted(by_file):
+        with _open_shard(path, fn) as f:
+            have = set(f.keys())
+        missing = sorted(k for k in by_file[fn] if k not in have)
+        if missing:
+            raise CheckpointError(f"checkpoint {path!r}: shard {fn!r} does not contain {len(missing)} tensor(s) its "
+                                  f"index {_INDEX!r} lists there, first: {missing[:5]}")
 
 
 @torch.no_grad()
@@ -110,14 +161,28 @@ def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dty
     """Build a `DeepseekV41Flash` from checkpoint directory `path`.
 
     Raises:
-        FileNotFoundError: no config.json. CheckpointError: a tensor missing from the files, a tensor the model
-        does not have, a shape that differs (message names the tensor and both shapes), or a dense tensor where
-        the checkpoint-mode model expects FP8/FP4 bytes.
+        CheckpointNotFoundError (a CheckpointError and a FileNotFoundError): `path` is not a directory, it has no
+        config.json, or a shard the index lists is missing. CheckpointError: an unreadable index, a truncated or
+        corrupt shard, a tensor the index lists that its shard does not hold, a tensor missing from the files, a
+        tensor the model does not have, a shape that differs (message names the tensor and both shapes), or a
+        dense tensor where the checkpoint-mode model expects FP8/FP4 bytes. Every message names the directory or
+        the tensor, and the file where one applies.
     """
     from .model import DeepseekV41Flash
-    config = ModelConfig.from_pretrained(path)
-    model = DeepseekV41Flash(config, weight_mode=weight_mode, dtype=dtype, device=device, token_map=token_map)
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointNotFoundError(f"checkpoint directory {path!r} {what}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"checkpoint {path!r} has no config.json (not a checkpoint directory, or an "
+                                      "incomplete download)")
+    try:
+        config = ModelConfig.from_pretrained(path)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: config.json does not describe a model: {e}") from None
+    # The files first: a truncated shard of a large checkpoint fails in seconds, not after the model is allocated.
     wmap = _open_files(path)
+    _check_shards(path, wmap)
+    model = DeepseekV41Flash(config, weight_mode=weight_mode, dtype=dtype, device=device, token_map=token_map)
     sd = model.state_dict()
     expected = {}   # checkpoint name -> (state-dict name, expert index or None, kind)
     for name, t in sd.items():
@@ -144,10 +209,17 @@ def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dty
     handles = {}
     try:
         def read(key):
+            """Tensor `key` from its shard (CheckpointError naming the tensor and file if its bytes are bad)."""
+            from safetensors import SafetensorError
+
             fn = wmap[key]
             if fn not in handles:
-                handles[fn] = safe_open(os.path.join(path, fn), "pt")
-            return handles[fn].get_tensor(key)
+                handles[fn] = _open_shard(path, fn)
+            try:
+                return handles[fn].get_tensor(key)
+            except SafetensorError as e:
+                raise CheckpointError(f"checkpoint {path!r}: tensor {key!r} in shard {fn!r} cannot be read "
+                                      f"(safetensors: {e})") from None
 
         for key, (name, e, kind) in expected.items():
             src = read(key)
@@ -156,16 +228,17 @@ def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dty
                 if src.dtype == _E4M3:
                     s = read(key[:-len("weight")] + "scale")
                     src = dequantize_fp8_block(src.view(torch.uint8), s.view(torch.uint8), torch.float32)
-                _copy_checked(key, dst, src)
+                _copy_checked(key, dst, src, f"shard {wmap[key]!r} of {path!r}")
                 continue
             if src.dtype in (_E4M3, _E8M0, _FP4):
                 src = src.view(torch.uint8)
                 if dst.dtype != torch.uint8:
                     src = _dequantize_for_dense(key, src, read, dst)
             elif dst.dtype == torch.uint8:
-                raise CheckpointError(f"tensor {key!r}: file holds dense {src.dtype} {tuple(src.shape)} but the "
-                                      f"{weight_mode}-mode model stores FP8/FP4 bytes {tuple(dst.shape)}")
-            _copy_checked(key, dst, src)
+                raise CheckpointError(f"tensor {key!r} (shard {wmap[key]!r} of {path!r}): file holds dense "
+                                      f"{src.dtype} {tuple(src.shape)} but the {weight_mode}-mode model stores "
+                                      f"FP8/FP4 bytes {tuple(dst.shape)}")
+            _copy_checked(key, dst, src, f"shard {wmap[key]!r} of {path!r}")
     finally:
         handles.clear()
     return model.eval()
@@ -183,7 +256,8 @@ def _dequantize_for_dense(key: str, codes: torch.Tensor, read, dst: torch.Tensor
     return dequantize_fp8_block(codes, scale, torch.float32)
 
 
-def _copy_checked(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_checked(key: str, dst: torch.Tensor, src: torch.Tensor, where: str = "") -> None:
     if tuple(src.shape) != tuple(dst.shape):
-        raise CheckpointError(f"tensor {key!r}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+        raise CheckpointError(f"tensor {key!r}{f' ({where})' if where else ''}: checkpoint shape {tuple(src.shape)} "
+                              f"!= model shape {tuple(dst.shape)}")
     dst.copy_(src.to(device=dst.device, dtype=dst.dtype))

@@ -1,0 +1,213 @@
+"""`dsv41 bench`: the benchmark's command line (arguments, checks, outputs); the protocol is `dsv41.bench`.
+
+Arguments are checked before anything is built (`dsv41.usage`, `dsv41.bench_plan.check_request`): a bad one is
+one line, `dsv41 bench: error: ...`, exit status 2. Files the user does not name go into the output folder
+(`-o/--out`, default `out/`); every written path is printed.
+
+Public names: `main`, `console_main`, `parser`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["main", "console_main", "parser"]
+
+
+def parser():
+    """The `dsv41 bench` argument parser (one-line errors, `dsv41.usage.OneLineParser`)."""
+    from .bench import __doc__ as bench_doc
+    from .usage import OneLineParser, int_at_least, positive_float
+
+    p = OneLineParser(prog="dsv41 bench", description=bench_doc.split("\n")[0])
+    p.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
+                   help="default: small on a GPU, tiny on CPU")
+    p.add_argument("--backends", default="all",
+                   help="comma-separated: eager, inductor, inductor-cudagraphs, dsv41, torch_tensorrt, "
+                        "dsv41-no-<family>, 'ablations', 'all' (default)")
+    p.add_argument("--prompt-len", type=int_at_least(1), default=None, help="default 4096 on GPU, 32 on CPU")
+    p.add_argument("--new-tokens", type=int_at_least(2, " (decode tok/s needs a decode step)"), default=None,
+                   help="default 1024 on GPU, 8 on CPU")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="measured runs per backend (default 5)")
+    p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
+                   help="skip the warm-cache recompile (compile_warm_s stays empty); saves a compile per backend")
+    p.add_argument("--speculative", type=positive_float, default=None, metavar="E",
+                   help="DSpark speculative decoding with simulated match-expected acceptance E (e.g. 5.5): every "
+                        "row, or only the <row>+dspark rows when there are any (their default E: 5.5)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="dsv41 backend option for the dsv41 row and the ablations (repeatable), e.g. streams=false")
+    p.add_argument("--shared-cache", action="store_true",
+                   help="one Inductor cache dir for all backends (compile_s is then not cold; fits a toggle matrix)")
+    p.add_argument("--regional", action="store_true",
+                   help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
+    p.add_argument("--precompile", type=int_at_least(0), default=0, metavar="N",
+                   help="N worker processes compile the rows into their caches in parallel first (dsv41.precompile)")
+    p.add_argument("--precompile-only", action="store_true",
+                   help="with --precompile and --cache-dir: only fill the caches (a later run is served from them)")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the rows' Inductor caches here (a later run with the same arguments is served from them)")
+    p.add_argument("--eager-new-tokens", type=int_at_least(2), default=None, metavar="R",
+                   help="eager reference and eager rows decode R tokens (<= --new-tokens); the other rows are "
+                        "compared with eager over those R")
+    p.add_argument("--row-new-tokens", action="append", default=[], metavar="ROW=R",
+                   help="this row decodes R tokens per run (repeatable), e.g. inductor=128 for a host-bound row")
+    p.add_argument("--contexts", default=None, metavar="N,N,...",
+                   help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
+    p.add_argument("--context-tokens", type=int_at_least(2), default=32,
+                   help="decode steps per context point (default 32)")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--png", nargs="?", const="", default=None,
+                   help="write the plot; without a path, next to --json with .png (else out/dsv41_bench.png)")
+    p.add_argument("--html", default=None, help="write the dsv41 fusion report with this benchmark as HTML here")
+    p.add_argument("-o", "--out", default=None, metavar="DIR",
+                   help="folder for the files whose path is not given (default out/)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel ranks (spawned, or one per torchrun process); rank 0 writes the outputs")
+    p.add_argument("--tp-moe", choices=("tp", "ep"), default="tp", help="MoE layout under --tp")
+    p.add_argument("--tp-pad-to", type=int_at_least(1), default=None, help="per-rank expert inter padding multiple")
+    return p
+
+
+def _contexts(text: str | None) -> list | None:
+    """`--contexts 4096,32768` -> [4096, 32768] (None without the flag); UsageError for anything else."""
+    from .usage import UsageError
+    if not text:
+        return None
+    try:
+        out = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise UsageError(f"argument --contexts: expected comma-separated integers >= 1, e.g. 4096,32768; got {text!r}")
+    return out
+
+
+def check_args(a) -> None:
+    """Check parsed `dsv41 bench` arguments `a` before anything is built, and fill in `a.device` (unless under
+    --tp, where each rank picks its own), `a.preset`, `a.prompt_len`, `a.new_tokens`, `a.contexts_list`,
+    `a.options` and `a.row_new_tokens_map`.
+
+    Raises: UsageError naming the flag (`dsv41.usage`, `dsv41.bench_plan.check_request`).
+    """
+    from . import bench as B
+    from .bench_plan import check_request
+    from .usage import UsageError, check_options, resolve_device
+
+    if a.tp is not None and a.tp < 1:
+        raise UsageError(f"argument --tp: must be a positive number of ranks (>= 1), got {a.tp}")
+    if a.tp is not None and (a.speculative is not None or a.contexts):
+        raise UsageError("argument --tp: --speculative and --contexts are not supported with --tp yet")
+    device = resolve_device(a.device)
+    if a.tp is None:  # under --tp each rank picks its own device (`launch.init_distributed`)
+        a.device = device
+    cuda = device.startswith("cuda")
+    a.preset = a.preset or ("small" if cuda else "tiny")
+    a.prompt_len = a.prompt_len if a.prompt_len is not None else (4096 if cuda else 32)
+    a.new_tokens = a.new_tokens if a.new_tokens is not None else (1024 if cuda else 8)
+    a.contexts_list = _contexts(a.contexts)
+    try:
+        B.expand_backends(a.backends, B.ablation_families()[0])
+    except ValueError as e:
+        raise UsageError(f"argument --backends: {e}") from None
+    a.options = check_options(a.option) or None
+    try:
+        a.row_new_tokens_map = B.parse_row_new_tokens(a.row_new_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    check_request(a.preset, a.backends, a.prompt_len, a.new_tokens, a.repeats, weight_mode=a.weight_mode,
+                  dtype=a.dtype, speculative=a.speculative, contexts=a.contexts_list,
+                  context_tokens=a.context_tokens, tp={} if a.tp is not None else None, precompile=a.precompile,
+                  precompile_only=a.precompile_only, cache_dir=a.cache_dir, eager_new_tokens=a.eager_new_tokens,
+                  row_new_tokens=a.row_new_tokens_map)
+
+
+def main(argv=None) -> int:
+    """Parse and check `dsv41 bench` arguments, run the benchmark, write and print the results; returns the exit
+    status (0). Raises: UsageError for a bad argument (before anything is built; `console_main` prints it as one
+    line with status 2); argparse's own errors exit with status 2 after one line."""
+    a = parser().parse_args(argv)
+    check_args(a)
+    if a.tp is not None:
+        from .launch import launch_ranks
+        return launch_ranks(_bench_from_args, a.tp, a, device=a.device)
+    return _bench_from_args(a)
+
+
+def console_main(argv=None) -> int:
+    """`main` for a console: a UsageError is one line on stderr (`dsv41 bench: error: ...`) and status 2."""
+    from .usage import UsageError, usage_error
+    try:
+        return main(argv)
+    except UsageError as e:
+        return usage_error("dsv41 bench", e)
+
+
+def _bench_from_args(a) -> int:
+    """Run the benchmark for checked CLI arguments `a` (`check_args`); under TP (an initialised group) only rank 0
+    writes and prints."""
+    from . import bench as B
+    from .outputs import output_path, shown
+
+    tp, rank = None, 0
+    if a.tp is not None:
+        from .launch import init_distributed
+        info = init_distributed(a.device)
+        a.device, rank = str(info.device), info.rank
+        tp = {"moe_mode": a.tp_moe, "pad_to": a.tp_pad_to}
+
+    def write_json(r: dict) -> None:
+        """Write `r` to --json (rank 0 only); the partial results along the way, the final one at the end."""
+        if a.json and rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+            tmp = a.json + ".tmp"  # a kill mid-write leaves the previous file whole
+            with open(tmp, "w") as f:
+                json.dump(r, f, indent=1, default=str)
+            os.replace(tmp, a.json)
+
+    res = B.run_benchmark(a.preset, a.backends, a.prompt_len, a.new_tokens, a.repeats, a.weight_mode, a.device,
+                          options=a.options, dtype=a.dtype, warm_compile=a.warm_compile, speculative=a.speculative,
+                          contexts=a.contexts_list, context_tokens=a.context_tokens, tp=tp, regional=a.regional,
+                          shared_cache=a.shared_cache, precompile=a.precompile, cache_dir=a.cache_dir,
+                          precompile_only=a.precompile_only, on_update=write_json,
+                          eager_new_tokens=a.eager_new_tokens, row_new_tokens=a.row_new_tokens_map)
+    if rank != 0:
+        return 0
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)
+
+    def wrote(path: str) -> None:
+        """Print the path of a file just written (relative to the current directory when below it)."""
+        console.print(f"wrote {shown(path)}", markup=False, highlight=False)
+
+    if a.json:
+        write_json(res)
+        wrote(a.json)
+    png = None
+    if a.png is not None:
+        from .plots import plot_benchmark
+        png = a.png or (os.path.splitext(a.json)[0] + ".png" if a.json else output_path(a.out, "dsv41_bench.png"))
+        plot_benchmark(res, png)
+        wrote(png)
+    if a.html:
+        report = (res["backends"].get("dsv41") or {}).get("report")
+        if report is None:
+            console.print("no dsv41 fusion report in this run (dsv41 not run or failed): --html skipped")
+        else:
+            from .compiler.html import write_html
+            write_html(report, a.html, bench=res, png_path=png)
+            wrote(a.html)
+    B.print_context_table(res, console)
+    B.print_table(res, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(console_main())
