@@ -261,3 +261,37 @@ def test_weighted_site_bytes_count_the_weight_once_per_step(zoo):
     per_step = 4 * (24 * WIDTH + WIDTH + 24 + 3)
     assert site["bytes_after"] == f"{4 * (WIDTH + 24)}*B*L + {per_step}"
     assert site["bytes_before_value"] > site["bytes_after_value"]
+
+
+def test_weighted_mixes_are_gated_on_cuda_until_validated(monkeypatch):
+    """The RMS-weighted mhc_mixes kernel variant stays off for graphs on CUDA until it has run on a GPU
+    (`manager.GPU_UNVALIDATED_OPS`): simulated on CPU by gating as CUDA does; the chain keeps eager's numbers."""
+    import dsv41
+    from dsv41.compiler import options as opts_mod
+
+    monkeypatch.setattr(opts_mod.Options, "gated_ops",
+                        lambda self, on_cuda: frozenset({"mhc_mixes(norm_weight)"}))
+    g = torch.Generator().manual_seed(21)
+    H = torch.randn(1, 1, STREAMS, DIM, generator=g)
+    fn = torch.randn(24, STREAMS * DIM, generator=g) / 8
+    w = 0.5 + torch.rand(STREAMS * DIM, generator=g)
+    base, scale = torch.randn(24, generator=g), 0.5 + torch.rand(3, generator=g)
+
+    def mixes(H, fn, w, base, scale):
+        z = H.flatten(2).float()
+        m = F.linear(F.rms_norm(z, (z.shape[-1],), w, 1e-6), fn)
+        pre = torch.sigmoid(m[..., :4] * scale[0] + base[:4]) + 1e-6
+        post = 2 * torch.sigmoid(m[..., 4:8] * scale[1] + base[4:8])
+        c = torch.softmax((m[..., 8:] * scale[2] + base[8:]).unflatten(-1, (4, 4)), -1) + 1e-6
+        c = c / (c.sum(-2, keepdim=True) + 1e-6)
+        for _ in range(2):
+            c = c / (c.sum(-1, keepdim=True) + 1e-6)
+            c = c / (c.sum(-2, keepdim=True) + 1e-6)
+        return pre, post, c
+
+    torch._dynamo.reset()
+    got = torch.compile(mixes, backend="dsv41", dynamic=False)(H, fn, w, base, scale)
+    for a, b in zip(got, mixes(H, fn, w, base, scale)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    fam = dsv41.last_report().to_dict()["families"]["mhc"]
+    assert fam["matches"] == 0 and [m["check"] for m in fam["near_misses"]] == ["gpu_unvalidated"]

@@ -132,6 +132,13 @@ class MhcFamily(FusionFamily):
                 if refused is not None:
                     misses.append(refused)
                     continue
+                variant = "mhc_mixes(norm_weight)" if site.op_name == "mhc_mixes" and len(site.args) == 8 else None
+                if variant in self.gated_ops:
+                    misses.append(NearMiss(self.name, site.pattern, "gpu_unvalidated",
+                                           f"dsv41::{variant} has not yet run on a GPU, so on CUDA this chain stays "
+                                           "with Inductor (option gpu_unvalidated=True fuses it)",
+                                           SourceLocation.from_node(site.anchor)))
+                    continue
                 op = dsv41_op(site.op_name)
                 if op is None:
                     missing.add(site.op_name)
