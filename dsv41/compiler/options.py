@@ -11,7 +11,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
 | `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: on where the graph replays as a CUDA graph: `cuda_graphs`, or the regional wrapper's capture): `dsv41.kernels.set_pdl` around each call of the compiled graphs (other compiles keep their own), and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
-| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200); off, they show in the report as off with that reason. CPU always runs them |
+| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families and fused ops whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200; `GPU_UNVALIDATED_OPS`, e.g. `linear_fp8_scaled`); off, such a family shows in the report as off with that reason and such an op's chains as near-misses `gpu_unvalidated`. CPU always runs them |
 | `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: on for graphs on CUDA replayed as CUDA graphs, Inductor's or the regional wrapper's (validated on the H200: `tests/test_streams_gpu.py`, `small` 365.6 -> 407.5 tok/s), off otherwise (outside a graph every fork/join is a host-side event record and wait; on CPU they are no-ops); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 | `strict`       | bool or None      | None    | re-raise when a pass family (or the stream rewrite) raises on a graph; None: the environment variable `DSV41_STRICT` (`1`/`true`/`yes`; the test suite sets it), else off. Off, a failing family's changes to that graph are undone, the other families run, and the report records a `family_failed` finding naming the family, the exception and the source line it was examining |
@@ -37,7 +37,7 @@ OPTION_KEYS = {
     "cuda_graphs": "bool or None (auto: on): record CUDA graphs of graphs on CUDA (Inductor CUDA-graph trees)",
     "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
     "streams": "bool or None (auto: on with CUDA graphs on CUDA): move off-critical-path dsv41 ops to a side stream",
-    "gpu_unvalidated": "bool: also run on CUDA the families whose kernels have not yet run on a GPU",
+    "gpu_unvalidated": "bool: also run on CUDA the families and fused ops whose kernels have not yet run on a GPU",
     "strict": "bool or None (auto: environment DSV41_STRICT, else off): re-raise when a pass family fails on a graph",
 }
 _TRUE = {"1", "true", "yes", "on"}
