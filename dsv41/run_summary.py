@@ -9,21 +9,11 @@ Public names: `print_run_summary`, `summary_rows`, `family_rows`, `REWRITE_FAMIL
 """
 
 from __future__ import annotations
+from .compiler.units import human_bytes
+from .passes.manager import REWRITE_FAMILIES
 
 __all__ = ["print_run_summary", "summary_rows", "family_rows", "REWRITE_FAMILIES"]
 
-#: Families that rewrite the graph into forms the matchers read without fusing anything.
-REWRITE_FAMILIES = ("normalize",)
-
-
-def _human_bytes(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _count(n) -> str:
@@ -79,8 +69,8 @@ def summary_rows(result: dict, report_path: str | None = None, acceptance=None) 
             rows.append(("kernels per step", f"{_count(kl['total'])} launches after (static count; before: "
                          "option count_kernels)"))
         b = rep.get("bytes") or {}
-        rows.append(("bytes per step", f"{_human_bytes(b.get('before_value'))} -> "
-                     f"{_human_bytes(b.get('after_value'))} (the chains dsv41 fused)"))
+        rows.append(("bytes per step", f"{human_bytes(b.get('before_value'))} -> "
+                     f"{human_bytes(b.get('after_value'))} (the chains dsv41 fused)"))
         by_role = result.get("kernels_per_step_by_role") or {}
         per = by_role.get("per_layer") or {}
         if by_role:
@@ -103,8 +93,8 @@ def family_rows(report: dict) -> tuple[list[tuple[str, str, str]], list[tuple[st
         if name in REWRITE_FAMILIES:
             rewrites.append((name, n))
         elif n:
-            fused.append((name, f"{n:,}", f"{_human_bytes(f.get('bytes_before_value'))} -> "
-                                          f"{_human_bytes(f.get('bytes_after_value'))}"))
+            fused.append((name, f"{n:,}", f"{human_bytes(f.get('bytes_before_value'))} -> "
+                                          f"{human_bytes(f.get('bytes_after_value'))}"))
     return fused, rewrites
 
 

@@ -48,3 +48,13 @@ def tiny_dsv41(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for the module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): eager decode
+    of `tiny` is thousands of small ops, which on a shared 2-core box run much faster on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

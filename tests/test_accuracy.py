@@ -18,13 +18,7 @@ from dsv41 import accuracy, bench
 MAX_OVER_EAGER = 1.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Eager decode of tiny is thousands of small ops: on a shared 2-core box one thread is much faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,7 @@ DSV41_ROW_KEYS = {"fusion_matches", "kernels_per_step_by_role", "kernels_per_ste
                   "kernels_static_minus_profiler"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Eager decode of tiny is thousands of small ops: on a shared 2-core box one thread is much faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------ statistics

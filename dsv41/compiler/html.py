@@ -36,6 +36,7 @@ import os
 import re
 import sys
 from collections import Counter
+from .units import human_bytes
 
 __all__ = ["render_html", "write_html", "main"]
 
@@ -128,16 +129,6 @@ def _table(headers, rows, num_cols=(), cls: str | None = None) -> str:
     klass = f' class="{_e(" ".join(classes))}"' if classes else ""
     thead = f"<thead><tr>{head}</tr></thead>" if head else ""
     return f"<table{klass}>{cols}{thead}<tbody>{''.join(body)}</tbody></table>"
-
-
-def _human(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _dash(x) -> str:
@@ -262,8 +253,8 @@ def _summary(d: dict) -> str:
         kern = "not counted"
     rows = [["kernels per step", kern],
             ["bytes per step moved by the fused chains",
-             _Raw(f'<span class="big">{_e(_human(b.get("before_value")))} &rarr; '
-                  f'{_e(_human(b.get("after_value")))}</span>')],
+             _Raw(f'<span class="big">{_e(human_bytes(b.get("before_value")))} &rarr; '
+                  f'{_e(human_bytes(b.get("after_value")))}</span>')],
             ["fused", f"{sum(f['matches'] for f in fused.values()):,} matches in {len(fused)} families, each match "
                       "one fused op" + (f"; rewrites (canonical forms, no bytes moved): {', '.join(rewrites)}"
                                         if rewrites else "")],
@@ -294,7 +285,7 @@ def _families(fams: dict) -> str:
         on = _Raw('<span class="on">on</span>' if f.get("enabled") else '<span class="off">OFF</span>')
         rows.append([name, on, f.get("matches", 0), f.get("nodes_replaced", 0), len(f.get("near_misses") or []),
                      len(f.get("findings") or []),
-                     f"{_human(f.get('bytes_before_value'))} -> {_human(f.get('bytes_after_value'))}",
+                     f"{human_bytes(f.get('bytes_before_value'))} -> {human_bytes(f.get('bytes_after_value'))}",
                      _Raw(f"<code>{_e(f.get('bytes_before'))}</code> -> <code>{_e(f.get('bytes_after'))}</code>"),
                      f.get("note") or ""])
 
@@ -342,8 +333,8 @@ def _sites(fams: dict) -> str:
             row = [key[0], s.get("pattern"), _Raw(f"<code>{_e(s.get('op'))}</code>"), _source(s.get("location"))]
             row += (["-" if layer is None else layer] if with_layer else [])
             sym = f"{s.get('bytes_before')} -> {s.get('bytes_after')} (B, L symbolic)"
-            row += [groups[key], _Raw(f'<span title="{_e(sym)}">{_e(_human(s.get("bytes_before_value")))} -&gt; '
-                                      f'{_e(_human(s.get("bytes_after_value")))}</span>'),
+            row += [groups[key], _Raw(f'<span title="{_e(sym)}">{_e(human_bytes(s.get("bytes_before_value")))} -&gt; '
+                                      f'{_e(human_bytes(s.get("bytes_after_value")))}</span>'),
                     ", ".join(f"{k}={v}" for k, v in detail.items())]
             rows.append(row)
         return rows
@@ -487,7 +478,7 @@ def _bench(bench: dict) -> str:
     head = (f"{bench.get('preset')} preset, prompt {bench.get('prompt_len')}, {bench.get('new_tokens')} new "
             f"tokens, {bench.get('gpu') or 'cpu'}, torch {bench.get('torch')}, triton {bench.get('triton')}")
     if roof:
-        head += (f"; roofline {roof:,.1f} tok/s = {_human(bench.get('decode_bytes_per_step'))}/step at "
+        head += (f"; roofline {roof:,.1f} tok/s = {human_bytes(bench.get('decode_bytes_per_step'))}/step at "
                  f"{bench.get('copy_bandwidth_tb_s'):.2f} TB/s")
     cols = ["backend", "decode tok/s median [min, max]", "kernels/step", "roofline fraction", "compile s (cold)",
             "compile s (warm)", "tokens = eager", "max rel logit err", "logit err vs fp32", "note"]

@@ -31,6 +31,7 @@ import sympy
 from ..passes.base import BATCH, LENGTH, PassRecord, SourceLocation
 from ..passes.manager import FAMILY_ORDER
 from .kernel_counts import OTHER, LayerKernelCounts, kernels_by_role, per_layer_by_role
+from .units import human_bytes
 
 __all__ = ["FusionReport", "GraphReport", "KernelCount", "last_report"]
 
@@ -113,15 +114,6 @@ def _where(d: dict | None) -> str:
         path, _, rest = d["stack"][-2].partition(":")
         here += f" <- {os.path.basename(path)}:{rest}"
     return here
-
-
-def _human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n} B"
 
 
 class FusionReport:
@@ -351,7 +343,7 @@ class FusionReport:
             summary.add_column(col, justify="left" if col in ("family", "on") else "right")
         for name, f in fams.items():
             moved = "-" if not f["matches"] or name == "normalize" else \
-                f"{_human(f['bytes_before_value'])} -> {_human(f['bytes_after_value'])}"
+                f"{human_bytes(f['bytes_before_value'])} -> {human_bytes(f['bytes_after_value'])}"
             summary.add_row(name, "on" if f["enabled"] else "OFF", str(f["matches"]), str(f["nodes_replaced"]),
                             str(len(f["near_misses"])), str(len(f["findings"])), moved, f"{f['pass_seconds']:.2f} s")
         out.append(summary)
@@ -479,7 +471,7 @@ class FusionReport:
         """The report in a few plain-text lines: graphs; kernels per step before -> after (profiled with option
         `count_kernels`, else the static launch count after); bytes per step moved by the fused chains before ->
         after; matches per family (each match is one fused op); the `normalize` rewrites apart from them."""
-        from ..run_summary import REWRITE_FAMILIES, _human_bytes
+        from ..passes.manager import REWRITE_FAMILIES
 
         d = self.to_dict()
         k, kl, b = d["kernels"], d["kernels_by_layer"] or {}, d["bytes"]
@@ -491,8 +483,8 @@ class FusionReport:
         elif kl.get("total") is not None:
             lines.append(f"  kernels per step: {kl['total']:,} launches after (static count; before: option "
                          "count_kernels)")
-        lines.append(f"  bytes per step moved by the fused chains: {_human_bytes(b['before_value'])} -> "
-                     f"{_human_bytes(b['after_value'])}")
+        lines.append(f"  bytes per step moved by the fused chains: {human_bytes(b['before_value'])} -> "
+                     f"{human_bytes(b['after_value'])}")
         fams = d["families"]
         fused = [f"{n} {f['matches']}" for n, f in fams.items() if n not in REWRITE_FAMILIES and f["matches"]]
         lines.append("  matches per family: " + (", ".join(fused) if fused else "none"))

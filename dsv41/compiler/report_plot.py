@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import re
+from .units import human_bytes
 
 __all__ = ["family_svg", "family_rows"]
 
@@ -50,13 +51,6 @@ def family_rows(report_dict: dict) -> list[dict]:
                      "bytes_before": int(f.get("bytes_before_value") or 0),
                      "bytes_after": int(f.get("bytes_after_value") or 0)})
     return sorted(rows, key=lambda r: (-r["bytes_before"], -r["ops_before"], r["family"]))
-
-
-def _human(n: float) -> str:
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def family_svg(report_dict: dict) -> str | None:
@@ -98,7 +92,7 @@ def family_svg(report_dict: dict) -> str | None:
     ax_bytes.barh([y - h / 2 for y in ys[off:]], [max(v, 1) if v else 0 for v in bb], h, color=_BEFORE)
     ax_bytes.barh([y + h / 2 for y in ys[off:]], [max(v, 1) if v else 0 for v in ba], h, color=_AFTER)
     for ax, before, after, fmt, start in ((ax_ops, ops_b, ops_a, lambda v: f"{v:,}", 0),
-                                          (ax_bytes, bb, ba, _human, off)):
+                                          (ax_bytes, bb, ba, human_bytes, off)):
         ax.set_xscale("log")
         for i, (b, a) in enumerate(zip(before, after)):
             y = ys[start + i]

@@ -71,7 +71,7 @@ from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
 
-__all__ = ["FAMILY_ORDER", "FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "GPU_UNVALIDATED_OPS",
+__all__ = ["FAMILY_ORDER", "FAMILIES", "REWRITE_FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "GPU_UNVALIDATED_OPS",
            "FamilyFailed"]
 
 #: Registered families by name, in the order they run.
@@ -91,6 +91,9 @@ FAMILIES: dict[str, type[FusionFamily]] = {
     SiblingGemvFamily.name: SiblingGemvFamily,
 }
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
+#: Families that rewrite the graph into the forms the matchers read without fusing anything: the report lists
+#: their matches as rewrites, apart from the fusions.
+REWRITE_FAMILIES: tuple[str, ...] = ("normalize",)
 #: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU: the
 #: backend leaves them off for graphs on CUDA unless the option `gpu_unvalidated` is set (compiler/options.py).
 #: Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and gave eager's greedy
