@@ -14,7 +14,7 @@ Kernel launches per call per decoder layer are always counted, statically from t
 (`kernel_counts.py`: `kernels_by_layer`); `set_layer_roles(ModelConfig.roles)` adds `kernels_by_role`.
 
 Output: `to_dict()`, `to_json(path)`, `summary()` (a few lines), `print()` / `str(report)` (rich tables). Source: ARCHITECTURE.md
-"Pipeline stages" 6 and "The user's view"; STYLE.md (records collected as the pipeline runs).
+"Pipeline stages" 6 and "The user's view" (the records are collected as the pipeline runs, never scraped from logs).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The last post-grad pass of a dsv41 compile (chained after the fusion families by
    mutating node before every later reader (write-after-read / read-after-write).
 2. **Cost.** `CostModel.node_us(node)`: microseconds from the bytes a node reads and writes (shapes and dtypes
    of `meta["val"]`, symbolic sizes at their hints) over HBM bandwidth, plus a launch cost per kernel (a fraction of
-   one for ATen nodes that Inductor fuses). Defaults from ../shared/device/NOTES.md (H200: 4.26 TB/s copy
+   one for ATen nodes that Inductor fuses). Defaults measured on the lent H200 (4.26 TB/s copy
    bandwidth, 1.18 us per kernel replayed from a CUDA graph without PDL).
 3. **Critical path.** Longest path through the DAG by node cost (`critical_path`): the time with unlimited streams.
 4. **Candidates.** Only dsv41's own custom ops (`torch.ops.dsv41.*`) can change stream: Inductor's Triton kernels

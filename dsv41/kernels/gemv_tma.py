@@ -14,8 +14,8 @@ copies beyond L2, bf16 x, fraction of the 4.25 TB/s copy bandwidth), TMA against
 - six rows (DSpark verify): wq_b 61 vs 85 us, wo_b 66 vs 76 us, shared_w1 23 vs 28 us, head 792 vs 1016 us;
 - one layer's five FP8 GEMVs back to back (PDL), all five on the TMA kernel: 58.5 vs 65.7 us (the shipped default,
   TMA for wq_b and wo_b only, was not measured as a chain).
-A pure TMA read of the same 42 MB in one launch reaches 67 % (bench/gemv_tma_probe.py), so at that size the launch,
-ramp and tail of one kernel, not the arithmetic, hold the GEMV below 80 %. Scales read as int32 words (asynchronous
+A pure TMA read of the same 42 MB in one launch reaches 67 % (bench/probes/gemv_tma_probe.py), so at that size the
+launch, ramp and tail of one kernel, not the arithmetic, hold the GEMV below 80 %. Scales read as int32 words (asynchronous
 copies) were slower everywhere (wq_b 18.9 us). FP4 weights stay on the tile kernel: their decode is
 arithmetic-bound and a TMA variant measured slower (expert_w1 11.5 vs 9.5 us, grouped experts 41-46 vs 37-38 us).
 

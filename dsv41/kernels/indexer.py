@@ -48,7 +48,7 @@ Kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1, see `_common`):
   already ascending and ties go to the lower index; no sort). A chunk of at most `_TOPK_REG_ELEMS` elements is
   loaded into registers once and the passes run there (`_select_mode`); longer chunks stream through memory,
   each pass a loop of dependent 1,024-element loads (the fitted cost on the H200 was ~1.1 us per load step,
-  LATENCY_ANALYSIS.md). Long rows are split over programs
+  bench/results/2026-11-30_h200_small_context/LATENCY_ANALYSIS.md). Long rows are split over programs
   (`topk_plan`): each program selects the top k of its chunk into a workspace (values + indices, in index
   order), and a second launch selects the top k of those k * SPLIT candidates. Deterministic: no atomics, no
   order that depends on scheduling.

@@ -55,7 +55,7 @@ kv is a TF32 value, p is carried as a TF32 high part plus a TF32 low part (about
 error <= 2^-21 per product), far below the one rounding of q.dtype the output gets; FP32 q keeps IEEE FP32
 there. exp is Triton's FP32 exp; the inverse RoPE is bit-exact to the reference's (FMA contraction off). Tests
 bound the result by 1e-5 relative (FP32) or one rounding of q.dtype.
-Measured on the H200 at the h200 decode shape (2026-11-30, bench/attention_sweep.py): 39.6 us per call with
+Measured on the H200 at the h200 decode shape (2026-11-30, bench/probes/attention_sweep.py): 39.6 us per call with
 16-row tiles and IEEE weighted sums, 33.0 us with 32-row tiles, 26.6 us with 32-row tiles and tf32x3.
 """
 
@@ -362,7 +362,7 @@ def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | N
     decode with 64 heads: 4 head blocks x 21 tiles of 32 rows of 129 + 512 -> 21 splits of one tile); BLOCK_N
     32; 8 warps from D = 512. On the H200 at that shape 32-row tiles beat 16-row tiles (twice the programs, and
     the combine merges twice the splits): 33.0 vs 39.6 us; 64-row tiles need more than its 227 KB of shared
-    memory with IEEE weighted sums (bench/attention_sweep.py, 2026-11-30).
+    memory with IEEE weighted sums (bench/probes/attention_sweep.py, 2026-11-30).
     Raises: ValueError for split < 1 or a bad block_n.
     """
     bd2 = max(16, next_power_of_2(d // 2))

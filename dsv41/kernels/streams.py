@@ -37,8 +37,8 @@ Why this shape (facts of Inductor's generated code, torch 2.11-2.14 `_inductor/c
   launches running at once on two streams would corrupt each other's counters, so side-stream launches use a
   second buffer of their own (swapped in for the duration of the program; Python launches are synchronous).
 
-CUDA graphs: the fork / join events become graph edges when captured (measured on the H200:
-../shared/device/NOTES.md). cuBLAS must have run once on the side stream before capture, and the side stream's
+CUDA graphs: the fork / join events become graph edges when captured (seen on the H200; `tests/test_streams_gpu.py`
+replays such graphs). cuBLAS must have run once on the side stream before capture, and the side stream's
 counter buffer must exist outside the graph's memory pool: `prepare_side_stream(device)` does both (the compiler
 calls it before CUDA-graph trees record; every fork also calls it, which does nothing once done or while capturing).
 
@@ -99,7 +99,7 @@ def side_streams_used() -> int:
 def prepare_side_stream(device: torch.device) -> None:
     """Create `device`'s side stream, its split-K counter buffer, and initialise cuBLAS / cuBLASLt on it (a tiny
     matmul in fp32 and bf16), all outside any CUDA graph: capture fails with CUBLAS_STATUS_NOT_INITIALIZED
-    otherwise (../shared/device/NOTES.md). A no-op on CPU, when already done, and while a capture is running."""
+    otherwise (seen on the H200). A no-op on CPU, when already done, and while a capture is running."""
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return

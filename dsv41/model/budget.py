@@ -38,12 +38,12 @@ Readings of MODEL.md adopted here (each reproduces the spec's published numbers,
   counted as in decode), one embedding row, and of the candidate-source layer c (the decoder's kv source,
   whose bank is projected from the encoder output) only what fills that bank: `attn_norm`, the compressor
   (`wkv`, `wgate` if ratio 2, `norm`) and the key half of its indexer (`wk`, `k_norm`); Engram `wkv` / `q` /
-  `k` / rows of Engram layers below c. For the full config this is 7.58B + 0.31B Engram = 7.90B (MODEL.md
-  §1 "~7.9B"). MODEL.md §4.5's "7.53B encoder-only (+0.3B Engram)" is the encoder's attention + router +
-  routed/shared expert weights alone (7,526,199,040): the `prefill_params` of the components `attention`,
-  `router`, `routed_experts` and `shared_experts`, without mHC, norms, compressor/indexer and the
-  embedding row.
-- MODEL.md §4.3's DSpark byte figures (+7.6 GB full, +1.2 GB h200) are not reproduced by these rules
+  `k` / rows of Engram layers below c. For the full config this is 7.58B + 0.31B Engram = 7.90B (the
+  release's ~8B active in prefill, MODEL.md §4.5). A count of the encoder's attention + router + routed/shared expert
+  weights alone gives 7.53B (7,526,199,040, + 0.3B Engram): the `prefill_params` of the components
+  `attention`, `router`, `routed_experts` and `shared_experts`, without mHC, norms, compressor/indexer and
+  the embedding row.
+- Earlier estimates of the DSpark bytes (+7.6 GB full, +1.2 GB h200) are not reproduced by these rules
   (they give 8.03 GB and 1.71 GB); 7.6 GB would result if the DSpark FP4 expert scales were left out, but
   no reading found gives 1.2 GB. DSpark parameter counts (14.2B, 2.3B) do match.
 

@@ -1,7 +1,7 @@
 """Linear layers holding weights in the checkpoint's formats, dequantised explicitly before the matmul.
 
-This is the day-0 "fallback" path a serving stack starts from (MODEL.md §"How dsv41/model uses this
-spec"): `F.linear(fake_quant_fp8_1x32(x), dequantize(W))`. Recognising dequantize -> matmul and reading
+This is the day-0 "fallback" path a serving stack starts from (MODEL.md, "How `dsv41/model/` is written"):
+`F.linear(fake_quant_fp8_1x32(x), dequantize(W))`. Recognising dequantize -> matmul and reading
 the low-precision bytes directly is the compiler's job (dsv41 `dispatch` pass), not the model's.
 """
 

@@ -34,14 +34,18 @@ suite) the exception is re-raised instead, so a failing family fails its test.
 
 `PassManager` is an Inductor `CustomGraphPass`: the compiler installs it as
 `torch._inductor.config.post_grad_custom_post_pass` for dsv41's own compile only (config patch), and its
-`uuid()` hashes the source of every pass module, the reference formats they verify against, the options
-that change what the passes do, and which dsv41 ops are registered — so Inductor's FX-graph cache never
-serves a graph compiled with other passes (ARCHITECTURE.md "Known traps").
+`uuid()` hashes the sources the passes read (every pass and kernel module, and the dsv41 modules those import,
+followed import by import: the model's reference math such as formats, RoPE, norm and mHC, but not the rest of
+the model, so editing `model/generate.py` keeps the cache), the options that change what the passes do, and
+which dsv41 ops are registered — so Inductor's FX-graph cache never serves a graph compiled with other passes
+(docs/ARCHITECTURE.md, "The cache key").
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -119,13 +123,108 @@ class GraphPassResult:
     graph_after: str | None = None
 
 
-def _source_files() -> list[str]:
-    # Every pass, model and kernel module: passes verify their matches against the model's reference math
-    # (formats, RoPE, norm, mHC, ...), so a change there can change what a pass accepts; the kernel modules hold
-    # the fused ops' fake functions and the compile-time weight layouts a rewritten graph bakes in.
-    here = os.path.dirname(os.path.abspath(__file__))
-    dirs = [here] + [os.path.join(os.path.dirname(here), d) for d in ("model", "kernels")]
-    return [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".py")]
+#: The directory holding the `dsv41` package (the parent of dsv41/); module names are resolved under it.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Packages whose every module is a root of the uuid's sources: the passes, and the kernels (the fused ops' fake
+#: functions, CPU references and the compile-time weight layouts a rewritten graph bakes in).
+_ROOT_PACKAGES = ("passes", "kernels")
+
+
+def _module_file(parent: str, name: str) -> str | None:
+    """The file of dsv41 module `name` ("dsv41.model.formats") under `parent`, or None if it is not one."""
+    parts = name.split(".")
+    if parts[0] != "dsv41":
+        return None
+    base = os.path.join(parent, *parts)
+    if os.path.isfile(base + ".py"):
+        return base + ".py"
+    init = os.path.join(base, "__init__.py")
+    return init if os.path.isfile(init) else None
+
+
+def _module_name(parent: str, path: str) -> str:
+    rel = os.path.relpath(path, parent)[:-len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def _stamp(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=None)
+def _import_statements(path: str, stamp: tuple) -> tuple:
+    """(level, module, names) of every import in `path`, function-level ones too (`names` None for `import x`);
+    cached per file state `stamp` (mtime, size)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((0, a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.level, node.module or "", tuple((a.name, a.asname) for a in node.names)))
+    return tuple(out)
+
+
+def _imports(parent: str, path: str) -> set[str]:
+    """Files of the dsv41 modules `path` imports. `from X import name` is X's submodule `name` where there is one;
+    otherwise the module that defines `name`: for a package X, the module its `__init__` imports `name` from
+    (so importing a re-exported name does not pull in everything the package's `__init__` imports)."""
+    package = _module_name(parent, path)
+    if not path.endswith("__init__.py"):
+        package = package.rpartition(".")[0]
+    found: set[str] = set()
+    for level, module, names in _import_statements(path, _stamp(path)):
+        if level:
+            base = package.split(".")[:len(package.split(".")) - (level - 1)]
+            module = ".".join(base + ([module] if module else []))
+        if names is None:
+            f = _module_file(parent, module)
+            if f is not None:
+                found.add(f)
+            continue
+        for name, _ in names:
+            f = _module_file(parent, f"{module}.{name}")
+            if f is None:
+                f = _defining_file(parent, module, name)
+            if f is not None:
+                found.add(f)
+    return found
+
+
+def _defining_file(parent: str, module: str, name: str, depth: int = 0) -> str | None:
+    """The file that defines `name` imported from dsv41 module `module`: the module itself, or, for a package
+    whose `__init__` re-exports the name, the module it takes it from."""
+    f = _module_file(parent, module)
+    if f is None or not f.endswith("__init__.py") or depth > 8:
+        return f
+    for level, src, names in _import_statements(f, _stamp(f)):
+        if names is None or not any((alias or n) == name for n, alias in names):
+            continue
+        orig = next(n for n, alias in names if (alias or n) == name)
+        if level:
+            base = module.split(".")[:len(module.split(".")) - (level - 1)]
+            src = ".".join(base + ([src] if src else []))
+        return _module_file(parent, f"{src}.{orig}") or _defining_file(parent, src, orig, depth + 1)
+    return f
+
+
+def _source_files(parent: str | None = None) -> list[str]:
+    """The sources `uuid()` hashes: every module of dsv41/passes and dsv41/kernels, and every dsv41 module they
+    import, followed import by import (function-level imports too). The passes verify their matches against the
+    model's reference math (formats, RoPE, norm, mHC, ...), so those model modules are in; model modules no pass
+    or kernel imports (generate.py, model.py, ...) are not, so editing them keeps Inductor's caches."""
+    parent = parent or _PACKAGE_PARENT
+    todo = [os.path.join(parent, "dsv41", d, f) for d in _ROOT_PACKAGES
+            for f in sorted(os.listdir(os.path.join(parent, "dsv41", d))) if f.endswith(".py")]
+    seen: set[str] = set()
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(_imports(parent, f) - seen)
+    return sorted(seen)
 
 
 def _drop_restored(rec: PassRecord, restored: set) -> PassRecord:
@@ -259,12 +358,14 @@ class PassManager(CustomGraphPass):
         return out
 
     def uuid(self) -> str | None:
-        """SHA-256 (hex) of the pass, model and kernel sources, the options and the registered dsv41 ops; None if a
-        chained pass has no uuid (Inductor then bypasses its cache, the only safe choice)."""
+        """SHA-256 (hex) of the sources the passes read (`_source_files`: pass and kernel modules and the dsv41
+        modules they import), the options and the registered dsv41 ops; None if a chained pass has no uuid
+        (Inductor then bypasses its cache, the only safe choice). Files are keyed by their path inside the
+        package, so two checkouts with the same sources share the caches."""
         h = hashlib.sha256()
         for path in _source_files():
             with open(path, "rb") as f:
-                h.update(path.encode() + b"\0" + f.read())
+                h.update(os.path.relpath(path, _PACKAGE_PARENT).replace(os.sep, "/").encode() + b"\0" + f.read())
         state = {"disabled": sorted(self.disabled), "debug": self.debug, "strict": self.strict,
                  "gated_ops": sorted(self.gated_ops),
                  "torch": torch.__version__, "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}

@@ -1,9 +1,10 @@
 """Probe (issue #3, session 24, call 3): the fragment GEMV at its default plan against the TMA and tile kernels, and
 the GEMV launch alone (activations prepared once outside the graph) to price the activation launch; h200 dense
 shapes, CUDA-graph replay, PDL, one bf16 x row, weights beyond L2. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import GEMV_SHAPES, _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import gemv_frag as gfm, grouped_frag as gf, quant_gemv as qg, set_pdl
 from dsv41.kernels._common import split_k_workspace

@@ -1,9 +1,10 @@
 """Probe (issue #3, session 23): dsv41::linear_fp8_block_multi (one launch for GEMVs of one x) against the separate
 single ops at the h200 sibling shapes, and the pair op's w1 + w3 in one fragment launch against two; CUDA-graph
 replay, PDL, one bf16 x row, weights beyond L2. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import grouped_gemv as gg, set_pdl
 

@@ -1,9 +1,17 @@
 """Probe (issue #3, session 25): the fragment GEMV quantising x itself (`fold_x=True`, one launch) against the
 activation launch + GEMV (`fold_x=False`, s24's default) and the TMA / tile kernels; h200 dense shapes and the
-sibling groups of one x (multi op), CUDA-graph replay, PDL, one bf16 x row, weights beyond L2. Writes JSON (argv[1])."""
-import json, sys, time
+sibling groups of one x (multi op), CUDA-graph replay, PDL, one bf16 x row, weights beyond L2. Writes JSON (argv[1]).
+
+    git show 1020b14:bench/results/2026-12-03_h200_s25/fold_x.patch | git apply    # the fold_x kernel, not in the tree
+    python3 bench/probes/fold_probe.py OUT.json
+
+`fold_x` was not kept (2.1-2.5x slower), so this probe runs only on a tree with that patch applied: it was made
+against dsv41/kernels/gemv_frag.py as of a829329 (still the same file when the patch was removed from the tree).
+Results: bench/results/2026-12-03_h200_s25/README.md (`fold_probe.json`)."""
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import GEMV_SHAPES, _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import gemv_frag as gfm, gemv_multi as gm, quant_gemv as qg, set_pdl
 

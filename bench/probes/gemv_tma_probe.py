@@ -1,7 +1,7 @@
 """Probe for issue #3 (GEMV at 80 % of copy bandwidth): what a pure read of the weight bytes reaches at the GEMV
 shapes, beside the GEMVs, so a GEMV's fraction of copy bandwidth can be read against the ceiling of one launch.
 
-    python3 bench/gemv_tma_probe.py [--json PATH] [--reps-ms 100] [--pdl]
+    python3 bench/probes/gemv_tma_probe.py [--json PATH] [--reps-ms 100] [--pdl]
 
 Rows (CUDA-graph replay back to back over weight copies beyond L2, as bench/kernels.py times; fraction of the
 1 GiB device-to-device copy bandwidth measured in the same run):
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--pdl", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench/gemv_tma_probe.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/probes/gemv_tma_probe.py needs a CUDA GPU", file=sys.stderr)
         return 2
     reps = args.reps_ms
     kernels.set_pdl(args.pdl)

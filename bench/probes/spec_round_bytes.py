@@ -1,10 +1,14 @@
-"""Weight bytes one DSpark round reads on `h200` with random routing (the estimate of README.md, CPU only).
+"""Weight bytes one DSpark round reads on `h200` with random routing (the estimate of bench/results/2026-12-01_h200_s15/README.md, CPU only).
 
 Verify: the plain decode step's bytes with the routed experts scaled by the expected number of distinct experts
 that M = 6 rows with independent uniform top-k routing select (E[distinct] = n (1 - (1 - k/n)^M)). Draft: the
 three stages' attention, shared experts and `main_proj`, their routed experts over the block of 5 the same way,
 the LM head once for the 5 base-logit rows, and the Markov head W2 read once per sequential position.
 """
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
 from dsv41.model.budget import budget
 from dsv41.model.config import ModelConfig
 

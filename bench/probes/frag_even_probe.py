@@ -3,9 +3,10 @@ against the masked kernel, at the h200 decode shapes (6 of 96 experts, beyond L2
 act_quant, the activation launch included), with warps / prefetch / register-cap variants; also the pair op (w1 and
 w3 of one x). Records registers and spills of each compiled variant and the max relative error against the
 reference. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth
 from dsv41.kernels import grouped_frag as gf, grouped_gemv as gg, set_pdl
 

@@ -14,7 +14,7 @@ replay of back-to-back launches over rotating copies beyond L2):
 - `copy`: a device-to-device copy of half the bytes (the same bytes moved, half read and half written).
 Fractions are of the copy bandwidth measured in the same run.
 
-Usage: python bench/read_ceiling.py [--json PATH] [--reps-ms MS] [--quick]
+Usage: python3 bench/probes/read_ceiling.py [--json PATH] [--reps-ms MS] [--quick]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 from bench import kernels as kb  # noqa: E402
 

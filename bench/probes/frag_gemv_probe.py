@@ -1,9 +1,10 @@
 """Probe (issue #3, session 24): the block-FP8 fragment GEMV (dsv41/kernels/gemv_frag.py) against the default
 kernels at the h200 dense decode shapes; CUDA-graph replay, PDL, one bf16 x row, weights beyond L2 (as
 bench/kernels.py). Every plan's result is checked against the float64-free reference op first. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import GEMV_SHAPES, _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import quant_gemv as qg, set_pdl
 from dsv41.kernels.gemv_frag import frag_gemv_plan

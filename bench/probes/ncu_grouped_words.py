@@ -1,10 +1,14 @@
 """Run grouped FP4 GEMV variants once each at the h200 w1 shape (tile kernel; word-decode kernel at two plans), for
 Nsight Compute (issue #3 probe; bench/results/2026-12-01_h200_s19/ncu.txt):
 
-    PYTHONPATH=$PWD ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
       --section LaunchStats --section InstructionStats --section MemoryWorkloadAnalysis \
-      -k regex:"grouped_(words|gemv)_kernel" python bench/ncu_grouped.py
+      -k regex:"grouped_(words|gemv)_kernel" python3 bench/probes/ncu_grouped_words.py
 """
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
 import torch
 from dsv41.kernels import grouped_gemv as gg
 gen = torch.Generator(device="cuda").manual_seed(0)

@@ -2,9 +2,10 @@
 layout), a register-prefetch tile loop (`_kpf`, --mode pf) and tile-plan overrides (--mode plan) against the default
 launch, at the h200 decode shapes. Prints a table and writes JSON. Results: bench/results/2026-12-01_h200_s19/README.md
 (all slower than the tile kernel's 37 us; the default is now the word-decode kernel of grouped_words.py)."""
-import argparse, json, sys, time
+import os, argparse, json, sys, time
 import torch, triton, triton.language as tl
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth
 from dsv41.kernels import grouped_gemv as gg
 from dsv41.kernels.quant_gemv import _fp8_1x32_parts

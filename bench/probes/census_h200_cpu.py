@@ -1,5 +1,11 @@
-"""Static launch counts of h200 decode (regional, shared weights, CPU compile) with and without the op census."""
-import json, sys, time, torch
+"""Static launch counts of h200 decode (regional, shared weights, CPU compile) with and without the op census.
+
+    mkdir -p /tmp/h200census && TORCHINDUCTOR_CACHE_DIR=<empty dir> python3 bench/probes/census_h200_cpu.py
+
+29 min on 2 cores; writes /tmp/h200census/out.json. Results: bench/results/2026-12-01_cpu_census/README.md."""
+import json, os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
+import torch
 import dsv41
 from dsv41.compiler import kernel_counts as kc
 import dsv41.compiler.pipeline as pl

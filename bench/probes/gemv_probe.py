@@ -1,6 +1,6 @@
 """Compile report and single launches of the GEMV kernels at h200 shapes, for `ncu` or a quick look on the H200.
 
-    python3 bench/gemv_probe.py [--runs N]      # registers, spills, shared memory, async copies per plan
+    python3 bench/probes/gemv_probe.py [--runs N]      # registers, spills, shared memory, async copies per plan
 
 Prints, per (shape, plan), the compiled kernel's registers, spills, shared memory and the number of asynchronous
 global->shared copies in its TTGIR (the software pipeliner's; 0 means the K loop is not pipelined), then launches it
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 SHAPES = [("wq_b", False, 32768, 1280), ("wo_b", False, 5120, 8192), ("expert_w1", True, 2304, 5120)]
 #: The tile-at-once kernel, the best pipelined FMA and the best tensor-core plan of the 2026-11-30 sweep, and the TMA

@@ -1,7 +1,7 @@
 """Launch-plan sweep of `sparse_fp4_attention` at the h200 decode shape: time per call for each (split, BLOCK_N),
 and how that time divides between the attention kernel and the split combine.
 
-    python3 bench/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32]
+    python3 bench/probes/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32]
                                      [--pv default,ieee,tf32x3] [--warps 0,4,8] [--json F]
 
 `split` 0 is `attention_plan`'s own choice, `--warps` 0 its num_warps; `--pv` the `tl.dot` precision of the
@@ -27,9 +27,13 @@ import os
 import sys
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)  # dsv41 from this checkout, from any working directory
+
+
 def _kernels_module():
     """bench/kernels.py as a module (bench/ is not a package)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+    path = os.path.join(_ROOT, "bench", "kernels.py")
     spec = importlib.util.spec_from_file_location("dsv41_bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

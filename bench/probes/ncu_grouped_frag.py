@@ -1,5 +1,9 @@
 """ncu driver (issue #3, session 22): plain launches (no graph, PDL off) of the grouped FP4 expert GEMV at the h200
 decode shapes, 6 of 96 experts, bf16 x: w1 frag (default), w2 frag (frag=True), w2 word-decode act_quant=False."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
 import torch
 from dsv41.kernels import grouped_gemv as gg
 gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,27 +1,57 @@
 """Session 25 probe: `dsv41::mhc_mixes` at the h200 decode shape (d = 5120, one token, bf16 H), the s24 kernel
-(`mhc_s24.py`, the kernel section of dsv41/kernels/mhc.py at a829329) against this tree's, each with 20 Sinkhorn
-rounds and with 1 (what the rounds cost), timed as bench/kernels.py times family ops: back-to-back calls in one
-CUDA graph over 40 fn copies (80 MB > L2), PDL as the backend launches them. Also the collapse + RMSNorm op.
-Usage: python3 mhc_probe.py OUT.json"""
+(the kernel section of dsv41/kernels/mhc.py at a829329, everything above its op registrations) against this tree's,
+each with 20 Sinkhorn rounds and with 1 (what the rounds cost), timed as bench/kernels.py times family ops:
+back-to-back calls in one CUDA graph over 40 fn copies (80 MB > L2), PDL as the backend launches them. Also the
+collapse + RMSNorm op. Results: bench/results/2026-12-03_h200_s25/README.md (`mhc_probe.json`).
+
+    python3 bench/probes/mhc_probe.py OUT.json [S24_MHC.py]
+
+The s24 kernel is read with `git show a829329:dsv41/kernels/mhc.py` (this checkout's history), or from S24_MHC.py
+where the machine has no git history (a copy of that file, e.g. made with the same `git show`)."""
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import triton
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 import kernels as kb  # noqa: E402  (bench/kernels.py)
 from dsv41.kernels import mhc as new  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("dsv41.kernels.mhc_s24", os.path.join(HERE, "mhc_s24.py"))
-old = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(old)
+S24_COMMIT = "a829329"
+
+
+def _s24_kernels(path: str | None):
+    """dsv41/kernels/mhc.py at S24_COMMIT (or `path`) cut at its `# --- ops` line (the op registrations would
+    register the dsv41:: ops a second time), loaded as `dsv41.kernels.mhc_s24` so its relative imports resolve.
+    Written to a file first: Triton reads a kernel's source from its file."""
+    if path:
+        with open(path) as f:
+            text = f.read()
+    else:
+        text = subprocess.run(["git", "-C", ROOT, "show", f"{S24_COMMIT}:dsv41/kernels/mhc.py"], check=True,
+                              capture_output=True, text=True).stdout
+    cut = re.search(r"^# -+ ops$", text, flags=re.M)
+    if cut is not None:
+        text = text[:cut.start()]
+    fd, fn = tempfile.mkstemp(prefix="mhc_s24_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("dsv41.kernels.mhc_s24", fn)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+old = _s24_kernels(sys.argv[2] if len(sys.argv) > 2 else None)
 
 d, copies, reps = 5120, 40, 200.0
 gen = torch.Generator(device="cuda").manual_seed(0)

@@ -4,9 +4,10 @@ act_quant), the separate launches against one launch over the weights concatenat
 kernel that reads both weights in one grid): the shared expert's w1 + w3, the attention's wq_a + wkv, wq_b + the
 indexer's wq_b, and the routed experts' w1 + w3 (grouped FP4, 6 of 96, one expert stack of 2 x 2304 rows).
 Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import quant_gemv as qg, grouped_gemv as gg, set_pdl
 

@@ -1,9 +1,10 @@
 """Probe (issue #3, session 24, call 4): dsv41::linear_fp8_block_multi on the fragment GEMV (one activation launch +
 one GEMV launch for every weight) against its tile launch and against the separate single ops, at the h200 sibling
 shapes; CUDA-graph replay, PDL, one bf16 x row, weights beyond L2. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth, _random_fp8_weight
 from dsv41.kernels import gemv_multi as gm, quant_gemv as qg, set_pdl
 

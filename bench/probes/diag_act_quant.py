@@ -1,8 +1,9 @@
 """Why do the h200 graph's MoE w2 sites get act_quant=False on the GPU (s21)? Wraps dispatch._act_quant_input and
 records, for every call that finds no fake-quant input, each dominator tried and the probe comparison.
-    python3 bench/results/2026-12-02_h200_s22/diag_act_quant.py OUT.json moe            # MoE block alone at h200 dims, 96 experts, CUDA
-    python3 bench/results/2026-12-02_h200_s22/diag_act_quant.py OUT.json bench ARGS...  # dsv41.bench with ARGS"""
-import atexit, json, math, runpy, sys
+    python3 bench/probes/diag_act_quant.py OUT.json moe            # MoE block alone at h200 dims, 96 experts, CUDA
+    python3 bench/probes/diag_act_quant.py OUT.json bench ARGS...  # dsv41.bench with ARGS"""
+import atexit, json, math, os, runpy, sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
 import torch
 import dsv41.passes.dispatch as D
 from dsv41.model import formats

@@ -2,9 +2,10 @@
 decode shapes (6 of 96 experts, beyond L2, CUDA-graph replay, PDL on, act_quant, activation launch included);
 w2 also with float32 x (the h200 graph's w2 input once dispatch takes the float32 quantiser input). Records the
 registers and spills of each compiled variant. Writes JSON (argv[1])."""
-import json, sys, time
+import os, json, sys, time
 import torch, triton
-sys.path.insert(0, "bench")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth
 from dsv41.kernels import grouped_frag as gf, grouped_gemv as gg, set_pdl
 
