@@ -311,6 +311,7 @@ def _effective(lay: Layout):
     """dtype -> the rounding it makes in this layout: a UE8M0 scale and its products with E4M3 codes are exact in
     float32 and bfloat16 (powers of two, same exponent range), so those two round alike; fp16's range does not."""
     def eff(dtype: torch.dtype) -> torch.dtype:
+        """The dtype whose rounding `dtype` makes in this layout (float32 where it rounds nothing)."""
         return torch.float32 if lay.ue8m0 and dtype == torch.bfloat16 else dtype
     return eff
 
@@ -330,6 +331,7 @@ def _diagnose(cand, codes: torch.Tensor, scale: torch.Tensor, got: torch.Tensor)
     ok = ~c.isnan()
 
     def like(w: torch.Tensor) -> bool:
+        """Whether the region's crop equals the candidate rule's weight `w` (1 %, NaN codes left out)."""
         return w.shape == g.shape and bool(torch.allclose(g[ok], w[ok], rtol=1e-2, atol=0.0))
 
     bn, bk = lay.block_n, lay.block_k
