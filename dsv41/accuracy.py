@@ -34,6 +34,8 @@ import time
 import torch
 from torch import nn
 
+from .compiler.units import fp32_err_text  # noqa: F401 (a public name here; defined beside the renderers)
+
 __all__ = ["fp32_copy", "fp32_reference", "per_step_rel_err", "logit_err_vs_fp32", "ratio_to_eager", "fp32_err_text",
            "DEFINITIONS"]
 
@@ -176,12 +178,3 @@ def ratio_to_eager(err: float | None, eager_err: float | None) -> float | None:
     if err is None or not eager_err:
         return None
     return err / eager_err
-
-
-def fp32_err_text(row: dict) -> str:
-    """A result row's `logit_err_vs_fp32` for a table: "-" when missing, else e.g. "3.10e-03 (1.02x eager)" (the
-    ratio only where `logit_err_vs_fp32_over_eager` is set)."""
-    err, ratio = row.get("logit_err_vs_fp32"), row.get("logit_err_vs_fp32_over_eager")
-    if err is None:
-        return "-"
-    return f"{err:.2e}" + (f" ({ratio:.2f}x eager)" if ratio is not None else "")

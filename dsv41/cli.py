@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         from .bench_cli import console_main
         return console_main(argv[1:])
     if argv[:1] == ["report"]:
-        from .compiler.html import main as report_main
+        from .report_cli import main as report_main
         try:
             return report_main(argv[1:])
         except UsageError as e:

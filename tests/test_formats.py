@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from dsv41.model import formats as F
+from dsv41.ref import formats as F
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

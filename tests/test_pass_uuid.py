@@ -31,15 +31,16 @@ def _rel(files, parent):
     return {os.path.relpath(f, parent).replace(os.sep, "/") for f in files}
 
 
-def test_pass_sources_are_the_passes_kernels_and_the_model_modules_they_import():
+def test_pass_sources_are_the_passes_kernels_and_the_references_they_import():
     files = _rel(manager._source_files(), _PARENT)
     assert {"dsv41/passes/manager.py", "dsv41/passes/mhc.py", "dsv41/kernels/mhc.py"} <= files
-    # imported by passes (formats, rope, norm, mhc, engram) or by kernels (csa), and what those import in turn
-    assert {"dsv41/model/formats.py", "dsv41/model/rope.py", "dsv41/model/norm.py", "dsv41/model/mhc.py",
-            "dsv41/model/engram.py", "dsv41/model/csa.py", "dsv41/model/config.py"} <= files
-    # nothing a pass reads: the generation loop, the module tree, the package __init__ that imports them all
-    assert not files & {"dsv41/model/generate.py", "dsv41/model/model.py", "dsv41/model/__init__.py",
-                        "dsv41/__init__.py", "dsv41/bench.py"}
+    # the references the passes verify against and the kernels compute with (dsv41/ref/)
+    assert {"dsv41/ref/formats.py", "dsv41/ref/rope.py", "dsv41/ref/norm.py", "dsv41/ref/mhc.py",
+            "dsv41/ref/engram.py", "dsv41/ref/topk.py", "dsv41/ref/indexer.py"} <= files
+    # the backend no longer imports the model package: no model module is in the key, nor anything else a pass
+    # does not read (the package __init__ that imports them all, the app layer)
+    assert not {f for f in files if f.startswith("dsv41/model/")}
+    assert not files & {"dsv41/__init__.py", "dsv41/bench.py", "dsv41/cli.py"}
 
 
 def test_uuid_does_not_depend_on_where_the_package_lives(package_copy, monkeypatch):
@@ -53,12 +54,13 @@ def test_editing_generate_keeps_the_uuid(package_copy):
     before = PassManager().uuid()
     _append(package_copy / "model" / "generate.py", "\n# an edit no pass can see\n")
     _append(package_copy / "model" / "model.py", "\n# nor this one\n")
+    _append(package_copy / "model" / "formats.py", "\n# nor the model's re-export of the formats\n")
     assert PassManager().uuid() == before
 
 
 @pytest.mark.parametrize("rel", ["passes/mhc.py", "passes/manager.py", "kernels/quant_gemv.py",
-                                 "model/formats.py", "model/rope.py", "model/config.py"])
-def test_editing_a_pass_kernel_or_imported_model_module_changes_the_uuid(package_copy, rel):
+                                 "ref/formats.py", "ref/rope.py", "ref/topk.py"])
+def test_editing_a_pass_kernel_or_reference_module_changes_the_uuid(package_copy, rel):
     before = PassManager().uuid()
     _append(package_copy / rel, "\n# edited\n")
     assert PassManager().uuid() != before

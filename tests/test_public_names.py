@@ -52,7 +52,7 @@ def test_the_packages_promise_names():
     assert "budget" in PROMISED["dsv41.model"]
 
 
-_PACKAGES = ("dsv41.model", "dsv41.kernels", "dsv41.passes", "dsv41.compiler")
+_PACKAGES = ("dsv41.ref", "dsv41.model", "dsv41.kernels", "dsv41.passes", "dsv41.compiler")
 
 
 def _group(module: str) -> str:

@@ -1,4 +1,4 @@
-"""The fusion report as one self-contained HTML page (ARCHITECTURE.md "Pipeline stages" 6), and `dsv41 report`.
+"""The fusion report as one self-contained HTML page (ARCHITECTURE.md "Pipeline stages" 6).
 
 `render_html(report_dict, bench=None, png_path=None)` turns `FusionReport.to_dict()` (optionally with a
 `dsv41.bench` result and its plot) into a page with inline CSS and no scripts or external resources, so it can
@@ -23,8 +23,8 @@ tests/test_html_layout.py).
 Every piece of text from the report is escaped with `html.escape` (family names, patterns, source code and
 reasons come from user code and must never become markup).
 
-`main(argv)` is the `dsv41 report` command: build a preset, compile it with backend="dsv41", run a couple of
-decode steps and write the page (default `out/dsv41_report.html`).
+The `dsv41 report` command that builds a preset, compiles and runs it and writes this page is app-layer code:
+`dsv41/report_cli.py`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ import html
 import json
 import os
 import re
-import sys
 from collections import Counter
 from .units import human_bytes
 
-__all__ = ["render_html", "write_html", "main"]
+__all__ = ["render_html", "write_html", "read_png"]
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _LAYER_KEYS = ("layer", "layer_id", "layer_idx")
@@ -462,7 +461,7 @@ def _schedule(sc) -> str:
 
 
 def _bench(bench: dict) -> str:
-    from ..accuracy import fp32_err_text
+    from .units import fp32_err_text
     rows = []
     for name, r in (bench.get("backends") or {}).items():
         d = r.get("decode_tok_s") or {}
@@ -502,7 +501,9 @@ def _graph_code(d: dict) -> str:
     return "<h2>Graph code</h2>" + "".join(parts) if parts else ""
 
 
-def _read_png(png_path) -> bytes:
+def read_png(png_path) -> bytes:
+    """The bytes of the PNG file `png_path`. Raises FileNotFoundError when it is missing, ValueError when it does
+    not start with the PNG signature."""
     path = os.fspath(png_path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"png_path {path!r} does not exist")
@@ -531,7 +532,7 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
         raise TypeError(f"report_dict must be FusionReport.to_dict() (a dict), got {type(report_dict).__name__}")
     if bench is not None and not isinstance(bench, dict):
         raise TypeError(f"bench must be a benchmark result dict or None, got {type(bench).__name__}")
-    png = _read_png(png_path) if png_path is not None else None
+    png = read_png(png_path) if png_path is not None else None
     plot_note = ""
     if png is None and bench is not None and bench.get("backends"):
         try:
@@ -575,80 +576,3 @@ def write_html(report, path, bench: dict | None = None, png_path: str | None = N
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return path
-
-
-def _report_args(argv):
-    """Parse and check `dsv41 report` arguments before anything is built; returns the namespace with `device`,
-    `preset`, `bench_result` (the --bench JSON or None) and `out_path` filled in. Raises: UsageError naming the
-    flag (device, lengths beyond the preset's max_position_embeddings, a --bench or --png file that is missing or
-    not JSON / PNG); argparse's own errors exit with status 2 after one line."""
-    from ..outputs import output_path
-    from ..usage import OneLineParser, UsageError, check_lengths, int_at_least, resolve_device
-
-    p = OneLineParser(prog="dsv41 report", description="write the dsv41 fusion report as an HTML page")
-    p.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
-                   help="default: small on a GPU, tiny on CPU")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
-    p.add_argument("--prompt-len", type=int_at_least(1), default=32)
-    p.add_argument("--new-tokens", type=int_at_least(2, " (the report is of a decode step)"), default=3,
-                   help="tokens to generate (default 3: two decode steps)")
-    p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",
-                   help="skip profiling kernels per step before/after")
-    p.add_argument("--bench", default=None, help="a `dsv41 bench --json` result to include")
-    p.add_argument("--png", default=None, help="a PNG to embed as the benchmark plot (default: drawn from --bench)")
-    p.add_argument("-o", "--out", default=None, metavar="PATH",
-                   help="a .html path, or a folder for dsv41_report.html (default out/)")
-    a = p.parse_args(argv)
-    a.device = resolve_device(a.device)
-    a.preset = a.preset or ("small" if a.device.startswith("cuda") else "tiny")
-    check_lengths(a.preset, a.prompt_len, a.new_tokens)
-    a.bench_result = None
-    if a.bench:
-        try:
-            with open(a.bench) as f:
-                a.bench_result = json.load(f)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"argument --bench: cannot read {a.bench!r} as a `dsv41 bench --json` result: {e}") \
-                from None
-    if a.png:
-        try:
-            _read_png(a.png)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"argument --png: {e}") from None
-    a.out_path = output_path(a.out, "dsv41_report.html", ".html")
-    return a
-
-
-def main(argv=None) -> int:
-    """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report
-    (default `out/dsv41_report.html`, `-o` to choose) and print its path.
-
-    Returns 0, or 1 when the compile produced no fusion report. Raises: UsageError for a bad argument, before
-    anything is built (`dsv41 report` prints it as one line with status 2). Options: see `dsv41 report --help`.
-    """
-    from .. import cli
-    from ..model import benchmark_prompt, generate
-    from ..outputs import shown
-    from ..progress import Phases
-    from . import report as report_mod
-
-    a = _report_args(argv)
-    phases = Phases("dsv41 report")
-    with phases.phase(f"building {a.preset} ({a.weight_mode}) on {a.device}"):
-        model = cli.build_model(a.preset, a.device, a.weight_mode)
-    before = report_mod.last_report()
-    fast = cli.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
-    with phases.phase(f"dsv41: compile + {a.new_tokens} tokens",
-                      hint=f"a cold {a.preset} compile takes minutes on a 2-core CPU" if a.device == "cpu" else ""):
-        generate(fast, benchmark_prompt(model.config, a.prompt_len, device=a.device), a.new_tokens)
-    rep = report_mod.last_report()
-    if rep is None or rep is before:
-        print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
-              file=sys.stderr)
-        return 1
-    rep.set_layer_roles(model.config.roles)  # launches per layer role (the backend never sees the config)
-    with phases.phase("writing the page"):
-        write_html(rep, a.out_path, bench=a.bench_result, png_path=a.png)
-    print(f"wrote {shown(a.out_path)} ({a.preset} on {a.device}, {len(rep.graphs)} graph(s)); open it in a browser")
-    return 0

@@ -37,12 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.norm import rms_norm
+from dsv41.ref import c2_compressor as _ref
 
 from ._common import (check_same_device, check_tensor, e2m1_code, fp4_block_scale, next_power_of_2, register_cuda,
                       require_launchable, round_to, use_pdl_for)
 from .rope_fp4 import _check as _check_rope_fp4
-from .rope_fp4 import _check_store, reference_rope_fp4_quant_store
+from .rope_fp4 import _check_store
 
 __all__ = [
     "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store",
@@ -84,10 +84,7 @@ def reference_pair_pool(k: torch.Tensor, g: torch.Tensor, prev_k: torch.Tensor, 
     All inputs FP32 [B, T, D]; prev_g = -inf (empty state) gives z = k. Source: dsv41/model/csa.py
     `Compressor.forward` (ratio 2), MODEL.md §2.6.
     """
-    m = torch.maximum(prev_g, g)
-    e0 = torch.exp(prev_g - m)
-    e1 = torch.exp(g - m)
-    return (e0 * prev_k + e1 * k) / (e0 + e1)
+    return _ref.pair_pool(k, g, prev_k, prev_g)
 
 
 def reference_c2_norm_rope_fp4_store(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache,
@@ -103,9 +100,8 @@ def reference_c2_norm_rope_fp4_store(x, weight, eps, cos, sin, scale_block, e4m3
     """
     check_tensor("x", x, dtypes=_FLOAT_DTYPES, ndim=3)
     _check(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
-    latent = rms_norm(x, weight, eps)
-    reference_rope_fp4_quant_store(latent, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
-    return latent
+    return _ref.c2_norm_rope_fp4_store(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache,
+                                       rows)
 
 
 def reference_c2_pool_norm_rope_fp4_store(k, g, prev_k, prev_g, weight, eps, out_dtype, cos, sin, scale_block,

@@ -47,8 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.engram import engram_row_ids, engram_update
-from dsv41.model.formats import dequantize_fp8_1x32
+from dsv41.ref import engram as _ref
 
 from ._common import (check_same_device, check_tensor, exp2_int, next_power_of_2, register_cuda, require_launchable,
                       round_to, use_pdl_for)
@@ -143,9 +142,8 @@ def reference_engram_lookup(u: torch.Tensor, multipliers: torch.Tensor, primes: 
     Source: MODEL.md §2.10 steps 5-6 and "Module"; dsv41/model/engram.py `engram_row_ids`, `EngramTable.forward`,
     `Engram.forward` (`rows.flatten(2)`).
     """
-    m, r, n_heads, c = _check_lookup(u, multipliers, primes, offsets, weight, scale, dtype)
-    ids = engram_row_ids(u, multipliers, primes, offsets, n_heads)
-    return dequantize_fp8_1x32(weight[ids], scale[ids], dtype).flatten(2).contiguous()
+    _check_lookup(u, multipliers, primes, offsets, weight, scale, dtype)
+    return _ref.engram_lookup(u, multipliers, primes, offsets, weight, scale, dtype)
 
 
 def reference_engram_gate(H: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
@@ -159,7 +157,7 @@ def reference_engram_gate(H: torch.Tensor, keys: torch.Tensor, value: torch.Tens
     Source: MODEL.md §2.10 "Gate per stream", "Update"; dsv41/model/engram.py `engram_update`.
     """
     _check_gate(H, keys, value, q_weight, k_weight, eps)
-    return engram_update(H, keys, value, q_weight, k_weight, float(eps)).contiguous()
+    return _ref.engram_gate(H, keys, value, q_weight, k_weight, eps)
 
 
 # ------------------------------------------------------------------------------------------- kernels

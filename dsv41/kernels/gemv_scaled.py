@@ -57,11 +57,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv41.model.formats import dequantize_fp8_scaled
+from dsv41.ref import gemv as _ref
 
 from ._common import (check_same_device, check_tensor, exp2_int, is_interpreted, register_cuda, require_launchable,
                       round_bf16, split_k_workspace, use_pdl_for)
@@ -137,8 +136,7 @@ def reference_linear_fp8_scaled(x: torch.Tensor, codes: torch.Tensor, scale: tor
     Source: the eager spellings of FP8 checkpoints (module docstring); `formats.dequantize_fp8_scaled`.
     """
     _check_args(x, codes, scale, block_n, block_k, weight_dtype, scale_cast)
-    w = dequantize_fp8_scaled(codes, scale, block_n, block_k, weight_dtype, scale_cast)
-    return F.linear(x, w.to(x.dtype))
+    return _ref.linear_fp8_scaled(x, codes, scale, block_n, block_k, weight_dtype, scale_cast)
 
 
 # ------------------------------------------------------------------------------------------- kernel

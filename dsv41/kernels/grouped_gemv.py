@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.formats import dequantize_fp4_1x32, fake_quant_fp8_1x32
+from dsv41.ref import gemv as _ref
 
 from ._common import (check_same_device, check_tensor, is_interpreted, register_cuda, require_launchable, round_bf16,
                       split_k_workspace, use_pdl_for)
@@ -131,13 +131,9 @@ def reference_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: t
         the argument).
     Source: dsv41/model/moe.py `RoutedExperts.forward_gather` / `dequantized_weight`; MODEL.md §2.9, §2.1.
     """
-    _, _, e, _, _, shared = _check_args(x, weight, scale, indices)
+    _, _, e, _, _, _ = _check_args(x, weight, scale, indices)
     _check_index_range(indices, e)
-    w = dequantize_fp4_1x32(weight[indices], scale[indices], x.dtype)  # [N, k, out, K]
-    xq = fake_quant_fp8_1x32(x) if act_quant else x
-    if shared:
-        return torch.einsum("nd,nkfd->nkf", xq, w)
-    return torch.einsum("nkd,nkfd->nkf", xq, w)
+    return _ref.grouped_linear_fp4(x, weight, scale, indices, act_quant)
 
 
 # ------------------------------------------------------------------------------------------- kernel

@@ -60,8 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.csa import select_topk
-from dsv41.model.formats import dequantize_fp4_ue8m0_1x32
+from dsv41.ref import indexer as _ref
+from dsv41.ref.indexer import candidate_width
 
 from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, register_cuda,
                       require_launchable, use_pdl_for)
@@ -146,12 +146,6 @@ def _check_candidates(scores, n_visible, block_size, n_blocks):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-def candidate_width(n_rows, block_size: int, n_blocks: int):
-    """Blocks `indexer_candidates` returns per query: min(n_blocks, ceil(n_rows / block_size)) (`n_rows` may be
-    a SymInt: no guard is added)."""
-    return torch.sym_min(n_blocks, -(-n_rows // block_size))
-
-
 # ------------------------------------------------------------------------------------------- references
 def reference_indexer_scores(q, weights, key_codes, key_scales, n_visible, blocks=None, block_size=1):
     """`dsv41::indexer_scores` in plain PyTorch: the eager model's `Indexer.scores` (einsum over the dequantised
@@ -159,20 +153,7 @@ def reference_indexer_scores(q, weights, key_codes, key_scales, n_visible, block
     slots (-inf for empty blocks and rows >= N). See the module docstring for shapes; raises TypeError /
     ValueError naming a bad argument."""
     _check_scores(q, weights, key_codes, key_scales, n_visible, blocks, block_size)
-    k = dequantize_fp4_ue8m0_1x32(key_codes, key_scales, torch.float32)
-    logits = torch.einsum("bthd,bnd->bthn", q.float(), k)
-    s = (torch.relu(logits) * weights.float()[..., None]).sum(dim=2)
-    n = key_codes.shape[1]
-    vis = torch.arange(n, device=s.device) < n_visible[..., None]
-    s = torch.where(vis, s, torch.full_like(s, float("-inf")))
-    if blocks is None:
-        return s
-    rows = (blocks[..., None] * block_size + torch.arange(block_size, device=s.device)).flatten(-2)
-    ok = (blocks[..., None] >= 0).expand(*blocks.shape, block_size).flatten(-2) & (rows < n)
-    if n == 0:
-        return torch.full(rows.shape, float("-inf"), device=s.device)
-    g = torch.gather(s, -1, rows.clamp(0, n - 1))
-    return torch.where(ok, g, torch.full_like(g, float("-inf")))
+    return _ref.indexer_scores(q, weights, key_codes, key_scales, n_visible, blocks, block_size)
 
 
 def reference_indexer_topk(scores, k, blocks=None, block_size=1, offset=0):
@@ -180,30 +161,7 @@ def reference_indexer_topk(scores, k, blocks=None, block_size=1, offset=0):
     -inf picks), padded with -1 to k columns, compact slots mapped to rows through `blocks`, then `offset` added
     to every selected id. int64 [B, T, k]. Raises TypeError / ValueError naming a bad argument."""
     _check_topk(scores, k, blocks, block_size, offset)
-    b, t, s = scores.shape
-    idx = select_topk(scores, k) if s else scores.new_zeros((b, t, 0), dtype=torch.int64)
-    if idx.shape[-1] < k:
-        idx = torch.cat((idx, idx.new_full((b, t, k - idx.shape[-1]), -1)), dim=-1)
-    if blocks is not None:
-        slot = idx.clamp(min=0)
-        rows = torch.gather(blocks, -1, slot // block_size) * block_size + slot % block_size
-        idx = torch.where(idx >= 0, rows, idx)
-    if offset:
-        idx = torch.where(idx >= 0, idx + offset, idx)
-    return idx
-
-
-def block_scores(scores, n_visible, block_size):
-    """fp32 [B, T, ceil(N / block_size)]: max over each block of rows (-inf padding), +inf for the block holding
-    row n_visible - 1 when n_visible > 0 (the newest block is pinned). `candidate_mask`'s block statistic."""
-    b, t, n = scores.shape
-    nb = -(-n // block_size)
-    pad = nb * block_size - n
-    s = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")) if pad else scores
-    bmax = s.view(b, t, nb, block_size).amax(-1)
-    newest = torch.div(n_visible - 1, block_size, rounding_mode="floor").clamp(min=0)
-    is_newest = torch.arange(nb, device=scores.device) == newest[..., None]
-    return torch.where(is_newest & (n_visible[..., None] > 0), torch.full_like(bmax, float("inf")), bmax)
+    return _ref.indexer_topk(scores, k, blocks, block_size, offset)
 
 
 def reference_indexer_candidates(scores, n_visible, block_size, n_blocks):
@@ -211,11 +169,7 @@ def reference_indexer_candidates(scores, n_visible, block_size, n_blocks):
     `candidate_mask` keeps (top n_blocks by block max, lower block on ties, finite only). int64 [B, T, W],
     W = `candidate_width`. Raises TypeError / ValueError naming a bad argument."""
     _check_candidates(scores, n_visible, block_size, n_blocks)
-    bmax = block_scores(scores, n_visible.to(torch.int64), block_size)
-    w = candidate_width(scores.shape[-1], block_size, n_blocks)
-    if bmax.shape[-1] == 0:
-        return bmax.new_zeros(bmax.shape, dtype=torch.int64)
-    return select_topk(bmax, w)
+    return _ref.indexer_candidates(scores, n_visible, block_size, n_blocks)
 
 
 # ------------------------------------------------------------------------------------------- Triton kernels

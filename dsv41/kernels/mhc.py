@@ -54,9 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.mhc import HC_MULT, mhc_collapse, mhc_expand
-from dsv41.model.mhc import mhc_mixes as _model_mhc_mixes
-from dsv41.model.norm import rms_norm
+from dsv41.ref import mhc as _ref
+from dsv41.ref.mhc import HC_MULT
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
@@ -165,10 +164,7 @@ def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     Source: MODEL.md §2.3 steps 1-6; dsv41/model/mhc.py.
     """
     _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
-    if norm_weight is not None:
-        fn = fn * norm_weight.float()[None, :]
-    pre, post, comb = _model_mhc_mixes(H, fn, base, scale, float(norm_eps), float(hc_eps), int(iters))
-    return pre.contiguous(), post.contiguous(), comb.contiguous()
+    return _ref.mhc_mixes_normed(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
 
 
 def reference_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
@@ -181,7 +177,7 @@ def reference_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: t
     Source: MODEL.md §2.2, §2.3 "collapse"; dsv41/model/mhc.py `mhc_collapse`, dsv41/model/norm.py `rms_norm`.
     """
     _check_collapse(H, pre, weight, eps)
-    return rms_norm(mhc_collapse(H, pre), weight, float(eps)).contiguous()
+    return _ref.mhc_collapse_rmsnorm(H, pre, weight, eps)
 
 
 def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -193,7 +189,7 @@ def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, c
     Source: MODEL.md §2.3 "expand"; dsv41/model/mhc.py `mhc_expand`.
     """
     _check_expand(y, H, post, comb)
-    return mhc_expand(y, H, post, comb).contiguous()
+    return _ref.mhc_expand(y, H, post, comb).contiguous()
 
 
 # ------------------------------------------------------------------------------------------- kernels

@@ -46,9 +46,10 @@ selection can differ only where two biased scores are within that rounding of ea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from dsv41.ref import moe as _ref
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable, round_to,
                       split_k_counters, use_pdl_for)
@@ -128,11 +129,6 @@ def _check_combine(y, shared, weights, out_dtype):
 
 
 # ------------------------------------------------------------------------------------------- references
-def _topk_lower_index_wins(v: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of v along the last dim, descending; equal values: lower index first."""
-    return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def reference_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int,
                          gate_temp: float, route_scale: float, norm_eps: float):
     """Plain-PyTorch `dsv41::moe_router`: the model's `Gate.forward` with the lower-index tie rule.
@@ -150,15 +146,7 @@ def reference_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Source: MODEL.md §2.9 "Router"; dsv41/model/moe.py `Gate.forward`; tie rule of dsv41/model/csa.py `select_topk`.
     """
     _check_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
-    lead = x.shape[:-1]
-    xf = x.reshape(-1, x.shape[-1])
-    logits = xf.float() @ weight.float().t() / gate_temp
-    scores = torch.sqrt(F.softplus(logits))
-    biased = scores + bias if bias is not None else scores
-    ids = _topk_lower_index_wins(biased, topk)
-    w = scores.gather(1, ids)
-    w = w / (w.sum(dim=-1, keepdim=True) + norm_eps) * route_scale
-    return w.reshape(*lead, topk).contiguous(), ids.reshape(*lead, topk).contiguous()
+    return _ref.moe_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
 
 
 def reference_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | None,
@@ -174,10 +162,7 @@ def reference_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.
     Source: MODEL.md §2.9 "Output"; dsv41/model/moe.py `MoE.forward`, `RoutedExperts.forward_gather`.
     """
     _check_combine(y, shared, weights, out_dtype)
-    yf = y.float()
-    if weights is not None:
-        yf = weights.float().unsqueeze(-1) * yf
-    return (yf.sum(dim=-2) + shared.float()).to(out_dtype).contiguous()
+    return _ref.moe_combine(y, shared, weights, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------- kernels

@@ -64,11 +64,10 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv41.model.formats import dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32
+from dsv41.ref import gemv as _ref
 
 from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round, exp2_int,
                       is_interpreted, next_power_of_2, register_cuda, require_launchable, round_bf16, split_k_workspace,
@@ -149,8 +148,7 @@ def reference_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: tor
     Source: dsv41/model/linear.py `Linear.forward` (fmt "fp8_block"), MODEL.md §2.1.
     """
     _check_args(x, weight, scale, fp4=False)
-    w = dequantize_fp8_block(weight, scale, x.dtype)
-    return F.linear(fake_quant_fp8_1x32(x) if act_quant else x, w)
+    return _ref.linear_fp8_block(x, weight, scale, act_quant)
 
 
 def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -166,8 +164,7 @@ def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     Source: dsv41/model/linear.py `Linear.forward` (fmt "fp4"), MODEL.md §2.1 (routed experts).
     """
     _check_args(x, weight, scale, fp4=True)
-    w = dequantize_fp4_1x32(weight, scale, x.dtype)
-    return F.linear(fake_quant_fp8_1x32(x) if act_quant else x, w)
+    return _ref.linear_fp4(x, weight, scale, act_quant)
 
 
 # ------------------------------------------------------------------------------------------- kernel

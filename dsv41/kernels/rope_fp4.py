@@ -34,9 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.formats import (fake_quant_fp4_e4m3_1x16, fake_quant_fp4_ue8m0_1x32, quantize_fp4_e4m3_1x16,
-                                 quantize_fp4_ue8m0_1x32)
-from dsv41.model.rope import apply_rope
+from dsv41.ref import rope_fp4 as _ref
 
 from ._common import (check_same_device, check_tensor, e2m1_code, e2m1_value, fp4_block_scale, next_power_of_2,
                       register_cuda, require_launchable, round_bf16, use_pdl_for)
@@ -100,10 +98,6 @@ def _check_store(x, rows, codes_cache, scale_cache, scale_block):
 
 
 # ------------------------------------------------------------------------------------------- references
-def _quantize(v: torch.Tensor, scale_block: int, e4m3_scale: bool):
-    return quantize_fp4_e4m3_1x16(v) if e4m3_scale else quantize_fp4_ue8m0_1x32(v)
-
-
 def reference_rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale_block: int,
                              e4m3_scale: bool):
     """Plain-PyTorch `dsv41::rope_fp4_quant`: `quantize_fp4_*(apply_rope(x, cos, sin))`.
@@ -117,7 +111,7 @@ def reference_rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     Source: MODEL.md §2.1, §2.2; dsv41/model/rope.py, dsv41/model/formats.py.
     """
     _check(x, cos, sin, scale_block, e4m3_scale)
-    return _quantize(apply_rope(x, cos, sin), scale_block, e4m3_scale)
+    return _ref.rope_fp4_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
 def reference_rope_fp4_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale_block: int,
@@ -127,8 +121,7 @@ def reference_rope_fp4_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch
     Arguments and errors as `reference_rope_fp4_quant`. Source: dsv41/model/csa.py (index queries).
     """
     _check(x, cos, sin, scale_block, e4m3_scale)
-    rot = apply_rope(x, cos, sin)
-    return fake_quant_fp4_e4m3_1x16(rot) if e4m3_scale else fake_quant_fp4_ue8m0_1x32(rot)
+    return _ref.rope_fp4_fake_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
 def reference_rope_fp4_quant_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale_block: int,
@@ -144,11 +137,7 @@ def reference_rope_fp4_quant_store(x: torch.Tensor, cos: torch.Tensor, sin: torc
     """
     _check(x, cos, sin, scale_block, e4m3_scale)
     _check_store(x, rows, codes_cache, scale_cache, scale_block)
-    codes, scales = _quantize(apply_rope(x, cos, sin), scale_block, e4m3_scale)
-    ok = (rows >= 0) & (rows < codes_cache.shape[1])
-    bi = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(rows)
-    codes_cache[bi[ok], rows[ok]] = codes[ok]
-    scale_cache[bi[ok], rows[ok]] = scales[ok]
+    _ref.rope_fp4_quant_store(x, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
 
 
 # ------------------------------------------------------------------------------------------- kernel

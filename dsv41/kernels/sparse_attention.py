@@ -65,8 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.formats import dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32
-from dsv41.model.rope import apply_rope
+from dsv41.ref import sparse_attention as _ref
 
 from ._common import (check_same_device, check_tensor, e2m1_value, exp2_int, next_power_of_2, register_cuda,
                       require_launchable, round_to, use_pdl_for)
@@ -140,21 +139,10 @@ def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, 
     Raises: TypeError / ValueError for wrong dtypes or shapes (named); IndexError for an index >= N.
     Source: MODEL.md §2.4 steps 3-6, §2.1 (FP8 1x32 UE8M0, FP4 1x16 E4M3), §2.2 (inverse RoPE).
     """
-    b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
-                                         indices, sink, cos, sin, softmax_scale)
-    keys = dequantize_fp8_1x32(window_codes, window_scales, q.dtype).float()
-    qc = q.float()
-    sw = torch.einsum("bthd,bsd->bths", qc, keys) * softmax_scale
-    sw = torch.where(window_ok[:, :, None, :], sw, torch.full_like(sw, float("-inf")))
-    rows = indices.long().clamp(min=0)
-    bi = torch.arange(b, device=q.device)[:, None, None]
-    bank = dequantize_fp4_e4m3_1x16(bank_codes[bi, rows], bank_scales[bi, rows], torch.float32)
-    sb = torch.einsum("bthd,btkd->bthk", qc, bank) * softmax_scale
-    sb = torch.where((indices >= 0)[:, :, None, :], sb, torch.full_like(sb, float("-inf")))
-    logits = torch.cat((sw, sb, sink.view(1, 1, h, 1).expand(b, t, h, 1)), dim=-1)
-    p = torch.softmax(logits, dim=-1)[..., :-1]
-    o = torch.einsum("bths,bsd->bthd", p[..., :s], keys) + torch.einsum("bthk,btkd->bthd", p[..., s:], bank)
-    return apply_rope(o.to(q.dtype), cos[:, :, None], sin[:, :, None], inverse=True)
+    _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink, cos, sin,
+                softmax_scale)
+    return _ref.sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
+                                     cos, sin, softmax_scale)
 
 
 # ------------------------------------------------------------------------------------------- kernel

@@ -39,9 +39,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from dsv41.ref import gemv as _ref
 
 from ._common import (check_same_device, check_tensor, register_cuda, require_launchable, split_k_workspace,
                       split_k_merge_2d, use_pdl_for)
@@ -79,7 +80,7 @@ def reference_linear_upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     Source: the eager spelling `F.linear(x.float(), W.float())` (dsv41/model/model.py `final_logits`, csa.py).
     """
     _check_args(x, weight)
-    return F.linear(x, weight.float())
+    return _ref.linear_upcast(x, weight)
 
 
 @triton.jit

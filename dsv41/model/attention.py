@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .csa import Compressor, Indexer, candidate_mask, select_topk, visible_rows
-from .formats import (dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32, quantize_fp4_e4m3_1x16,
+from ..ref.formats import (dequantize_fp4_e4m3_1x16, dequantize_fp8_1x32, quantize_fp4_e4m3_1x16,
                       quantize_fp4_ue8m0_1x32, quantize_fp8_1x32)
 from .linear import Linear
 from .norm import RMSNorm

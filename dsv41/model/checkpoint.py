@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .formats import dequantize_fp4_1x32, dequantize_fp8_block, quantize_fp8_block
+from ..ref.formats import dequantize_fp4_1x32, dequantize_fp8_block, quantize_fp8_block
 
 __all__ = ["save_pretrained", "from_pretrained", "CheckpointError", "CheckpointNotFoundError"]
 
@@ -251,7 +251,7 @@ def _dequantize_for_dense(key: str, codes: torch.Tensor, read, dst: torch.Tensor
     if codes.shape[-1] * 2 == dst.shape[-1] and ".experts." in key:
         return dequantize_fp4_1x32(codes, scale, torch.float32)
     if key.endswith("embed.weight"):
-        from .formats import dequantize_fp8_1x32
+        from ..ref.formats import dequantize_fp8_1x32
         return dequantize_fp8_1x32(codes, scale, torch.float32)
     return dequantize_fp8_block(codes, scale, torch.float32)
 

@@ -33,9 +33,9 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .formats import dequantize_fp8_1x32, quantize_fp8_1x32
+from ..ref.formats import dequantize_fp8_1x32, quantize_fp8_1x32
 from .linear import Linear
-from .mhc import mhc_collapse
+from ..ref.mhc import mhc_collapse
 from .model import Block
 from .norm import RMSNorm
 from .rope import apply_rope

@@ -15,7 +15,6 @@ Everything in a forward is static-shape and host-sync-free (capturable with
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List
 
 import numpy as np
@@ -24,7 +23,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .formats import dequantize_fp8_1x32, quantize_fp8_1x32
+from ..ref.engram import engram_row_ids, engram_update
+from ..ref.formats import dequantize_fp8_1x32, quantize_fp8_1x32
 from .linear import Linear
 
 __all__ = ["EngramHash", "engram_lookback", "engram_row_ids", "engram_update", "EngramTable", "Engram",
@@ -150,79 +150,6 @@ def engram_lookback(history: torch.Tensor, positions: torch.Tensor, max_ngram: i
     # Cumulative AND along the look-back axis: one dead/negative step kills all older ones.
     alive = torch.cumprod(alive.to(torch.int64), dim=-1).bool()
     return torch.where(alive, tok, torch.full_like(tok, pad_cid))
-
-
-def engram_row_ids(u: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
-                   n_heads: int) -> torch.Tensor:
-    """Table row ids of each token: rolling XOR hash, one bucket per (n-gram order, head).
-
-    `h_1 = (u_0*m_0) XOR (u_1*m_1)`, `h_k = h_{k-1} XOR (u_k*m_k)`; row for order k, head e is
-    `h_k mod primes[(k-1)*n_heads + e] + offsets[(k-1)*n_heads + e]`. All int64; cids must lie in
-    [0, Vc) so that no product overflows (the multiplier bound guarantees it).
-
-    Args:
-        u: [B, T, M] int64 from `engram_lookback` (M = max_ngram).
-        multipliers: [M] int64. primes, offsets: [R] int64 with R = (M-1) * n_heads (order-major).
-        n_heads: engram_n_heads.
-    Returns:
-        [B, T, R] int64 row ids into the layer's table.
-    Raises:
-        ValueError: shapes or dtypes that do not agree.
-    Source: MODEL.md §2.10 steps 5-6.
-    """
-    if u.dim() != 3:
-        raise ValueError(f"engram_row_ids: u must be [B, T, M], got {tuple(u.shape)}")
-    m = u.shape[-1]
-    r = (m - 1) * n_heads
-    if tuple(multipliers.shape) != (m,):
-        raise ValueError(f"engram_row_ids: multipliers must be [{m}] (M of u), got {tuple(multipliers.shape)}")
-    if tuple(primes.shape) != (r,) or tuple(offsets.shape) != (r,):
-        raise ValueError(f"engram_row_ids: primes and offsets must be [{r}] ((M-1)*n_heads), got "
-                         f"{tuple(primes.shape)} and {tuple(offsets.shape)}")
-    for name, x in (("u", u), ("multipliers", multipliers), ("primes", primes), ("offsets", offsets)):
-        if x.dtype != torch.int64:
-            raise ValueError(f"engram_row_ids: {name} must be int64, got {x.dtype}")
-    prod = u * multipliers                                             # [B, T, M]
-    h = prod[..., 0]
-    hashes = []
-    for k in range(1, m):
-        h = torch.bitwise_xor(h, prod[..., k])
-        hashes.append(h)
-    hk = torch.stack(hashes, dim=-1).repeat_interleave(n_heads, dim=-1)  # [B, T, R], order-major
-    return torch.remainder(hk, primes) + offsets
-
-
-def engram_update(H: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
-                  k_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated Engram residual update, all in FP32: `H_i + g_i * value` per stream i.
-
-    `w = q_weight * k_weight`; `rs_i = rsqrt(mean(H_i^2) + eps) * rsqrt(mean(key_i^2) + eps)`;
-    `dot_i = sum_c H_i[c] w[i, c] key_i[c] * rs_i / sqrt(d)`;
-    `g_i = sigmoid(sign(dot_i) * sqrt(max(|dot_i|, 1e-6)))`.
-
-    Args:
-        H: [B, T, 4, d] residual streams. keys: [B, T, 4, d] (one key per stream). value: [B, T, d]
-            (shared by all streams). q_weight, k_weight: [4, d]. eps: rms_norm_eps.
-    Returns:
-        [B, T, 4, d] in `H.dtype`.
-    Raises:
-        ValueError: shapes that do not agree.
-    Source: MODEL.md §2.10 "Gate per stream", "Update"; [TK] `engram_gate`.
-    """
-    if H.dim() != 4 or tuple(keys.shape) != tuple(H.shape) or tuple(value.shape) != (H.shape[0], H.shape[1], H.shape[3]):
-        raise ValueError(f"engram_update: H {tuple(H.shape)}, keys {tuple(keys.shape)} (same as H) and value "
-                         f"{tuple(value.shape)} ([B, T, d]) do not agree")
-    if tuple(q_weight.shape) != tuple(H.shape[2:]) or tuple(k_weight.shape) != tuple(H.shape[2:]):
-        raise ValueError(f"engram_update: q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} "
-                         f"must be {tuple(H.shape[2:])}")
-    d = H.shape[-1]
-    hf = H.float()
-    kf = keys.float()
-    w = q_weight.float() * k_weight.float()
-    rs = torch.rsqrt(hf.square().mean(dim=-1) + eps) * torch.rsqrt(kf.square().mean(dim=-1) + eps)
-    dot = (hf * w * kf).sum(dim=-1) * rs / math.sqrt(d)
-    g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
-    return (hf + g.unsqueeze(-1) * value.float().unsqueeze(2)).to(H.dtype)
 
 
 class EngramTable(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import (dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32,
+from ..ref.formats import (dequantize_fp4_1x32, dequantize_fp8_block, fake_quant_fp8_1x32,
                       quantize_fp4_1x32, quantize_fp8_block)
 
 __all__ = ["Linear", "WEIGHT_FORMATS"]

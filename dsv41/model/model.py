@@ -15,10 +15,10 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .formats import dequantize_fp8_block, quantize_fp8_block
+from ..ref.formats import dequantize_fp8_block, quantize_fp8_block
 from .engram import Engram, EngramHash, engram_lookback, engram_row_ids
 from .linear import Linear
-from .mhc import mhc_collapse, mhc_expand, mhc_mixes
+from ..ref.mhc import mhc_collapse, mhc_expand, mhc_mixes
 from .moe import MoE
 from .norm import RMSNorm
 

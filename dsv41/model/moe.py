@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .formats import dequantize_fp4_1x32, dequantize_fp4_1x32_table, fake_quant_fp8_1x32, quantize_fp4_1x32
+from ..ref.formats import dequantize_fp4_1x32, dequantize_fp4_1x32_table, fake_quant_fp8_1x32, quantize_fp4_1x32
 from .linear import Linear
 
 __all__ = ["WEIGHT_MODES", "clamped_swiglu", "Gate", "Expert", "RoutedExperts", "MoE"]

@@ -39,8 +39,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..kernels.c2_compressor import reference_pair_pool
-from ..model.norm import rms_norm
+from ..ref.c2_compressor import pair_pool as reference_pair_pool
+from ..ref.norm import rms_norm
 from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,

@@ -60,7 +60,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..model import formats
+from ..ref import formats
 from . import fp8_layouts
 from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
                    SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op,

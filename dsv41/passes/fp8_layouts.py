@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..model import formats
+from ..ref import formats
 from .base import (RegionEvaluator, RegionNotClosed, agree_where_representable, concrete_shape, dsv41_op, insert_node,
                    tensor_val, wide_scale_probes)
 

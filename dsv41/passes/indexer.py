@@ -383,7 +383,7 @@ def _scores_agree(got, ref) -> bool:
 
 @_real_tensors()
 def _verify_scores(ev, end, cut):
-    from dsv41.kernels.indexer import reference_indexer_scores
+    from dsv41.ref.indexer import indexer_scores as reference_indexer_scores
 
     gen = torch.Generator().manual_seed(71)
     for _ in range(2):
@@ -475,7 +475,7 @@ def _selection_probes(shape, gen, n_visible=None):
 
 @_real_tensors()
 def _verify_candidates(ev, end, cut, region, block):
-    from dsv41.kernels.indexer import candidate_width, reference_indexer_candidates
+    from dsv41.ref.indexer import candidate_width, indexer_candidates as reference_indexer_candidates
 
     sv, nv = tensor_val(cut["scores"]), tensor_val(cut["n_visible"])
     b, t, n = concrete_shape(sv)
@@ -568,7 +568,7 @@ def _find_topks(graph: fx.Graph, ev: _Evaluator, exclude: set):
 
 @_real_tensors()
 def _verify_topk(ev, end, x, region, anchor):
-    from dsv41.kernels.indexer import reference_indexer_topk
+    from dsv41.ref.indexer import indexer_topk as reference_indexer_topk
 
     xv = tensor_val(x)
     k = _shape(end)[2]

@@ -49,7 +49,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..model import formats
+from ..ref import formats
 from . import rope_fp4 as rf
 from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
                    agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
@@ -378,7 +378,7 @@ def _match(gm, ev, sourced, gc: fx.Node, gs: fx.Node):
     """([`_Site`, ...], [NearMiss, ...]) for the attention sites reading the gathered bank rows (gc, gs): one per
     inverse-RoPE end after them (several when CSE merged the gathers of layers reading the same bank and
     indices), each verified on its own; a look-alike is a near-miss."""
-    from ..kernels.sparse_attention import reference_sparse_fp4_attention as ref_op
+    from ..ref.sparse_attention import sparse_fp4_attention as ref_op
 
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
