@@ -593,7 +593,7 @@ def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, 
     Raises: ValueError for n_tokens < 2 or a context the cache cannot hold (`fill_synthetic_context`).
     """
     from .model import benchmark_prompt
-    from .model.generate import _Clock
+    from .model.results import Clock
     from .model.synthetic import fill_synthetic_context
 
     if n_tokens < 2:
@@ -607,7 +607,7 @@ def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, 
     tok = benchmark_prompt(base.config, 1, batch_size=b, device=dev)[:, 0]
     pos = torch.full((b, 1), context, dtype=torch.int64, device=dev)
     out = torch.empty(b, n_tokens, dtype=torch.int64, device=dev)
-    clock = _Clock(dev)
+    clock = Clock(dev)
     with torch.no_grad():
         for i in range(n_tokens):
             logits = runner(tok[:, None], pos)

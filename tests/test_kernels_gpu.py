@@ -122,7 +122,7 @@ def test_row_streaming_kernel_other_dtypes_pdl_graph_and_counters(fp4, monkeypat
     assert gr.rows_plan(2304, 5120, fp4)["SPLIT_K"] > 1
     from dsv41.kernels import _common
     want = fn(x, w, s, True, rows=True)
-    assert int(_common._COUNTERS[x.device.index].abs().sum()) == 0
+    assert int(_common.COUNTERS[x.device.index].abs().sum()) == 0
     kernels.set_pdl(True)
     assert torch.equal(fn(x, w, s, True, rows=True), want)
     side = torch.cuda.Stream()
@@ -137,7 +137,7 @@ def test_row_streaming_kernel_other_dtypes_pdl_graph_and_counters(fp4, monkeypat
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
-    assert int(_common._COUNTERS[x.device.index].abs().sum()) == 0
+    assert int(_common.COUNTERS[x.device.index].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("name", list(_SWEEP_SHAPES))
@@ -224,7 +224,7 @@ def test_split_k_is_deterministic_and_counters_reset():
     for tma in (False, True):  # this 6.6 MB weight runs the tile kernel by default at one row: both, explicitly
         ys = [qg.triton_linear_fp8_block(x, w, s, True, tma=tma) for _ in range(5)]
         assert all(torch.equal(ys[0], y) for y in ys[1:])
-        counters = _common._COUNTERS[x.device.index]
+        counters = _common.COUNTERS[x.device.index]
         assert int(counters.abs().sum()) == 0
         _check(ys[0], x, w, s, True, False)
 

@@ -100,7 +100,7 @@ def test_pdl_launches_in_a_cuda_graph_give_the_plain_launch_bits_and_leave_count
     assert torch.equal(step()[0], want)
     from gpu_harness import assert_graph_replay_equals
     assert_graph_replay_equals(lambda: step() + step(), (want, want))
-    assert int(_common._COUNTERS[x.device.index].abs().sum()) == 0
+    assert int(_common.COUNTERS[x.device.index].abs().sum()) == 0
 
 
 def test_more_than_eight_rows_take_the_dequantise_then_cublas_path():

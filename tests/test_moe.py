@@ -215,7 +215,7 @@ def test_dense_path_chunks_tokens_without_changing_results(cfg, monkeypatch):
     idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=gen)
     whole = ex.forward_dense(x, w, idx)
-    monkeypatch.setattr(moe_mod, "_DENSE_TOKEN_CHUNK", 3)
+    monkeypatch.setattr(moe_mod, "DENSE_TOKEN_CHUNK", 3)
     torch.testing.assert_close(ex.forward_dense(x, w, idx), whole, rtol=1e-6, atol=1e-6)
 
 
@@ -223,7 +223,7 @@ def _dense_one_expert_at_a_time(ex, x, weights, indices):
     """The dense path as first written, one expert at a time (dequantise, two GEMMs, SwiGLU, routing weight,
     FP8 re-quantisation, GEMM, FP32 sum in expert order): the reference the grouped path must equal bit for bit."""
     linear = torch.nn.functional.linear
-    n, chunk = x.shape[0], moe_mod._DENSE_TOKEN_CHUNK
+    n, chunk = x.shape[0], moe_mod.DENSE_TOKEN_CHUNK
     route = torch.zeros(n, ex.n_experts).scatter(1, indices, weights.float())
     xq = ex._act_quant(x.to(ex.dtype))
     out = torch.zeros(n, ex.dim)
@@ -262,7 +262,7 @@ def test_dense_path_groups_experts_bit_identically(cfg, monkeypatch, mode, dtype
         else:
             assert ex._dense_group(n) == cfg4.n_routed_experts
         assert torch.equal(ex.forward_dense(x, w, idx), want)
-        monkeypatch.setattr(moe_mod, "_DENSE_TOKEN_CHUNK", 4)
+        monkeypatch.setattr(moe_mod, "DENSE_TOKEN_CHUNK", 4)
         assert torch.equal(ex.forward_dense(x, w, idx), _dense_one_expert_at_a_time(ex, x, w, idx))
     finally:
         torch.set_num_threads(threads)

@@ -235,14 +235,14 @@ def _options_text(opts) -> str:
 
 def _summary(d: dict) -> str:
     """The page's first section: what the passes did to one step in a few lines, then the plot."""
-    from .report_plot import _REWRITES
+    from ..passes.manager import REWRITE_FAMILIES
 
     k = d.get("kernels") or {}
     kl = d.get("kernels_by_layer") or {}
     b = d.get("bytes") or {}
     fams = d.get("families") or {}
-    fused = {n: f for n, f in fams.items() if n not in _REWRITES and f.get("matches")}
-    rewrites = [f"{n} {fams[n].get('matches', 0):,}" for n in _REWRITES if n in fams]
+    fused = {n: f for n, f in fams.items() if n not in REWRITE_FAMILIES and f.get("matches")}
+    rewrites = [f"{n} {fams[n].get('matches', 0):,}" for n in REWRITE_FAMILIES if n in fams]
     if k.get("before") is not None:
         kern = _Raw(f'<span class="big">{k["before"]:,} &rarr; {k["after"]:,}</span> (profiled: {_e(k.get("method"))})')
     elif kl.get("total") is not None:

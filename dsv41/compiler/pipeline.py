@@ -40,7 +40,7 @@ from ..passes.manager import GraphPassResult, PassManager
 from .fallback_text import bounded_operator_text
 from .kernel_counts import WrapperCapture, graph_counts, load_counts, provenance_config
 from .options import Options
-from .report import FusionReport, GraphReport, KernelCount, _set_last
+from .report import FusionReport, GraphReport, KernelCount, set_last
 from .streams import StreamPass, merge_schedules
 
 __all__ = ["compile_graph"]
@@ -322,7 +322,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     report.add_graph(GraphReport(len(report.graphs), _compile_id(), result.records, kernels, from_cache,
                                  result.graph_before, result.graph_after, layer_kernels=layer_kernels,
                                  schedule=schedule, count_s=count_s))
-    _set_last(report)
+    set_last(report)
     if opts.print_report:
         report.print()
     if opts.report_path:

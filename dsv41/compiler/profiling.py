@@ -36,7 +36,7 @@ CPU_METHOD = ("top-level computing operator calls + Inductor C++ kernels in one 
 _MARK = "dsv41 counted step"
 _INDUCTOR_KERNEL = re.compile(r"^graph_\d+_|cpp_fused|^kernel_cpp")
 #: ATen ops that move no data: views, metadata and allocations (an op counts only if its subtree has others).
-_NO_COMPUTE = {
+NO_COMPUTE = {
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "reshape", "_reshape_alias",
     "_unsafe_view", "as_strided", "expand", "expand_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
     "select", "slice", "narrow", "alias", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg",
@@ -97,7 +97,7 @@ def _is_op(name: str) -> bool:
 def _computes(name: str) -> bool:
     if _INDUCTOR_KERNEL.search(name):
         return True
-    return name.split("::", 1)[-1].split(".")[0] not in _NO_COMPUTE
+    return name.split("::", 1)[-1].split(".")[0] not in NO_COMPUTE
 
 
 def _count_cpu(events) -> int:

@@ -43,7 +43,8 @@ def last_report() -> "FusionReport | None":
     return _LAST
 
 
-def _set_last(report: "FusionReport") -> None:
+def set_last(report: "FusionReport") -> None:
+    """Make `report` what `last_report()` returns (the pipeline calls this once per compiled graph)."""
     global _LAST
     _LAST = report
 

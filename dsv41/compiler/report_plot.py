@@ -18,23 +18,23 @@ from __future__ import annotations
 
 import io
 import re
+
+from ..passes.manager import REWRITE_FAMILIES  # rewrite the graph for the matchers, fuse nothing: not plotted
 from .units import human_bytes
 
 __all__ = ["family_svg", "family_rows"]
 
 _BEFORE = "#9aa7c7"
 _AFTER = "#dd8452"
-#: Families that rewrite the graph for the matchers without fusing (no bytes moved): not plotted.
-_REWRITES = ("normalize",)
 
 
 def _computes(op: str) -> bool:
     """Whether ATen op `op` (e.g. "aten.mul.Tensor") launches work eagerly (views and allocations do not)."""
-    from .profiling import _NO_COMPUTE
+    from .profiling import NO_COMPUTE
 
     parts = op.split(".")
     name = parts[1] if len(parts) > 1 and parts[0] in ("aten", "prims") else op
-    return name not in _NO_COMPUTE and name not in ("unsqueeze", "squeeze", "permute", "clone", "view")
+    return name not in NO_COMPUTE and name not in ("unsqueeze", "squeeze", "permute", "clone", "view")
 
 
 def family_rows(report_dict: dict) -> list[dict]:
@@ -42,7 +42,7 @@ def family_rows(report_dict: dict) -> list[dict]:
     descending (ints: ops per step and bytes per step at the compiled shapes)."""
     rows = []
     for name, f in (report_dict.get("families") or {}).items():
-        if name in _REWRITES or not f.get("matches"):
+        if name in REWRITE_FAMILIES or not f.get("matches"):
             continue
         sites = f.get("sites") or []
         rows.append({"family": name,

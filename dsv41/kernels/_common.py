@@ -44,7 +44,7 @@ __all__ = [
 #: "dsv41::<op>" -> the Python function its CUDA kernel registration runs (`register_cuda`). The launch census
 #: (`census.py`) runs these on meta tensors to count the kernels one call launches.
 CUDA_HOSTS: dict[str, Callable] = {}
-_CENSUS = threading.local()
+CENSUS = threading.local()
 
 
 def register_cuda(op_def, name: str) -> Callable:
@@ -68,7 +68,7 @@ def register_cuda(op_def, name: str) -> Callable:
 def census_active() -> bool:
     """True while `census.py` runs a CUDA host function on meta tensors in this thread (launches are counted,
     not made; device checks and persistent buffers are skipped)."""
-    return getattr(_CENSUS, "depth", 0) > 0
+    return getattr(CENSUS, "depth", 0) > 0
 
 
 _PDL = False
@@ -170,7 +170,7 @@ def next_power_of_2(n: int) -> int:
 # Split-K arrival counters, one int32 per output tile, one buffer per device. Every split-K launch leaves the
 # counters it used at 0 and touches them only after its `gdc_wait()`, so kernels on one stream share them even
 # under PDL. (Kernels running concurrently on two streams would need a buffer each: there are none yet.)
-_COUNTERS: dict = {}
+COUNTERS: dict = {}
 #: Counters per device: far more output tiles than any decode launch has (the 129280-row head: 1010 tiles).
 COUNTER_SLOTS = 1 << 16
 
@@ -189,14 +189,14 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(index)
+    buf = COUNTERS.get(index)
     if buf is None or buf.numel() < n:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"split-K launch needs {n} counters on cuda:{index} but only "
                                f"{0 if buf is None else buf.numel()} exist and a CUDA graph is being captured; "
                                "call dsv41.kernels.prepare_device(device) before capturing")
         buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=torch.device("cuda", index))
-        _COUNTERS[index] = buf
+        COUNTERS[index] = buf
     return buf
 
 

@@ -41,8 +41,7 @@ from dsv41.ref import c2_compressor as _ref
 
 from ._common import (check_same_device, check_tensor, e2m1_code, fp4_block_scale, next_power_of_2, register_cuda,
                       require_launchable, round_to, use_pdl_for)
-from .rope_fp4 import _check as _check_rope_fp4
-from .rope_fp4 import _check_store
+from .rope_fp4 import check_rope_fp4_args, check_store_args
 
 __all__ = [
     "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store",
@@ -63,8 +62,8 @@ def _check(x, weight, eps, cos, sin, scale_block, e4m3_scale, codes_cache, scale
         raise ValueError(f"weight has {weight.shape[0]} channels; x has {x.shape[-1]}")
     if not isinstance(eps, float) or eps < 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
-    _check_rope_fp4(x, cos, sin, scale_block, e4m3_scale)
-    _check_store(x, rows, codes_cache, scale_cache, scale_block)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
+    check_store_args(x, rows, codes_cache, scale_cache, scale_block)
 
 
 def _check_pool(k, g, prev_k, prev_g, out_dtype):

@@ -199,11 +199,11 @@ class _TritonCounter:
 def _this_thread_counts(counter: _TritonCounter):
     outer = getattr(_TLS, "counter", None)
     _TLS.counter = counter
-    _common._CENSUS.depth = getattr(_common._CENSUS, "depth", 0) + 1
+    _common.CENSUS.depth = getattr(_common.CENSUS, "depth", 0) + 1
     try:
         yield
     finally:
-        _common._CENSUS.depth -= 1
+        _common.CENSUS.depth -= 1
         _TLS.counter = outer
 
 

@@ -55,7 +55,9 @@ _MAX_LEAD_DIMS = 4
 
 
 # ------------------------------------------------------------------------------------------- checks
-def _check(x, cos, sin, scale_block, e4m3_scale):
+def check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale):
+    """Check the arguments of the rope_fp4 ops (x [..., D] float, fp32 cos / sin, a mode of `FP4_MODES`); also
+    used by the compressor ops, which end in the same write. Raises TypeError / ValueError naming the argument."""
     check_tensor("x", x, dtypes=_FLOAT_DTYPES, min_ndim=1)
     check_tensor("cos", cos, dtypes=(torch.float32,), min_ndim=1)
     check_tensor("sin", sin, dtypes=(torch.float32,), min_ndim=1)
@@ -80,7 +82,9 @@ def _check(x, cos, sin, scale_block, e4m3_scale):
                          f"{tuple(x.shape[:-1])}")
 
 
-def _check_store(x, rows, codes_cache, scale_cache, scale_block):
+def check_store_args(x, rows, codes_cache, scale_cache, scale_block):
+    """Check the cache arguments of a store op: x [B, T, D], rows int64 [B, T], codes_cache uint8 [B, Rows, D/2],
+    scale_cache uint8 [B, Rows, D/scale_block], one device. Raises TypeError / ValueError naming the argument."""
     check_tensor("x", x, ndim=3)
     check_tensor("rows", rows, dtypes=(torch.int64,), ndim=2)
     check_tensor("codes_cache", codes_cache, dtypes=(torch.uint8,), ndim=3)
@@ -110,7 +114,7 @@ def reference_rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     Raises: TypeError / ValueError naming the bad argument (dtype, mode, D not divisible, R > D, shapes).
     Source: MODEL.md §2.1, §2.2; dsv41/model/rope.py, dsv41/model/formats.py.
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
     return _ref.rope_fp4_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
@@ -120,7 +124,7 @@ def reference_rope_fp4_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch
 
     Arguments and errors as `reference_rope_fp4_quant`. Source: dsv41/model/csa.py (index queries).
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
     return _ref.rope_fp4_fake_quant(x, cos, sin, scale_block, e4m3_scale)
 
 
@@ -135,8 +139,8 @@ def reference_rope_fp4_quant_store(x: torch.Tensor, cos: torch.Tensor, sin: torc
     Raises: TypeError / ValueError naming the bad argument.
     Source: dsv41/model/attention.py `_update_csa` (bank and index-key writes).
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
-    _check_store(x, rows, codes_cache, scale_cache, scale_block)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
+    check_store_args(x, rows, codes_cache, scale_cache, scale_block)
     _ref.rope_fp4_quant_store(x, cos, sin, scale_block, e4m3_scale, codes_cache, scale_cache, rows)
 
 
@@ -294,7 +298,7 @@ def triton_rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     Same arguments, results (bit-identical codes and scales) and errors as `reference_rope_fp4_quant`;
     x may have at most 4 leading dims. One launch; ROWS = max(1, 2048 // (padded D)) vectors per program.
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
     lead, d = x.shape[:-1], x.shape[-1]
     codes = _empty((*lead, d // 2), torch.uint8, x.device)
     scales = _empty((*lead, d // scale_block), torch.uint8, x.device)
@@ -308,7 +312,7 @@ def triton_rope_fp4_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
     Same arguments, result (bit-identical) and errors as `reference_rope_fp4_fake_quant`.
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
     y = _empty(x.shape, x.dtype, x.device)
     _launch(x, cos, sin, scale_block, e4m3_scale, 1, y.view(-1, x.shape[-1]), None)
     return y
@@ -322,8 +326,8 @@ def triton_rope_fp4_quant_store(x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     Same arguments, effect (bit-identical rows written, rows outside [0, Rows) skipped) and errors as
     `reference_rope_fp4_quant_store`. Cache last-dim stride must be 1 (ValueError otherwise).
     """
-    _check(x, cos, sin, scale_block, e4m3_scale)
-    _check_store(x, rows, codes_cache, scale_cache, scale_block)
+    check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
+    check_store_args(x, rows, codes_cache, scale_cache, scale_block)
     for name, t in (("codes_cache", codes_cache), ("scale_cache", scale_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have last-dim stride 1 (it is written in place), got {t.stride()}")

@@ -122,22 +122,22 @@ def prepare_side_stream(device: torch.device) -> None:
 
 
 class _SideCounters:
-    """Swap `_common._COUNTERS[device]` for the side stream's own buffer while the program launches."""
+    """Swap `_common.COUNTERS[device]` for the side stream's own buffer while the program launches."""
 
     def __init__(self, idx: int):
         self.idx = idx
 
     def __enter__(self):
         from . import _common
-        self.saved = _common._COUNTERS.get(self.idx)
-        _common._COUNTERS[self.idx] = _SIDE_COUNTERS[self.idx]
+        self.saved = _common.COUNTERS.get(self.idx)
+        _common.COUNTERS[self.idx] = _SIDE_COUNTERS[self.idx]
 
     def __exit__(self, *exc):
         from . import _common
         if self.saved is None:
-            _common._COUNTERS.pop(self.idx, None)
+            _common.COUNTERS.pop(self.idx, None)
         else:
-            _common._COUNTERS[self.idx] = self.saved
+            _common.COUNTERS[self.idx] = self.saved
         return False
 
 

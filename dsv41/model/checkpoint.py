@@ -156,9 +156,10 @@ def _check_shards(path: str, wmap: Dict[str, str]) -> None:
 
 
 @torch.no_grad()
-def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dtype = torch.bfloat16, device=None,
-                    token_map: torch.Tensor | None = None):
-    """Build a `DeepseekV41Flash` from checkpoint directory `path`.
+def from_pretrained(model_cls, path: str, weight_mode: str = "checkpoint", dtype: torch.dtype = torch.bfloat16,
+                    device=None, token_map: torch.Tensor | None = None):
+    """Build a `model_cls` (`DeepseekV41Flash`, whose `from_pretrained` passes itself: this module does not import
+    the model back) from checkpoint directory `path`.
 
     Raises:
         CheckpointNotFoundError (a CheckpointError and a FileNotFoundError): `path` is not a directory, it has no
@@ -168,7 +169,6 @@ def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dty
         dense tensor where the checkpoint-mode model expects FP8/FP4 bytes. Every message names the directory or
         the tensor, and the file where one applies.
     """
-    from .model import DeepseekV41Flash
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise CheckpointNotFoundError(f"checkpoint directory {path!r} {what}")
@@ -182,7 +182,7 @@ def from_pretrained(path: str, weight_mode: str = "checkpoint", dtype: torch.dty
     # The files first: a truncated shard of a large checkpoint fails in seconds, not after the model is allocated.
     wmap = _open_files(path)
     _check_shards(path, wmap)
-    model = DeepseekV41Flash(config, weight_mode=weight_mode, dtype=dtype, device=device, token_map=token_map)
+    model = model_cls(config, weight_mode=weight_mode, dtype=dtype, device=device, token_map=token_map)
     sd = model.state_dict()
     expected = {}   # checkpoint name -> (state-dict name, expert index or None, kind)
     for name, t in sd.items():

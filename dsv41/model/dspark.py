@@ -36,7 +36,7 @@ from .config import ModelConfig
 from ..ref.formats import dequantize_fp8_1x32, quantize_fp8_1x32
 from .linear import Linear
 from ..ref.mhc import mhc_collapse
-from .model import Block
+from .block import Block
 from .norm import RMSNorm
 from .rope import apply_rope
 

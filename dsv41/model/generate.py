@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import List, Optional
-
 import torch
 
 from .config import ModelConfig
+from .results import Clock, GenerateResult, base_model
 
 __all__ = ["GenerateResult", "generate", "benchmark_prompt"]
 
@@ -30,92 +27,6 @@ def benchmark_prompt(config: ModelConfig, length: int, batch_size: int = 1, seed
     g = torch.Generator().manual_seed(seed)
     pick = torch.randint(0, ids.numel(), (batch_size, length), generator=g)
     return ids[pick].to(device)
-
-
-@dataclass
-class GenerateResult:
-    """Output of `generate`.
-
-    tokens: int64 [B, N] generated ids (N = max_new_tokens; the first comes from the prefill logits).
-    timestamps: seconds from the start of prefill to each generated token, len N.
-    prompt_len: prompt tokens per sequence.
-    Speculative runs only (empty / None otherwise): acceptance: tokens emitted per verify round (accepted drafts
-    + the bonus token), one list of B per round; natural_acceptance: the same under greedy acceptance (equal to
-    `acceptance` unless simulated); simulated_acceptance: the "match-expected" mean length, or None.
-    logits (`return_logits=True` only): float32 [B, N-1, V] on the CPU, the logits of decode steps 1..N-1 (step i
-    was fed token i-1), i.e. what `dsv41.bench.teacher_forced_logits` computes for these tokens, without a second run.
-    round_phases_ms (speculative with `round_phases=True` only): one {phase: milliseconds} per verify round, phases
-    `speculative.ROUND_PHASES`.
-    """
-
-    tokens: torch.Tensor
-    timestamps: List[float] = field(default_factory=list)
-    prompt_len: int = 0
-    acceptance: List[List[int]] = field(default_factory=list)
-    natural_acceptance: List[List[int]] = field(default_factory=list)
-    simulated_acceptance: Optional[float] = None
-    logits: Optional[torch.Tensor] = None
-    round_phases_ms: List[dict] = field(default_factory=list)
-
-    @property
-    def mean_acceptance(self) -> float:
-        """Measured mean acceptance length (tokens per verify round); NaN for a plain run."""
-        return _mean(self.acceptance)
-
-    @property
-    def mean_natural_acceptance(self) -> float:
-        """Measured mean greedy acceptance length (what the drafts really earned); NaN for a plain run."""
-        return _mean(self.natural_acceptance)
-
-    @property
-    def prefill_s(self) -> float:
-        """Time to first token (prefill), seconds."""
-        return self.timestamps[0]
-
-    @property
-    def prefill_tok_s(self) -> float:
-        """Prompt tokens per second (all sequences)."""
-        return self.prompt_len * self.tokens.shape[0] / self.timestamps[0]
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens after the first / (last - first timestamp), per sequence (BENCHMARK.md "Metric")."""
-        if len(self.timestamps) < 2:
-            return float("nan")
-        return (len(self.timestamps) - 1) / (self.timestamps[-1] - self.timestamps[0])
-
-
-def _mean(rounds: List[List[int]]) -> float:
-    vals = [v for r in rounds for v in r]
-    return sum(vals) / len(vals) if vals else float("nan")
-
-
-def _base(model):
-    return getattr(model, "_orig_mod", model)
-
-
-class _Clock:
-    """Marks on the host clock (CPU) or CUDA events (GPU); `seconds()` = each mark after the first, from the first."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self) -> None:
-        """Record a timestamp (a CUDA event on GPU, the host clock on CPU)."""
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> List[float]:
-        """Seconds from the first mark to each later one (synchronises the GPU once)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks[1:]]
-        return [m - self.marks[0] for m in self.marks[1:]]
 
 
 @torch.no_grad()
@@ -156,7 +67,7 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
                                     round_phases=round_phases)
     if simulate_acceptance is not None or drafter is not None or round_phases:
         raise ValueError("simulate_acceptance, drafter and round_phases need speculative=True")
-    base = _base(model)
+    base = base_model(model)
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids[None]
     b, p = prompt_ids.shape
@@ -169,7 +80,7 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
         base.setup_cache(b, need)
     dev = base.embed.weight.device
     ids = prompt_ids.to(dev)
-    clock = _Clock(dev)
+    clock = Clock(dev)
     mark = clock.mark
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=dev)
     mark()

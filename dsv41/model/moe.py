@@ -37,7 +37,7 @@ WEIGHT_MODES = ("checkpoint", "bf16")
 _ROUTER_BIAS_STD = 0.01
 
 #: Tokens per chunk of the dense (prefill) routed path; bounds the [tokens, inter] FP32 intermediates.
-_DENSE_TOKEN_CHUNK = 4096
+DENSE_TOKEN_CHUNK = 4096
 
 #: Bytes of dense expert weights and intermediates one group of the dense path may hold (`_dense_group`).
 _DENSE_GROUP_BYTES = 4 << 30
@@ -300,7 +300,7 @@ class RoutedExperts(nn.Module):
         """Prefill path: every expert over every token, weighted by the routing weight (0 if not routed).
 
         Args: x [N, d]; weights [N, k] FP32; indices [N, k] int64. Returns [N, d] FP32.
-        Experts run in groups (`_dense_group`) and tokens in chunks of `_DENSE_TOKEN_CHUNK`, to bound the
+        Experts run in groups (`_dense_group`) and tokens in chunks of `DENSE_TOKEN_CHUNK`, to bound the
         intermediates. Per expert the GEMMs are `F.linear` on that expert's weight, and every output row adds the
         experts' FP32 contributions in expert order; the elementwise steps (dequantisation, SwiGLU, routing
         weight, FP8 re-quantisation) run on a whole group at once, and FP4 weights are decoded through a byte
@@ -316,12 +316,12 @@ class RoutedExperts(nn.Module):
         route = route.scatter(1, indices, weights.float())
         xq = self._act_quant(x.to(self.dtype))
         out = torch.zeros(n, self.dim, dtype=torch.float32, device=x.device)
-        group = self._dense_group(min(n, _DENSE_TOKEN_CHUNK))
+        group = self._dense_group(min(n, DENSE_TOKEN_CHUNK))
         for g0 in range(0, self.n_experts, group):
             g1 = min(g0 + group, self.n_experts)
             w1, w3, w2 = (self._dense_weights(name, g0, g1).unbind(0) for name in ("w1", "w3", "w2"))
-            for start in range(0, n, _DENSE_TOKEN_CHUNK):
-                rows = slice(start, start + _DENSE_TOKEN_CHUNK)
+            for start in range(0, n, DENSE_TOKEN_CHUNK):
+                rows = slice(start, start + DENSE_TOKEN_CHUNK)
                 xc = xq[rows]
                 a = torch.stack([F.linear(xc, w) for w in w1])                    # [g, chunk, inter]
                 b = torch.stack([F.linear(xc, w) for w in w3])

@@ -38,6 +38,7 @@ from typing import List
 import torch
 
 from .csa import SPEC_TRAIL_ROWS
+from .results import Clock, GenerateResult, base_model
 
 __all__ = ["CacheJournal", "RoundJournal", "journal_for", "forget_journals", "greedy_acceptance", "MatchExpected",
            "generate_speculative", "ROUND_PHASES"]
@@ -287,8 +288,7 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
         ValueError: no DSpark stages, empty prompt, max_new_tokens < 1, a bad simulated length, a length beyond
         max_position_embeddings.
     """
-    from .generate import GenerateResult, _base, _Clock
-    base = _base(model)
+    base = base_model(model)
     if base.mtp is None:
         raise ValueError("speculative decoding needs a model with DSpark stages (num_dspark_stages > 0)")
     if prompt_ids.dim() == 1:
@@ -312,7 +312,7 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
         drafter = getattr(model, "draft", None) if model is not base else None
         drafter = drafter if callable(drafter) else base.mtp
     embed_w, head_w = base.embed.weight, base.head.weight
-    clock = _Clock(dev)
+    clock = Clock(dev)
 
     clock.mark()
     ids = prompt_ids.to(dev)
@@ -330,7 +330,7 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
     token_round = [0]
     acceptance, natural = [], []
     journal = journal_for(base, b, m)
-    phase_clock = _Clock(dev) if round_phases else None
+    phase_clock = Clock(dev) if round_phases else None
     tick = phase_clock.mark if round_phases else (lambda: None)
     while min(len(o) for o in out) < max_new_tokens:
         tick()

@@ -60,7 +60,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .linear import Linear
-from .moe import _DENSE_TOKEN_CHUNK, RoutedExperts, clamped_swiglu
+from .moe import DENSE_TOKEN_CHUNK, RoutedExperts, clamped_swiglu
 
 __all__ = ["TPPlan", "tp_plan", "apply_tp", "ExpertParallelRoutedExperts", "MOE_MODES", "DEFAULT_PAD_TO",
            "UNIT_SCALE"]
@@ -274,8 +274,8 @@ class ExpertParallelRoutedExperts(RoutedExperts):
         for e in range(self.n_experts):
             w1, w2, w3 = (self.dequantized_weight(name, e) for name in ("w1", "w2", "w3"))
             parts = []
-            for s in range(0, n, _DENSE_TOKEN_CHUNK):  # bounds the [tokens, inter] FP32 intermediates
-                xc, rc = xq[s:s + _DENSE_TOKEN_CHUNK], route[s:s + _DENSE_TOKEN_CHUNK, e:e + 1]
+            for s in range(0, n, DENSE_TOKEN_CHUNK):  # bounds the [tokens, inter] FP32 intermediates
+                xc, rc = xq[s:s + DENSE_TOKEN_CHUNK], route[s:s + DENSE_TOKEN_CHUNK, e:e + 1]
                 h = clamped_swiglu(F.linear(xc, w1), F.linear(xc, w3), self.limit) * rc
                 parts.append(F.linear(self._act_quant(h.to(self.dtype)), w2).float())
             out = out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
