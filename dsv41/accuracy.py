@@ -120,7 +120,7 @@ def fp32_reference(model, prompt_ids: torch.Tensor, tokens: torch.Tensor,
     Raises: as `fp32_copy` and `bench.teacher_forced_logits` (ValueError for N < 2 or mismatched batch sizes);
         ValueError when the model is FP32 and `own_logits` is None.
     """
-    from .bench import teacher_forced_logits  # bench imports this module
+    from .harness import teacher_forced_logits
 
     n = int(tokens.shape[-1])
     if model.dtype == torch.float32:

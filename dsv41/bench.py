@@ -84,20 +84,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .accuracy import DEFINITIONS as _ACCURACY_DEFINITIONS
+# Public names of this module too (`__all__`); tests replace them on this module, where `run_benchmark` looks them up.
+from .bench_rows import (CORE_BACKENDS, DSPARK, DSPARK_ACCEPTANCE, ablation_families, base_backend,  # noqa: F401
+                         expand_backends, row_options, row_speculation)
+from .harness import bench_model, cache_positions, make_runner, teacher_forced_logits, timed_run  # noqa: F401
 
 __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternating", "copy_bandwidth_tb_s",
            "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
            "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
            "run_benchmark", "print_table", "main", "DSPARK", "DSPARK_ACCEPTANCE", "base_backend", "row_speculation",
-           "tensor_digest", "identical_rows", "bench_model", "cache_positions", "parse_row_new_tokens"]
+           "tensor_digest", "identical_rows", "bench_model", "cache_positions", "parse_row_new_tokens", "make_runner",
+           "timed_run"]
 
-#: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
-CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
-_ABLATION = "dsv41-no-"
-#: Row-name suffix of a DSpark speculative row (`dsv41+dspark`): the backend before it, decoding speculatively.
-DSPARK = "+dspark"
-#: Simulated mean acceptance of `+dspark` rows when `speculative` is not given (BENCHMARK.md "match-expected").
-DSPARK_ACCEPTANCE = 5.5
 _GB = 1e9
 
 DEFINITIONS = {
@@ -251,52 +249,6 @@ def decode_bytes_per_step(config, prompt_len: int, new_tokens: int) -> int:
     return b.decode_weight_bytes + decode_kv_read_bytes(config, decode_context(prompt_len, new_tokens))
 
 
-# ------------------------------------------------------------------------------------------ backends
-def ablation_families() -> tuple[tuple[str, ...], str | None]:
-    """(pass family names from `dsv41.passes.FAMILY_ORDER`, None), or ((), why) when the registry won't import."""
-    try:
-        from .passes import FAMILY_ORDER
-    except Exception as e:  # the pass registry is optional for the benchmark: no ablations then
-        return (), f"ablations skipped: dsv41.passes did not import ({type(e).__name__}: {e})"[:500]
-    return tuple(FAMILY_ORDER), None
-
-
-#: The `toggles` group (issue 6): CUDA graphs, PDL and side streams, each flipped alone from the backend default.
-TOGGLES = ("dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=false]")
-_VARIANT = re.compile(r"^dsv41\[(.+)\]$")
-
-
-def _split_names(spec: str) -> list:
-    """Comma-separated names; commas inside `[...]` belong to the name."""
-    out, depth, cur = [], 0, ""
-    for ch in spec:
-        depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return out + [cur]
-
-
-def variant_options(name: str) -> dict | None:
-    """The option overrides of a `dsv41[key=value;...]` row (items separated by `;`, values read as JSON where
-    they parse, as with `--option`: `dsv41[disable=["moe","mhc"];pdl=false]`), or None when `name` is not such a
-    row. Raises: ValueError for an item without `=` or a key /
-    value the dsv41 backend rejects (its message names the key)."""
-    m = _VARIANT.match(name)
-    if m is None:
-        return None
-    from .cli import backend_options
-    from .compiler.options import parse_options
-    opts = backend_options([x.strip() for x in m.group(1).split(";") if x.strip()])
-    try:
-        parse_options(opts, environ={})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"backend {name!r}: {e}") from None
-    return opts
-
-
 def round_phase_medians(out) -> dict:
     """{phase: median ms over the rounds, "round": median of the rounds' sums, "rounds": count} of a
     `generate(..., speculative=True, round_phases=True)` result (`speculative.ROUND_PHASES`).
@@ -318,85 +270,6 @@ def launches_by_name(names: Mapping[str, int]) -> dict:
     return dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def base_backend(name: str) -> str:
-    """The backend of row `name` without its `+dspark` suffix."""
-    return name[:-len(DSPARK)] if name.endswith(DSPARK) else name
-
-
-def row_speculation(names: Sequence[str], speculative: float | None) -> dict:
-    """{row: simulated acceptance E of its DSpark speculative runs, or None for plain decode}.
-
-    With `+dspark` rows: those rows at `speculative` (default `DSPARK_ACCEPTANCE`), the others plain, so DSpark
-    off and on sit side by side in one run. Without: every row at `speculative` (None: all plain).
-    """
-    if any(n.endswith(DSPARK) for n in names):
-        e = DSPARK_ACCEPTANCE if speculative is None else speculative
-        return {n: e if n.endswith(DSPARK) else None for n in names}
-    return {n: speculative for n in names}
-
-
-def expand_backends(spec: str | Sequence[str], families: Sequence[str]) -> list:
-    """Backend names from a comma-separated string or a list.
-
-    `all` = `CORE_BACKENDS` with one `dsv41-no-<family>` per family right after `dsv41`; `ablations` = the
-    ablations alone; `toggles` = `TOGGLES`; `dsv41[key=value;...]` = dsv41 with those options over the run's
-    `--option`s (e.g. `dsv41[cuda_graphs=false]`); `<row>+dspark` = that row decoding with DSpark speculation
-    (`row_speculation`). Duplicates are dropped, order kept.
-    Raises: ValueError for an unknown name, an ablation of a family not in `families` (when it is non-empty), or
-    a `dsv41[...]` row with options the backend rejects.
-    """
-    names = [s.strip() for s in (_split_names(spec) if isinstance(spec, str) else spec) if s.strip()]
-    ablations = [_ABLATION + f for f in families]
-    out: list = []
-    for n in names:
-        if n.endswith(DSPARK):
-            b = base_backend(n)
-            if b in ("all", "ablations", "toggles", "torch_tensorrt") or not b or b.endswith(DSPARK) or b != b.strip():
-                raise ValueError(f"unknown backend {n!r}: +dspark follows one backend row directly (e.g. "
-                                 "dsv41+dspark), not a group, torch_tensorrt, a space or another +dspark")
-            expand_backends([b], families)  # raises for an unknown row
-            group = [n]
-        elif n == "all":
-            group = list(CORE_BACKENDS)
-            group[group.index("dsv41") + 1:group.index("dsv41") + 1] = ablations
-        elif n == "ablations":
-            group = ablations
-        elif n == "toggles":
-            group = list(TOGGLES)
-        elif n in CORE_BACKENDS:
-            group = [n]
-        elif n.startswith(_ABLATION) and len(n) > len(_ABLATION):
-            if families and n[len(_ABLATION):] not in families:
-                raise ValueError(f"unknown pass family in backend {n!r}; families: {', '.join(families)}")
-            group = [n]
-        elif variant_options(n) is not None:
-            group = [n]
-        else:
-            raise ValueError(f"unknown backend {n!r}; expected one of {', '.join(CORE_BACKENDS)}, "
-                             f"dsv41-no-<family> (families: {', '.join(families) or 'unavailable'}), "
-                             "dsv41[key=value;...], <row>+dspark, 'ablations', 'toggles' or 'all'")
-        out += [g for g in group if g not in out]
-    if not out:
-        raise ValueError("no backends given")
-    return out
-
-
-def _backend_options(name: str, options: dict | None) -> dict | None:
-    """dsv41 options of a dsv41 row: `options` for `dsv41`, plus the disabled family for an ablation, plus the
-    overrides of a `dsv41[...]` row (a `+dspark` row: those of its backend)."""
-    name = base_backend(name)
-    if name == "dsv41":
-        return dict(options or {})
-    if name.startswith(_ABLATION):
-        opts = dict(options or {})
-        opts["disable"] = sorted(set(opts.get("disable", ())) | {name[len(_ABLATION):]})
-        return opts
-    over = variant_options(name)
-    if over is not None:
-        return {**dict(options or {}), **over}
-    return None
-
-
 def _tensorrt_import_error() -> str | None:
     """None when `import torch_tensorrt` works, else why it failed."""
     try:
@@ -404,19 +277,6 @@ def _tensorrt_import_error() -> str | None:
     except Exception as e:  # ImportError, or a broken install raising OSError / RuntimeError at import
         return f"{type(e).__name__}: {e}"[:300]
     return None
-
-
-def _make_runner(model, name: str, options: dict | None, regional: bool = False):
-    """A fresh `torch.compile` wrapper (or the model itself for eager) for backend `name`; with `regional`, a
-    `RegionalModel` (embedding, layers and head compiled as separate regions) for the compiled backends. A
-    `+dspark` row gets its backend's runner (the regional one drafts through its compiled DSpark region)."""
-    from .cli import compile_model
-    name = base_backend(name)
-    if name == "torch_tensorrt":
-        return torch.compile(model, backend="torch_tensorrt")
-    if name.startswith("dsv41"):
-        return compile_model(model, "dsv41", _backend_options(name, options), regional=regional)
-    return compile_model(model, name, regional=regional)
 
 
 def _use_cache_dir(path: str) -> None:
@@ -430,45 +290,6 @@ def _use_cache_dir(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ measurements
-def _base(runner):
-    return getattr(runner, "_orig_mod", runner)
-
-
-@torch.no_grad()
-def teacher_forced_logits(runner, prompt_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the decode steps when eager's greedy `tokens` are fed in, whatever the backend would pick.
-
-    Mirrors `generate`: cache sized for prompt + N tokens (reset in place when it already is), prefill on the
-    eager module, then decode step i (1 <= i < N) gets token `tokens[:, i-1]` at position P + i - 1.
-    Args: runner (model or compiled wrapper); prompt_ids int64 [B, P] or [P]; tokens int64 [B, N], N >= 2.
-    Returns: float32 [B, N-1, V] on the CPU (cloned each step: CUDA-graph outputs are overwritten by a replay).
-    Raises: ValueError when N < 2 or the batch sizes differ.
-    """
-    base = _base(runner)
-    if prompt_ids.dim() == 1:
-        prompt_ids = prompt_ids[None]
-    b, p = prompt_ids.shape
-    if tokens.dim() != 2 or tokens.shape[0] != b or tokens.shape[1] < 2:
-        raise ValueError(f"tokens must be [B={b}, N>=2], got {tuple(tokens.shape)}")
-    n = tokens.shape[1]
-    if base.max_seq_len >= p + n and base.batch_size == b:
-        base.reset_cache()
-    else:
-        base.setup_cache(b, p + n)
-    dev = base.embed.weight.device
-    pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
-    base(prompt_ids.to(dev), pos, last_only=True)
-    pos = torch.full((b, 1), p, dtype=torch.int64, device=dev)
-    toks = tokens.to(dev)
-    out = []
-    for i in range(1, n):
-        # A fresh contiguous [B, 1] tensor, strided like generate's `tok[:, None]`, so no stride guard fails.
-        logits = runner(toks[:, i - 1:i].clone(memory_format=torch.contiguous_format), pos)
-        out.append(logits[:, -1].float().clone())
-        pos += 1
-    return torch.stack(out, 1).cpu()
-
-
 def max_rel_logit_err(logits: torch.Tensor, ref: torch.Tensor) -> float:
     """max |logits - ref| / max |ref| (float64). Raises ValueError for different shapes or an all-zero ref."""
     if logits.shape != ref.shape:
@@ -492,7 +313,8 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
 
     from .compiler.profiling import quiet_profile
     from .model import generate
-    base = _base(runner)
+    from .model.results import base_model
+    base = base_model(runner)
     dev = base.embed.weight.device
     if dev.type != "cuda":
         raise RuntimeError("profile_decode_step counts GPU kernels; the model is on " + str(dev))
@@ -527,61 +349,6 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> di
     return {"kernels": kernels, "memcpy_memset": copies, "names": names, "gpu_busy_us": busy,
             "span_us": (t1 - t0) if t0 is not None else None,
             "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top]}
-
-
-def bench_model(preset: str, device: str, weight_mode: str, dtype: str | None, prompt_len: int, new_tokens: int,
-                contexts: Sequence[int] | None = None, context_tokens: int = 32, seed: int = 0, model=None,
-                speculative: bool = False):
-    """The benchmark's model and prompt: `cli.build_model` (seeded weights), caches allocated once for the longest
-    run of the benchmark (prompt + new tokens, + one verify block when any row decodes speculatively, or the
-    longest context of `contexts`), and `benchmark_prompt` of `prompt_len` ids. Every compiled row and every
-    precompile worker (`dsv41.precompile`) starts from this, so they compile the same graphs: the caches' sizes
-    are static shapes of every compiled step, and `generate` reuses a cache that is big enough.
-
-    Args: as `run_benchmark`; `model`: an already built (e.g. TP-sharded) model to allocate the caches of;
-        `speculative`: some row of the run decodes with DSpark.
-    Returns: (model, prompt ids int64 [1, prompt_len] on `device`).
-    Raises: ValueError when the longest run exceeds the preset's max_position_embeddings.
-    """
-    from .cli import build_model
-    from .model import benchmark_prompt
-
-    if model is None:
-        model = build_model(preset, device, weight_mode, dtype, seed=seed)
-    model.setup_cache(1, cache_positions(model.config, prompt_len, new_tokens, contexts, context_tokens, speculative))
-    return model, benchmark_prompt(model.config, prompt_len, device=device)
-
-
-def cache_positions(cfg, prompt_len: int, new_tokens: int, contexts: Sequence[int] | None = None,
-                    context_tokens: int = 32, speculative: bool = False) -> int:
-    """Cache positions the benchmark's longest run needs (`bench_model`): prompt + new tokens, + one verify block
-    (block + 1 rows) when a row speculates, or the longest context + `context_tokens`.
-    Raises: ValueError beyond the config's max_position_embeddings (the numbers are named)."""
-    need = prompt_len + new_tokens + (cfg.dspark_block_size + 1 if speculative else 0)
-    if contexts:
-        need = max(need, max(contexts) + context_tokens)
-    if need > cfg.max_position_embeddings:
-        raise ValueError(f"the benchmark needs {need} cache positions (prompt {prompt_len} + {new_tokens} tokens"
-                         + (f", context {max(contexts)} + {context_tokens}" if contexts else "")
-                         + (", + a verify block" if speculative else "")
-                         + f"), beyond max_position_embeddings={cfg.max_position_embeddings} of {cfg.name!r}")
-    return need
-
-
-def _timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
-    """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}.
-    `speculative`: DSpark speculative decoding with simulated "match-expected" acceptance of that mean length."""
-    from .model import generate
-    spec = {} if speculative is None else dict(speculative=True, simulate_acceptance=speculative)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    out = generate(runner, prompt, new_tokens, **spec)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return {"out": out, "wall_s": wall, "peak_gb": torch.cuda.max_memory_allocated() / _GB if cuda else None}
 
 
 def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, seed: int = 0) -> dict:
@@ -791,7 +558,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     from rich.progress import Progress, TimeElapsedColumn
 
     from .accuracy import fp32_reference, logit_err_vs_fp32, ratio_to_eager
-    from .cli import build_model, environment
+    from . import harness
     from .model import generate
     from .model.budget import budget
 
@@ -810,7 +577,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         import torch.distributed as dist
 
         from .model.tp import apply_tp
-        model = build_model(preset, device, weight_mode, dtype)
+        model = harness.build_model(preset, device, weight_mode, dtype)
         plan = apply_tp(model, moe_mode=tp.get("moe_mode", "tp"), pad_to=tp.get("pad_to"))
         rank = dist.get_rank()
         tp_info = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "moe_mode": plan.moe_mode,
@@ -821,7 +588,6 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         # Only the workers build models while they run: a preset that fits the GPU once (h200, 87 GB) leaves them no
         # room otherwise (2026-12-01: a worker beside the benchmark's h200 model ran out of memory). With precompile
         # workers the benchmark builds its model after they exit, before the eager reference.
-        from .cli import _DTYPES
         from .model import ModelConfig
         model, prompt = None, None  # dtype, weight mode and cache positions: checked by check_request above
         cfg = ModelConfig.preset(preset)
@@ -831,9 +597,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     cfg = model.config if model is not None else cfg
     b = budget(cfg, max_seq_len=prompt_len + new_tokens)
     decode_bytes = decode_bytes_per_step(cfg, prompt_len, new_tokens)
-    res = {**environment(device), "preset": preset, "weight_mode": weight_mode,
+    res = {**harness.environment(device), "preset": preset, "weight_mode": weight_mode,
            "dtype": str(model.dtype if model is not None else
-                        _DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""),
+                        harness.DTYPES[dtype or ("bf16" if cuda else "fp32")]).replace("torch.", ""),
            "device": device, "prompt_len": prompt_len,
            "new_tokens": new_tokens, "eager_new_tokens": eager_new_tokens or new_tokens,
            "row_new_tokens": row_new_tokens,
@@ -857,7 +623,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     notes: dict = {n: [] for n in names}
     for n in names:
         rows[n] = _empty_row()
-        rows[n]["options"] = _backend_options(n, options)
+        rows[n]["options"] = row_options(n, options)
         rows[n]["new_tokens"] = tokens_of[n]
 
     ref = ref32 = None
@@ -1032,11 +798,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # would drop them (Dynamo keeps one cache entry per backend, so none is needed).
                         torch.compiler.reset()
                     _use_cache_dir(row_cache(n))
-                    runner = runners[n] = _make_runner(model, n, options, regional)
+                    runner = runners[n] = make_runner(model, n, options, regional)
                     say(f"{n}: cold compile + first run ...")
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
-                    cold_wall[n] = _timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
+                    cold_wall[n] = timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
                     rows[n]["compile_cache_misses"] = _cache_misses() - misses
@@ -1080,10 +846,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 try:
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
-                        runners[n] = _make_runner(model, n, options, regional)
-                        warm_wall[n] = _timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
+                        runners[n] = make_runner(model, n, options, regional)
+                        warm_wall[n] = timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
                     else:
-                        _timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])
+                        timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -1146,7 +912,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: _timed_run(r, prompt, t, cuda, e))
+            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: timed_run(r, prompt, t, cuda, e))
                    for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():

@@ -23,15 +23,15 @@ def check_request(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   eager_new_tokens: int | None, row_new_tokens: Mapping[str, int] | None) -> dict:
     """Validate a benchmark request (arguments as `run_benchmark`) and plan its rows.
 
-    Returns {"families", "ablation_note" (as `bench.ablation_families`), "names" (the rows, `expand_backends`),
+    Returns {"families", "ablation_note" (as `bench_rows.ablation_families`), "names" (the rows, `expand_backends`),
     "spec_of" ({row: E or None}, `row_speculation`), "tokens_of" ({row: tokens per run}), "row_new_tokens" (dict),
     "contexts" (sorted, deduplicated ints, or None)}.
     Raises: UsageError naming the argument: sizes below their minimum, unknown rows, bad row token counts,
     speculation or precompile with TP, a non-positive acceptance, contexts below 1, an unknown preset, dtype or
     weight mode, or more cache positions than the preset's max_position_embeddings.
     """
-    from . import bench as B
-    from .cli import _DTYPES
+    from .bench_rows import ablation_families, base_backend, expand_backends, row_speculation
+    from .harness import DTYPES, cache_positions
     from .model import ModelConfig
     from .model.model import WEIGHT_MODES
 
@@ -40,23 +40,23 @@ def check_request(preset: str, backends, prompt_len: int, new_tokens: int, repea
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
         raise UsageError(f"need prompt_len >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_len}, "
                          f"{new_tokens}, {repeats}")
-    families, ablation_note = B.ablation_families()
+    families, ablation_note = ablation_families()
     try:
-        names = B.expand_backends(backends, families)
+        names = expand_backends(backends, families)
     except UsageError:
         raise
     except ValueError as e:
         raise UsageError(str(e)) from None
-    spec_of = B.row_speculation(names, speculative)
+    spec_of = row_speculation(names, speculative)
     # Eager decodes a 1,024-token h200 run in ~15 minutes: with `eager_new_tokens`, its rows and the reference
     # stop earlier.
-    tokens_of = {n: (eager_new_tokens or new_tokens) if B.base_backend(n) == "eager" else new_tokens for n in names}
+    tokens_of = {n: (eager_new_tokens or new_tokens) if base_backend(n) == "eager" else new_tokens for n in names}
     row_new_tokens = dict(row_new_tokens or {})
     unknown = sorted(set(row_new_tokens) - set(names))
     if unknown:
         raise UsageError(f"row_new_tokens names rows that are not in this run: {unknown}; rows: {names}")
     for n, r in row_new_tokens.items():
-        if B.base_backend(n) == "eager":
+        if base_backend(n) == "eager":
             raise UsageError(f"row_new_tokens[{n!r}]: eager rows take eager_new_tokens, which also shortens the eager "
                              "reference")
         if isinstance(r, bool) or not isinstance(r, int) or not 2 <= r <= new_tokens:
@@ -79,13 +79,13 @@ def check_request(preset: str, backends, prompt_len: int, new_tokens: int, repea
     if precompile_only and not (precompile and cache_dir):
         raise UsageError("precompile_only needs precompile workers and a cache_dir to keep what they compile")
     # What building the model would check, so a bad request fails here and not after (or in every worker).
-    if dtype is not None and dtype not in _DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     if weight_mode not in WEIGHT_MODES:
         raise UsageError(f"unknown weight_mode {weight_mode!r}; expected one of {WEIGHT_MODES}")
     try:
         cfg = ModelConfig.preset(preset)
-        B.cache_positions(cfg, prompt_len, new_tokens, contexts, context_tokens, any(spec_of.values()))
+        cache_positions(cfg, prompt_len, new_tokens, contexts, context_tokens, any(spec_of.values()))
     except ValueError as e:
         raise UsageError(f"argument --prompt-len/--new-tokens: {e}") from None
     return {"families": families, "ablation_note": ablation_note, "names": names, "spec_of": spec_of,

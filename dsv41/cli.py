@@ -7,96 +7,11 @@ import sys
 
 import torch
 
-__all__ = ["main", "build_model", "compile_model", "BACKENDS"]
+from . import harness
+from .harness import BACKENDS, DTYPES, build_model, compile_model, environment  # noqa: F401 (public names here)
+from .usage import backend_options  # noqa: F401 (a public name here)
 
-#: Backends `dsv41 run --backend` accepts.
-BACKENDS = ("dsv41", "eager", "inductor", "inductor-cudagraphs")
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def build_model(preset: str, device: str, weight_mode: str = "checkpoint", dtype: str | None = None, seed: int = 0):
-    """Build preset `preset` with seeded random weights generated directly on `device`.
-
-    Returns the eval-mode `DeepseekV41Flash`. dtype defaults to fp32 on CPU and bf16 on CUDA.
-    Raises: ValueError for an unknown preset, weight mode or dtype.
-    """
-    from .model import DeepseekV41Flash, ModelConfig
-    cfg = ModelConfig.preset(preset)
-    if dtype is None:
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    model = DeepseekV41Flash(cfg, weight_mode=weight_mode, dtype=_DTYPES[dtype], device=device)
-    return model.init_random(seed).eval()
-
-
-def backend_options(pairs) -> dict:
-    """`--option KEY=VALUE` strings -> the dsv41 `options` dict; VALUE is read as JSON (true, 3, ["moe"]) where it
-    parses, else kept as a string. Raises UsageError (a ValueError) for an item without `=` (the backend validates
-    the keys: `dsv41.usage.check_options` does both)."""
-    from .usage import UsageError
-    out = {}
-    for item in pairs or ():
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UsageError(f"argument --option: {item!r}: expected KEY=VALUE, e.g. --option streams=false")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
-
-
-def compile_model(model, backend: str, options: dict | None = None, regional: bool = False):
-    """Wrap `model` for `backend` (one of `BACKENDS`); `eager` returns the model itself. With `regional`, the
-    embedding, each layer and the head are compiled as separate regions (`dsv41.compiler.regional`).
-
-    Raises: ValueError for an unknown backend, or options given for a backend other than dsv41; for dsv41, the
-    options are validated here (`parse_options`: OptionError / OptionTypeError naming the key) rather than at the
-    first call, which runs only after Dynamo has traced the model.
-    """
-    if options and backend != "dsv41":
-        raise ValueError(f"backend options {sorted(options)} apply to the dsv41 backend only, not {backend!r}")
-    if backend == "dsv41":
-        from .compiler.options import parse_options
-        parse_options(options, environ={})
-    if backend == "eager":
-        return model
-    if regional:
-        from .compiler.regional import compile_regional
-        return compile_regional(model, backend, options)
-    if backend == "inductor":
-        return torch.compile(model)
-    if backend == "inductor-cudagraphs":
-        return torch.compile(model, mode="reduce-overhead")
-    if backend == "dsv41":
-        return torch.compile(model, backend="dsv41", options=options or {})
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-
-
-def environment(device: str) -> dict:
-    """Date, GPU name, driver, torch/Triton/CUDA versions for result JSONs (BENCHMARK.md "Recorded")."""
-    import datetime
-    import platform
-    env = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "host": platform.machine()}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            import subprocess
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=10).stdout.strip().split("\n")[0]
-        except (OSError, subprocess.SubprocessError):
-            env["driver"] = None
-    else:
-        env["gpu"], env["driver"] = None, None
-    return env
+__all__ = ["main", "build_model", "compile_model", "backend_options", "BACKENDS"]
 
 
 def _run_request(args) -> dict:
@@ -144,9 +59,9 @@ def _cmd_run(args) -> int:
     phases = Phases("dsv41 run")
     torch.manual_seed(args.seed)
     with phases.phase(f"building {preset} ({args.weight_mode}) on {device}", "build"):
-        model = build_model(preset, device, args.weight_mode, args.dtype, args.seed)
+        model = harness.build_model(preset, device, args.weight_mode, args.dtype, args.seed)
     prompt = benchmark_prompt(model.config, prompt_len, device=device)
-    result = {**environment(device), "preset": preset, "backend": args.backend, "device": device,
+    result = {**harness.environment(device), "preset": preset, "backend": args.backend, "device": device,
               "weight_mode": args.weight_mode, "dtype": str(model.dtype).replace("torch.", ""),
               "prompt_len": prompt_len, "new_tokens": new_tokens, "options": req["options"] or None}
     spec = dict(speculative=True, simulate_acceptance=args.simulate_acceptance) if args.speculative else {}
@@ -159,7 +74,7 @@ def _cmd_run(args) -> int:
         with phases.phase(f"eager reference ({new_tokens} tokens, plain greedy)", "eager_reference"):
             ref = generate(model, prompt, new_tokens)
     result["regional"] = req["regional"]
-    runner = compile_model(model, args.backend, req["options"] or None, regional=req["regional"])
+    runner = harness.compile_model(model, args.backend, req["options"] or None, regional=req["regional"])
     compiles = args.backend != "eager"
     what = f"{args.backend}: compile + first run" if compiles else "eager: first run"
     hint = f"a cold {preset} compile takes minutes on a 2-core CPU" if compiles and not device.startswith("cuda") \
@@ -240,7 +155,7 @@ def _run_parser(sub) -> None:
                    help="default dsv41: compile, check the greedy tokens against eager, print the fusion report")
     r.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     r.add_argument("--weight-mode", choices=("checkpoint", "bf16"), default="checkpoint")
-    r.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    r.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-check", dest="check", action="store_false", help="skip the eager token check")
     r.add_argument("--json", default=None, help="write the result JSON here")

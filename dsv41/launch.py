@@ -168,7 +168,7 @@ def _run_tp_rank(args) -> int:
     """One rank of `dsv41 run --tp N` (inside an initialised group). Returns the exit code."""
     import json
 
-    from .cli import build_model, compile_model, environment
+    from . import harness
     from .model import benchmark_prompt, generate
     from .model.budget import budget
     from .model.tp import apply_tp
@@ -181,16 +181,16 @@ def _run_tp_rank(args) -> int:
     moe_mode = getattr(args, "tp_moe", None) or "tp"
     pad_to = getattr(args, "tp_pad_to", None)
     torch.manual_seed(args.seed)
-    model = build_model(preset, device, args.weight_mode, args.dtype, args.seed)
+    model = harness.build_model(preset, device, args.weight_mode, args.dtype, args.seed)
     plan = apply_tp(model, moe_mode=moe_mode, pad_to=pad_to)
     prompt = benchmark_prompt(model.config, prompt_len, device=device)
-    result = {**environment(device), "preset": preset, "backend": args.backend, "device": info.device.type,
+    result = {**harness.environment(device), "preset": preset, "backend": args.backend, "device": info.device.type,
               "weight_mode": args.weight_mode, "dtype": str(model.dtype).replace("torch.", ""),
               "prompt_len": prompt_len, "new_tokens": new_tokens,
               "tp": {"world_size": info.world_size, "backend": info.backend, "moe_mode": moe_mode,
                      "pad_to": plan.pad_to, "inter_per_rank": plan.inter, "heads_per_rank": plan.heads}}
     ref = generate(model, prompt, new_tokens) if args.backend != "eager" and args.check else None
-    runner = compile_model(model, args.backend)
+    runner = harness.compile_model(model, args.backend)
     t0 = time.perf_counter()
     generate(runner, prompt, new_tokens)
     result["compile_and_warmup_s"] = time.perf_counter() - t0

@@ -4,7 +4,7 @@ Why. A cold whole-model `small` compile took 181 s on the H200 host (bench/resul
 it one Python thread (Dynamo, AOT autograd, dsv41's passes, Inductor's scheduling), while the host has 16 cores. A
 toggle matrix or the family ladder compiles one model per row, so rows compiled one after another do not fit a
 10-minute call. Here each compiled row gets a worker process that builds the same model and runs the same cold
-step as the benchmark's (`bench.bench_model`, `bench._make_runner`, `bench._timed_run`), so it compiles the same
+step as the benchmark's (`harness.bench_model`, `harness.make_runner`, `harness.timed_run`), so it compiles the same
 graphs into that row's Inductor cache dir; up to N workers run at once. The benchmark then compiles each row in turn
 and is served from that cache (dsv41 keeps its pass records and launch counts next to Inductor's, see
 compiler/pipeline.py), and times the rows one after another as before: workers have exited before anything is
@@ -108,7 +108,7 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
 
     Builds the model with `bench.bench_model` (same preset, weights, dtype and cache allocation; with
     `share_weights`, only for `regional`, layers share their weights: module docstring), compiles it with
-    `bench._make_runner` (same backend options) and runs `bench._timed_run` (the benchmark's cold compile + first
+    `harness.make_runner` (same backend options) and runs `harness.timed_run` (the benchmark's cold compile + first
     run: prefill, decode steps, and DSpark rounds when `speculative`), then the teacher-forced decode the row's logit
     error comes from. Inductor writes to `TORCHINDUCTOR_CACHE_DIR` of this process.
     `speculative_rows` ({row: E or None}, `bench.row_speculation`), when given, sets this row's `speculative`.
@@ -120,10 +120,10 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
     """
     import torch
 
-    from .bench import _make_runner, _timed_run, bench_model, teacher_forced_logits
+    from .harness import bench_model, make_runner, teacher_forced_logits, timed_run
 
     any_speculative = speculative is not None if speculative_rows is None else any(speculative_rows.values())
-    if speculative_rows is not None:  # the run's per-row DSpark setting (`bench.row_speculation`)
+    if speculative_rows is not None:  # the run's per-row DSpark setting (`bench_rows.row_speculation`)
         speculative = speculative_rows.get(name)
     if share_weights and not regional:
         raise ValueError("share_weights is for regional rows only: a whole-model graph would see one weight set as "
@@ -133,8 +133,8 @@ def run_worker(preset: str, name: str, prompt_len: int, new_tokens: int, weight_
         model, prompt = bench_model(preset, device, weight_mode, dtype, prompt_len, new_tokens, contexts,
                                     context_tokens, seed=seed, speculative=any_speculative)
     with torch._dynamo.config.patch(cache_size_limit=max(torch._dynamo.config.cache_size_limit, 64)):
-        runner = _make_runner(model, name, dict(options) if options else None, regional)
-        first = _timed_run(runner, prompt, (run_tokens or {}).get(name, new_tokens), cuda, speculative)
+        runner = make_runner(model, name, dict(options) if options else None, regional)
+        first = timed_run(runner, prompt, (run_tokens or {}).get(name, new_tokens), cuda, speculative)
         t0 = time.perf_counter()
         teacher_forced_logits(runner, prompt, first["out"].tokens)
     return {"name": name, "wall_s": first["wall_s"], "teacher_forced_s": time.perf_counter() - t0,

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     Returns 0, or 1 when the compile produced no fusion report. Raises: UsageError for a bad argument, before
     anything is built (`dsv41 report` prints it as one line with status 2). Options: see `dsv41 report --help`.
     """
-    from . import cli
+    from . import harness
     from .compiler import report as report_mod
     from .model import benchmark_prompt, generate
     from .outputs import shown
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     a = _report_args(argv)
     phases = Phases("dsv41 report")
     with phases.phase(f"building {a.preset} ({a.weight_mode}) on {a.device}"):
-        model = cli.build_model(a.preset, a.device, a.weight_mode)
+        model = harness.build_model(a.preset, a.device, a.weight_mode)
     before = report_mod.last_report()
-    fast = cli.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
+    fast = harness.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
     with phases.phase(f"dsv41: compile + {a.new_tokens} tokens",
                       hint=f"a cold {a.preset} compile takes minutes on a 2-core CPU" if a.device == "cpu" else ""):
         generate(fast, benchmark_prompt(model.config, a.prompt_len, device=a.device), a.new_tokens)

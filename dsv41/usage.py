@@ -12,11 +12,12 @@ Public names: `UsageError`, `OneLineParser`, `int_at_least`, `positive_float`, `
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["UsageError", "OneLineParser", "int_at_least", "positive_float", "resolve_device", "check_lengths",
+__all__ = ["backend_options", "UsageError", "OneLineParser", "int_at_least", "positive_float", "resolve_device", "check_lengths",
            "check_options", "usage_error"]
 
 
@@ -123,13 +124,12 @@ def check_lengths(preset: str, prompt_len: int, new_tokens: int, extra: int = 0,
 
 
 def check_options(items: Sequence[str], backend: str = "dsv41", flag: str = "--option") -> dict:
-    """Parse `--option KEY=VALUE` items (`cli.backend_options`) and validate them as the dsv41 backend will
+    """Parse `--option KEY=VALUE` items (`backend_options`) and validate them as the dsv41 backend will
     (`dsv41.compiler.options.parse_options`), so a bad key or value fails before any work.
 
     Returns the options dict ({} for no items). Raises: UsageError naming the flag and item: an item without `=`,
     options with a backend other than dsv41, an unknown key (the valid keys listed) or a bad value.
     """
-    from .cli import backend_options
     from .compiler.options import parse_options
 
     if not items:
@@ -143,3 +143,20 @@ def check_options(items: Sequence[str], backend: str = "dsv41", flag: str = "--o
     except (TypeError, ValueError) as e:
         raise UsageError(f"argument {flag}: {e}") from None
     return opts
+
+
+def backend_options(pairs) -> dict:
+    """`--option KEY=VALUE` strings -> the dsv41 `options` dict; VALUE is read as JSON (true, 3, ["moe"]) where it
+    parses, else kept as a string. Raises UsageError (a ValueError) for an item without `=` (the backend validates
+    the keys: `dsv41.usage.check_options` does both)."""
+    out = {}
+    for item in pairs or ():
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"argument --option: {item!r}: expected KEY=VALUE, e.g. --option streams=false")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out

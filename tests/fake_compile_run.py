@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dsv41  # noqa: E402
 import dsv41.cli as cli  # noqa: E402
+import dsv41.harness as harness  # noqa: E402
 import dsv41.compiler.report as report_mod  # noqa: E402
 from report_fixture import hand_built_report  # noqa: E402
 
@@ -25,7 +26,7 @@ def fake_compile(model, backend, options=None, regional=False):
     return model
 
 
-cli.compile_model = fake_compile
+harness.compile_model = fake_compile
 report_mod.last_report = lambda: REPORT if compiled else None  # what `dsv41 report` reads
 dsv41.last_report = report_mod.last_report  # what `dsv41 run` reads
 torch.set_num_threads(1)

@@ -15,6 +15,7 @@ import torch
 
 from dsv41 import bench
 from dsv41.model import GenerateResult
+from dsv41.model.results import base_model
 
 #: Fields every backend row carries (the issue's schema; other checks read them).
 ROW_KEYS = {"decode_tok_s", "prefill_tok_s", "kernels_per_step", "roofline_fraction", "compile_s", "peak_mem_gb",
@@ -151,10 +152,10 @@ def test_ablation_families_come_from_the_pass_registry():
 
 def test_ablation_options_switch_exactly_one_family_off():
     from dsv41.compiler.options import parse_options
-    opts = bench._backend_options("dsv41-no-rope_fp4", {"count_kernels": True, "disable": ["dispatch"]})
+    opts = bench.row_options("dsv41-no-rope_fp4", {"count_kernels": True, "disable": ["dispatch"]})
     assert opts == {"count_kernels": True, "disable": ["dispatch", "rope_fp4"]}
     assert parse_options(opts).disable == frozenset({"dispatch", "rope_fp4"})
-    assert bench._backend_options("inductor", {"disable": ["dispatch"]}) is None
+    assert bench.row_options("inductor", {"disable": ["dispatch"]}) is None
 
 
 def test_toggle_rows_flip_one_option_each_over_the_run_options():
@@ -163,14 +164,14 @@ def test_toggle_rows_flip_one_option_each_over_the_run_options():
     assert got == ["eager", "dsv41", "dsv41[cuda_graphs=false]", "dsv41[pdl=false]", "dsv41[streams=false]",
                    "dsv41[pdl=false;streams=true]"]
     base = {"gpu_unvalidated": True, "pdl": True}
-    assert bench._backend_options("dsv41[cuda_graphs=false]", base) == {**base, "cuda_graphs": False}
-    assert bench._backend_options("dsv41[pdl=false;streams=true]", base) == {"gpu_unvalidated": True, "pdl": False,
+    assert bench.row_options("dsv41[cuda_graphs=false]", base) == {**base, "cuda_graphs": False}
+    assert bench.row_options("dsv41[pdl=false;streams=true]", base) == {"gpu_unvalidated": True, "pdl": False,
                                                                              "streams": True}
-    o = parse_options(bench._backend_options("dsv41[streams=true]", None))
+    o = parse_options(bench.row_options("dsv41[streams=true]", None))
     assert o.streams is True
     lists = bench.expand_backends('eager,dsv41[disable=["moe","mhc"];pdl=false],inductor', ("moe", "mhc"))
     assert lists == ["eager", 'dsv41[disable=["moe","mhc"];pdl=false]', "inductor"]
-    assert bench._backend_options(lists[1], None) == {"disable": ["moe", "mhc"], "pdl": False}
+    assert bench.row_options(lists[1], None) == {"disable": ["moe", "mhc"], "pdl": False}
 
 
 @pytest.mark.parametrize("name, match", [("dsv41[nope=1]", "unknown dsv41 option"),
@@ -401,7 +402,7 @@ def test_shared_cache_points_every_backend_at_one_cache_dir(monkeypatch):
     seen = {True: [], False: []}
     for shared in (True, False):
         monkeypatch.setattr(bench, "_use_cache_dir", lambda path, s=shared: seen[s].append(os.path.basename(path)))
-        monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False: model)
+        monkeypatch.setattr(bench, "make_runner", lambda model, name, options, regional=False: model)
         r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=2, repeats=1,
                                 device="cpu", warm_compile=False, shared_cache=shared)
         assert r["shared_cache"] is shared
@@ -463,7 +464,7 @@ def test_a_run_reports_which_rows_computed_the_same(monkeypatch):
         def forward(self, *a, **k):
             return self._orig_mod(*a, **k) * (1 + 1e-6)
 
-    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+    monkeypatch.setattr(bench, "make_runner", lambda model, name, options, regional=False:
                         model if name in ("eager", "dsv41[pdl=false]") else Nudged(model))
     r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false]", prompt_len=8, new_tokens=3,
                             repeats=1, device="cpu", warm_compile=False)
@@ -483,8 +484,8 @@ def test_dspark_rows_are_a_backend_row_with_a_suffix():
         with pytest.raises(ValueError, match="unknown"):
             bench.expand_backends(bad, fams)
     assert bench.base_backend("dsv41[pdl=false]+dspark") == "dsv41[pdl=false]"
-    assert bench._backend_options("dsv41-no-moe+dspark", {"pdl": True}) == {"pdl": True, "disable": ["moe"]}
-    assert bench._backend_options("eager+dspark", None) is None
+    assert bench.row_options("dsv41-no-moe+dspark", {"pdl": True}) == {"pdl": True, "disable": ["moe"]}
+    assert bench.row_options("eager+dspark", None) is None
 
 
 def test_row_speculation_puts_dspark_off_and_on_side_by_side():
@@ -520,13 +521,13 @@ def test_every_row_runs_on_one_cache_allocation_sized_for_the_longest_run(monkey
     worker saw: one allocation for the whole run, with room for a verify block when a row speculates (before,
     a plain row after a `+dspark` row inherited the bigger one and missed its worker's cache)."""
     seen = []
-    real = bench._timed_run
+    real = bench.timed_run
 
     def timed(runner, prompt, new_tokens, cuda, speculative=None):
-        seen.append((speculative, bench._base(runner).max_seq_len))
+        seen.append((speculative, base_model(runner).max_seq_len))
         return real(runner, prompt, new_tokens, cuda, speculative)
 
-    monkeypatch.setattr(bench, "_timed_run", timed)
+    monkeypatch.setattr(bench, "timed_run", timed)
     r = bench.run_benchmark("tiny", "eager,eager+dspark", prompt_len=8, new_tokens=6, repeats=1, device="cpu",
                             warm_compile=False, speculative=2.0)
     block = 3 + 1  # tiny: dspark_block_size 3, verify block + 1 rows
@@ -553,15 +554,15 @@ def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(
     """Eager `h200` cannot decode 1,024 tokens in a call: with eager_new_tokens R the reference and the eager row
     decode R tokens, the other rows their full length, compared with eager over the first R."""
     lengths = {}
-    real = bench._timed_run
+    real = bench.timed_run
 
     def timed(runner, prompt, new_tokens, cuda, speculative=None):
         out = real(runner, prompt, new_tokens, cuda, speculative)
         lengths.setdefault(type(runner).__name__, set()).add(out["out"].tokens.shape[1])
         return out
 
-    monkeypatch.setattr(bench, "_timed_run", timed)
-    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+    monkeypatch.setattr(bench, "timed_run", timed)
+    monkeypatch.setattr(bench, "make_runner", lambda model, name, options, regional=False:
                         model if name == "eager" else _Wrapped(model))
     r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=7, repeats=1, device="cpu",
                             warm_compile=False, eager_new_tokens=3)
@@ -579,7 +580,7 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
     """A host-bound row (Inductor without CUDA graphs on `h200`) decodes R tokens in every run, the others their
     full length; its tokens are compared with eager's over its R, and a wrong token in that prefix is caught."""
     lengths, forced = {}, {}
-    real, real_tf = bench._timed_run, bench.teacher_forced_logits
+    real, real_tf = bench.timed_run, bench.teacher_forced_logits
 
     def timed(runner, prompt, new_tokens, cuda, speculative=None):
         out = real(runner, prompt, new_tokens, cuda, speculative)
@@ -597,9 +598,9 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
         w.tag = name
         return w
 
-    monkeypatch.setattr(bench, "_timed_run", timed)
+    monkeypatch.setattr(bench, "timed_run", timed)
     monkeypatch.setattr(bench, "teacher_forced_logits", tf)
-    monkeypatch.setattr(bench, "_make_runner", make)
+    monkeypatch.setattr(bench, "make_runner", make)
     r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false],dsv41[streams=false],dsv41[debug=true]", prompt_len=8,
                             new_tokens=7, repeats=2, device="cpu", warm_compile=False,
                             row_new_tokens={"dsv41[pdl=false]": 3, "dsv41[debug=true]": 7})
@@ -655,8 +656,8 @@ def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):
     """Eager compiles nothing: its first run is its warm-up, and its decode step is the reference's, whose logits
     the greedy run kept. A compiled row (here a stand-in wrapper) still gets both."""
     runs, forced = [], []
-    real_run, real_tf = bench._timed_run, bench.teacher_forced_logits
-    monkeypatch.setattr(bench, "_timed_run", lambda runner, *a, **k: runs.append(runner) or real_run(runner, *a, **k))
+    real_run, real_tf = bench.timed_run, bench.teacher_forced_logits
+    monkeypatch.setattr(bench, "timed_run", lambda runner, *a, **k: runs.append(runner) or real_run(runner, *a, **k))
     monkeypatch.setattr(bench, "teacher_forced_logits", lambda runner, *a: forced.append(runner) or real_tf(runner, *a))
 
     class Wrapped(torch.nn.Module):
@@ -667,7 +668,7 @@ def test_eager_rows_run_no_warm_up_and_no_second_teacher_forcing(monkeypatch):
         def forward(self, *a, **k):
             return self._orig_mod(*a, **k)
 
-    monkeypatch.setattr(bench, "_make_runner", lambda model, name, options, regional=False:
+    monkeypatch.setattr(bench, "make_runner", lambda model, name, options, regional=False:
                         model if name == "eager" else Wrapped(model))
     r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=3, repeats=2, device="cpu",
                             warm_compile=False)

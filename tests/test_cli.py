@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsv41.cli as cli
+import dsv41.harness as harness
 
 
 def test_run_defaults_to_the_dsv41_backend_and_checks_against_eager(tmp_path, monkeypatch):
@@ -18,7 +19,7 @@ def test_run_defaults_to_the_dsv41_backend_and_checks_against_eager(tmp_path, mo
         calls.append(backend)
         return model
 
-    monkeypatch.setattr(cli, "compile_model", fake_compile)
+    monkeypatch.setattr(harness, "compile_model", fake_compile)
     out = tmp_path / "run.json"
     with torch.no_grad():
         rc = cli.main(["run", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "3", "--json", str(out)])
@@ -43,7 +44,7 @@ def test_run_reports_a_token_mismatch_with_exit_status_1(tmp_path, monkeypatch):
             fake[..., 0] = 1.0
             return fake
 
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, regional=False: Wrong(model))
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, regional=False: Wrong(model))
     with torch.no_grad():
         rc = cli.main(["run", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "3",
                        "--json", str(tmp_path / "r.json")])

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dsv41.cli as cli
+import dsv41.harness as harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +61,7 @@ def no_model(monkeypatch):
     """Building a model fails the test: every error must come before it."""
     def boom(*a, **k):
         raise AssertionError("a model was built before the error was reported")
-    monkeypatch.setattr(cli, "build_model", boom)
+    monkeypatch.setattr(harness, "build_model", boom)
 
 
 def _run_in_process(argv, capsys) -> tuple[int, str, str, float]:

@@ -19,6 +19,7 @@ import sys
 import torch
 
 import dsv41.cli as cli
+import dsv41.harness as harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -86,7 +87,7 @@ def test_report_command_writes_into_out_and_prints_phases(tmp_path, monkeypatch,
 
     rep = hand_built_report()
     calls = []
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: calls.append(1) or model)
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, **kw: calls.append(1) or model)
     monkeypatch.setattr(report_mod, "last_report", lambda: rep if calls else None)
     monkeypatch.chdir(tmp_path)
     n = torch.get_num_threads()

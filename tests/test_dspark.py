@@ -248,7 +248,8 @@ def test_model_without_dspark_stages_refuses_speculation():
 
 def test_cli_run_speculative_reports_the_mean_acceptance(tmp_path, monkeypatch):
     import dsv41.cli as cli
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: model)
+    import dsv41.harness as harness
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, **kw: model)
     out = tmp_path / "run.json"
     with torch.no_grad():
         rc = cli.main(["run", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "6", "--speculative",

@@ -246,11 +246,12 @@ def test_write_html_accepts_a_report_or_its_dict(tmp_path):
 def test_report_command_writes_the_page(tmp_path, monkeypatch, capsys):
     """`dsv41 report` wiring: build tiny, compile (stubbed to eager: no Inductor here), decode, write the page."""
     import dsv41.cli as cli
+    import dsv41.harness as harness
     import dsv41.compiler.report as report_mod
 
     rep, _ = _report()
     calls = []
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: calls.append(
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, **kw: calls.append(
         (backend, options)) or model)
     monkeypatch.setattr(report_mod, "last_report", lambda: rep if calls else None)
     out = tmp_path / "page.html"
@@ -267,8 +268,9 @@ def test_report_command_writes_the_page(tmp_path, monkeypatch, capsys):
 
 def test_report_command_fails_when_no_report_was_produced(tmp_path, monkeypatch):
     import dsv41.cli as cli
+    import dsv41.harness as harness
     import dsv41.compiler.report as report_mod
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: model)
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, **kw: model)
     monkeypatch.setattr(report_mod, "last_report", lambda: None)
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -451,6 +451,7 @@ def test_run_json_has_launches_per_step_by_role_of_the_model_config(tmp_path, mo
 
     import dsv41
     import dsv41.cli as cli
+    import dsv41.harness as harness
     from dsv41.compiler.report import FusionReport, GraphReport
     from dsv41.model import ModelConfig
     from dsv41.passes.base import PassRecord
@@ -458,7 +459,7 @@ def test_run_json_has_launches_per_step_by_role_of_the_model_config(tmp_path, mo
     rep = FusionReport()
     counts = kc.LayerKernelCounts(8 * 10 + 3, tuple((i, 10) for i in range(8)), 3)
     rep.add_graph(GraphReport(0, "0/0", (PassRecord("dispatch", True),), layer_kernels=counts))
-    monkeypatch.setattr(cli, "compile_model", lambda model, backend, options=None, **kw: model)
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, **kw: model)
     monkeypatch.setattr(dsv41, "last_report", lambda: rep)
     out = tmp_path / "run.json"
     with torch.no_grad():

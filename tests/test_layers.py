@@ -34,17 +34,88 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "dsv41"
 
-APP = {"dsv41.cli", "dsv41.bench", "dsv41.bench_cli", "dsv41.bench_plan", "dsv41.launch", "dsv41.precompile",
-       "dsv41.harness", "dsv41.report_cli", "dsv41.accuracy", "dsv41.usage", "dsv41.__main__"}
+APP = {"dsv41.cli", "dsv41.bench", "dsv41.bench_cli", "dsv41.bench_plan", "dsv41.bench_rows", "dsv41.launch",
+       "dsv41.precompile", "dsv41.harness", "dsv41.report_cli", "dsv41.accuracy", "dsv41.usage", "dsv41.__main__"}
 PLUMBING = {"dsv41._package"}
 BACKEND = ("dsv41.kernels", "dsv41.passes", "dsv41.compiler")
 
-#: "importer:imported name" of private names imported across modules, not fixed yet.
-ALLOWED_PRIVATE: dict[str, str] = {}
+_GEMV = ("GEMV kernels (9 files): tiles and helpers shared by the variants still live in the op modules; the "
+         "kernels/gemv/ package (ops -> plan -> variants -> shared tiles, issue [house] item 2) makes them public")
+_MHC_SPELLINGS = ("passes/mhc_spellings.py reads mhc.py's region helpers; left for the chain engine "
+                  "(passes/engine/, issue [house] item 1), which owns them, to avoid a merge clash with it")
+_ROPE_HELPERS = ("the compressor and sparse-attention families reuse rope_fp4.py's matchers; they move to the chain "
+                 "engine (issue [house] item 1)")
+_VIEW_BASE = "small_ops.py's view helper, shared by two families; moves to the chain engine (issue [house] item 1)"
 
-#: (importer, imported) module edges that close an import circle, not fixed yet. Removing these edges must leave
-#: the graph acyclic.
-ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {}
+#: "importer:module.name" of private names imported across modules, not fixed yet -> why.
+ALLOWED_PRIVATE: dict[str, str] = {
+    "dsv41.kernels.gemv_frag:dsv41.kernels.gemv_multi._pick": _GEMV,
+    "dsv41.kernels.gemv_frag:dsv41.kernels.grouped_frag._mma": _GEMV,
+    "dsv41.kernels.gemv_frag:dsv41.kernels.grouped_frag._split4": _GEMV,
+    "dsv41.kernels.gemv_frag:dsv41.kernels.quant_gemv._store_gemv_result": _GEMV,
+    "dsv41.kernels.gemv_multi:dsv41.kernels.quant_gemv._check_args": _GEMV,
+    "dsv41.kernels.gemv_multi:dsv41.kernels.quant_gemv._empty": _GEMV,
+    "dsv41.kernels.gemv_multi:dsv41.kernels.quant_gemv._gemv_tile": _GEMV,
+    "dsv41.kernels.gemv_multi:dsv41.kernels.quant_gemv._store_gemv_result": _GEMV,
+    "dsv41.kernels.gemv_rows:dsv41.kernels.quant_gemv._fake_quant_fp8_1x32": _GEMV,
+    "dsv41.kernels.gemv_scaled:dsv41.kernels.quant_gemv._store_gemv_result": _GEMV,
+    "dsv41.kernels.gemv_tma:dsv41.kernels.quant_gemv._fake_quant_fp8_1x32": _GEMV,
+    "dsv41.kernels.gemv_tma:dsv41.kernels.quant_gemv._load_scale_tile": _GEMV,
+    "dsv41.kernels.gemv_tma:dsv41.kernels.quant_gemv._program_tile": _GEMV,
+    "dsv41.kernels.gemv_tma:dsv41.kernels.quant_gemv._store_gemv_result": _GEMV,
+    "dsv41.kernels.gemv_tma:dsv41.kernels.quant_gemv._tile_products": _GEMV,
+    "dsv41.kernels.grouped_frag:dsv41.kernels.grouped_gemv._grouped_store": _GEMV,
+    "dsv41.kernels.grouped_frag:dsv41.kernels.grouped_gemv._pair_expert": _GEMV,
+    "dsv41.kernels.grouped_frag:dsv41.kernels.quant_gemv._fp8_1x32_parts": _GEMV,
+    "dsv41.kernels.grouped_gemv:dsv41.kernels.grouped_frag._grouped_frag_kernel": _GEMV,
+    "dsv41.kernels.grouped_gemv:dsv41.kernels.grouped_mma._grouped_mma_kernel": _GEMV,
+    "dsv41.kernels.grouped_gemv:dsv41.kernels.grouped_words._grouped_words_kernel": _GEMV,
+    "dsv41.kernels.grouped_gemv:dsv41.kernels.quant_gemv._gemv_tile": _GEMV,
+    "dsv41.kernels.grouped_gemv:dsv41.kernels.quant_gemv._mma_tile": _GEMV,
+    "dsv41.kernels.grouped_mma:dsv41.kernels.grouped_gemv._grouped_store": _GEMV,
+    "dsv41.kernels.grouped_mma:dsv41.kernels.grouped_gemv._pair_expert": _GEMV,
+    "dsv41.kernels.grouped_mma:dsv41.kernels.quant_gemv._fp8_1x32_parts": _GEMV,
+    "dsv41.kernels.grouped_words:dsv41.kernels.grouped_gemv._grouped_store": _GEMV,
+    "dsv41.kernels.grouped_words:dsv41.kernels.grouped_gemv._pair_expert": _GEMV,
+    "dsv41.kernels.grouped_words:dsv41.kernels.quant_gemv._fake_quant_fp8_1x32": _GEMV,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._cache_write": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._is_block_amax": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._keep_removed": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._match_quant": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._match_rope": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._quantised_tensor_candidates": _ROPE_HELPERS,
+    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._rope_structure": _ROPE_HELPERS,
+    "dsv41.passes.dispatch:dsv41.passes.small_ops._view_base": _VIEW_BASE,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._chain_back": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._close_rounded": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_float": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_shape_value": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_step": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._real_tensors": _MHC_SPELLINGS,
+    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._shape": _MHC_SPELLINGS,
+    "dsv41.passes.sparse_attention:dsv41.passes.rope_fp4._rope_structure": _ROPE_HELPERS,
+    "dsv41.passes.upcast_linear:dsv41.passes.small_ops._view_base": _VIEW_BASE,
+}
+
+_GEMV_DISPATCH = ("a GEMV op module dispatching to its variants, which import the shared tiles back from it; "
+                  "the kernels/gemv/ package (tiles in their own module) removes the circle")
+_BENCH_MAIN = ("`python -m dsv41.bench` and `bench.main` hand over to bench_cli (the command's parser), which "
+               "drives bench: the entry point stays where the docs and scripts call it")
+
+#: (importer, imported) module edges that close an import circle, not fixed yet -> why. Removing these edges must
+#: leave the graph acyclic.
+ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
+    ("dsv41.kernels.quant_gemv", "dsv41.kernels.gemv_frag"): _GEMV_DISPATCH,
+    ("dsv41.kernels.quant_gemv", "dsv41.kernels.gemv_rows"): _GEMV_DISPATCH,
+    ("dsv41.kernels.quant_gemv", "dsv41.kernels.gemv_tma"): _GEMV_DISPATCH,
+    ("dsv41.kernels.grouped_gemv", "dsv41.kernels.gemv_rows"): _GEMV_DISPATCH,
+    ("dsv41.kernels.grouped_gemv", "dsv41.kernels.grouped_frag"): _GEMV_DISPATCH,
+    ("dsv41.kernels.grouped_gemv", "dsv41.kernels.grouped_mma"): _GEMV_DISPATCH,
+    ("dsv41.kernels.grouped_gemv", "dsv41.kernels.grouped_words"): _GEMV_DISPATCH,
+    ("dsv41.kernels.gemv_multi", "dsv41.kernels.gemv_frag"): _GEMV_DISPATCH,
+    ("dsv41.passes.mhc_spellings", "dsv41.passes.mhc"): _MHC_SPELLINGS,
+    ("dsv41.bench", "dsv41.bench_cli"): _BENCH_MAIN,
+}
 
 
 @dataclass(frozen=True)
