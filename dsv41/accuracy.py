@@ -34,7 +34,7 @@ import time
 import torch
 from torch import nn
 
-from .compiler.units import fp32_err_text  # noqa: F401 (a public name here; defined beside the renderers)
+from .result_text import fp32_err_text  # noqa: F401 (a public name here too)
 
 __all__ = ["fp32_copy", "fp32_reference", "per_step_rel_err", "logit_err_vs_fp32", "ratio_to_eager", "fp32_err_text",
            "DEFINITIONS"]

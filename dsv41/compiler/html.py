@@ -461,7 +461,7 @@ def _schedule(sc) -> str:
 
 
 def _bench(bench: dict) -> str:
-    from .units import fp32_err_text
+    from ..result_text import fp32_err_text
     rows = []
     for name, r in (bench.get("backends") or {}).items():
         d = r.get("decode_tok_s") or {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["human_bytes", "fp32_err_text"]
+__all__ = ["human_bytes"]
 
 
 def human_bytes(n: float | None, digits: int = 2) -> str:
@@ -15,12 +15,3 @@ def human_bytes(n: float | None, digits: int = 2) -> str:
         if abs(n) >= div:
             return f"{n / div:.{digits}f} {unit}"
     return f"{n:.0f} B"
-
-
-def fp32_err_text(row: dict) -> str:
-    """A result row's `logit_err_vs_fp32` for a table: "-" when missing, else e.g. "3.10e-03 (1.02x eager)" (the
-    ratio only where `logit_err_vs_fp32_over_eager` is set)."""
-    err, ratio = row.get("logit_err_vs_fp32"), row.get("logit_err_vs_fp32_over_eager")
-    if err is None:
-        return "-"
-    return f"{err:.2e}" + (f" ({ratio:.2f}x eager)" if ratio is not None else "")
