@@ -1,9 +1,12 @@
 """What the commands share (`dsv41 run`, `bench`, `report`, the TP launcher and the precompile workers): building a
-preset with seeded weights, wrapping it for a backend, and the environment a result records. Below every command
-in the app layer, so that no command imports another for these (tests/test_layers.py).
+preset with seeded weights (`build_model`), wrapping it for a backend (`compile_model`), the environment a result
+records, and the benchmark's runs (`make_runner`, `bench_model`, `timed_run`, `teacher_forced_logits`), which the
+benchmark and its precompile workers must do alike. Below every command in the app layer, so that no command
+imports another for these (tests/test_layers.py).
 
 Tests replace `compile_model` / `build_model` here (`monkeypatch.setattr(harness, ...)`): every caller looks them up
-on this module at call time.
+on this module at call time. `bench` imports the benchmark's runs into its own namespace, where tests replace them
+for `run_benchmark`.
 """
 
 from __future__ import annotations

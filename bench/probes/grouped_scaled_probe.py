@@ -8,10 +8,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]  # dsv41 and bench/kernels.py, from any working directory
 from kernels import _bench_graph, _copies_for, copy_bandwidth
 from dsv41.kernels import grouped_gemv as gg
-from dsv41.kernels.quant_gemv import _fp8_1x32_parts
+from dsv41.kernels.gemv_tiles import fp8_1x32_parts
 from dsv41.kernels._common import exp2_int, split_k_workspace
-from dsv41.kernels.quant_gemv import _load_weight_tile, _tile_products
-from dsv41.kernels.grouped_gemv import _pair_expert, _grouped_store
+from dsv41.kernels.gemv_tiles import load_weight_tile, tile_products
+from dsv41.kernels.gemv_tiles import pair_expert, grouped_store
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _kpf(x_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr, P, N_OUT, K, E,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.arange(0, NKB)
     j32 = tl.arange(0, 32)
-    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
+    e_ok, e_safe, n_ok = pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_exp = w_ptr + e_safe * stride_we
     s_exp = s_ptr + e_safe * stride_se
@@ -35,15 +35,15 @@ def _kpf(x_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr, P, N_OUT, K, E,
     acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     kbeg = pid_k * K_ITERS * BLOCK_K
     kend = tl.minimum(kbeg + K_ITERS * BLOCK_K, K)
-    w0, s0, ok0 = _load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, kbeg, kend, stride_wn, stride_sn, True, False)
+    w0, s0, ok0 = load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, kbeg, kend, stride_wn, stride_sn, True, False)
     if DEPTH == 2:
-        w1, s1, ok1 = _load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, kbeg + BLOCK_K, kend, stride_wn, stride_sn,
+        w1, s1, ok1 = load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, kbeg + BLOCK_K, kend, stride_wn, stride_sn,
                                         True, False)
     for it in tl.range(0, K_ITERS, num_stages=1):
         k0 = kbeg + it * BLOCK_K
-        wn, sn, okn = _load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, k0 + DEPTH * BLOCK_K, kend, stride_wn,
+        wn, sn, okn = load_weight_tile(w_exp, s_exp, offs_n, n_ok, kb, k0 + DEPTH * BLOCK_K, kend, stride_wn,
                                         stride_sn, True, False)
-        acc = _tile_products(x_row, w0, s0, ok0, acc, offs_m, kb, j32, k0, zero, 1, 0, True, True, False, 1,
+        acc = tile_products(x_row, w0, s0, ok0, acc, offs_m, kb, j32, k0, zero, 1, 0, True, True, False, 1,
                              BLOCK_N, NKB)
         if DEPTH == 2:
             w0, s0, ok0 = w1, s1, ok1
@@ -52,7 +52,7 @@ def _kpf(x_ptr, w_ptr, s_ptr, idx_ptr, y_ptr, part_ptr, cnt_ptr, P, N_OUT, K, E,
             w0, s0, ok0 = wn, sn, okn
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+    grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
                    SPLIT_K, SPLIT_POW2)
 
 
@@ -94,7 +94,7 @@ def _k(x_ptr, w_ptr, s_ptr, idx_ptr, part_ptr, P, N_OUT, K, X_ROW_DIV, stride_xr
         w = tl.load(w_base + (k0 // 2 + ob)[None, :])
         s = tl.load(s_base + (k0 // 32 + osb)[None, :])
         x = tl.load(x_row + k0 + ok).to(tl.float32)
-        q, ex = _fp8_1x32_parts(tl.reshape(x, [BLOCK_K // 32, 32]))
+        q, ex = fp8_1x32_parts(tl.reshape(x, [BLOCK_K // 32, 32]))
         xq = tl.reshape(q * exp2_int(ex), [BLOCK_K])
         xm = tl.where(col[None, :] == 0, xq[:, None], 0.0).to(tl.bfloat16)
         acc = tl.dot_scaled(w, s, "e2m1", xm, None, "bf16", acc)

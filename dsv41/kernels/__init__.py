@@ -25,7 +25,8 @@ Importing this package registers every op under the `dsv41::` namespace:
 - `dsv41::sparse_fp4_attention` (sparse_attention.py): attention over [FP8 window ; gathered FP4 bank rows] with sink + inverse RoPE.
 - `dsv41::stream_fork`, `dsv41::stream_launch`, `dsv41::stream_join` (streams.py): side-stream regions placed by the scheduler.
 
-Each op has a CPU reference (the model's own math), a CUDA implementation launching Triton, and a fake.
+Each op has a CPU reference (its arguments checked, then `dsv41.ref`'s math), a CUDA implementation launching
+Triton, and a fake.
 The CUDA implementations register through `_common.register_cuda`, so `census.py` can count the kernels one
 call launches (shapes only, on meta tensors) for the compiler's static launch count.
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.

@@ -348,7 +348,7 @@ def fp4_block_scale(amax, E4M3_SCALE: tl.constexpr):
     E4M3_SCALE: scale = e4m3_RNE(clamp(amax / 6, 2^-9, 448)), byte = its E4M3 encoding (exponent field with bias 7
     and 3 mantissa bits, or the multiple of 2^-9 for subnormal scales < 2^-6): the bank rows, MODEL.md §2.8.
     Else UE8M0: amax floored at 6 * 2^-126, byte e = ceil(log2(amax / 6)) on the IEEE bits, scale = 2^(e - 127):
-    the index keys. Source: dsv41/model/formats.py quantize_fp4_e4m3_1x16 / quantize_fp4_ue8m0_1x32.
+    the index keys. Source: dsv41/ref/formats.py quantize_fp4_e4m3_1x16 / quantize_fp4_ue8m0_1x32.
     """
     if E4M3_SCALE:
         scale = e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))

@@ -2,7 +2,7 @@
 `mma.sync` fragments, with no decode, no shared memory and no layout conversion in the K loop.
 
 Why. The CUDA-core kernels of `dsv41::linear_fp8_block` turn every weight byte into an FP32 value and multiply it
-on the FMA units (`quant_gemv._tile_products`): at the h200 shapes they reach 44-62 % of copy bandwidth (TMA kernel
+on the FMA units (`quant_gemv.tile_products`): at the h200 shapes they reach 44-62 % of copy bandwidth (TMA kernel
 wq_b 15.8 us, wo_b 18.4 us; bench/results/2026-12-01_h200_s16). An E4M3 weight byte is already an operand of the
 FP8 `mma.sync.m16n8k32` (sm_89+), and the activations are FP8 too where the model quantises them (act_quant, the
 reference's `fake_quant_fp8_1x32`): each thread loads the 16-byte vectors its own fragment registers hold and
@@ -17,7 +17,7 @@ g % 4 == t holds x's word p of block g as b0 (g < 4) or b1 (g >= 4), other lanes
 is the dot product of row r with block n of the span, complete; lane (g, t) multiplies D[g][2t + j] and
 D[g + 8][2t + j] by the weight's UE8M0 scale of the 32-row band and block 2t + j and by the activation block's scale
 and adds them to its FP32 accumulators. After the K loop the four lanes of a row are summed and
-`quant_gemv._store_gemv_result` writes y (split-K partials merged through its arrival counters, in K order).
+`quant_gemv.store_gemv_result` writes y (split-K partials merged through its arrival counters, in K order).
 
 Program (W row tiles of 16, K split j) of W warps: warp w owns rows (pid_n W + w) 16 .. + 15 and spans
 j ITERS .. (j + 1) ITERS - 1. EVEN (K a multiple of 256, the spans a multiple of SPLIT_K, N a multiple of 16 W: every
@@ -58,9 +58,8 @@ import triton
 import triton.language as tl
 
 from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
-from .grouped_frag import SPAN, _mma, _split4, frag_supported, prepare_frag_x
-from .gemv_multi import _pick
-from .quant_gemv import _store_gemv_result
+from .gemv_tiles import pick_operand, store_gemv_result
+from .grouped_frag import SPAN, frag_mma, frag_supported, prepare_frag_x, split4
 
 __all__ = ["frag_gemv_plan", "frag_gemv_eligible", "frag_gemv_supported", "launch_frag_gemv", "launch_frag_gemv_multi",
            "FRAG_GEMV_KEYS"]
@@ -223,30 +222,30 @@ def _span_sums(wv, xv, W: tl.constexpr, ASM: tl.constexpr):
     # rejects).
     alo0, alo1, blo0, blo1, ahi0, ahi1, bhi0, bhi1, sw0, sw1 = wv
     x0a, x0b, x1a, x1b, sx0, sx1 = xv
-    al0, al1, al2, al3 = _split4(alo0, W)
-    al4, al5, al6, al7 = _split4(alo1, W)
-    bl0, bl1, bl2, bl3 = _split4(blo0, W)
-    bl4, bl5, bl6, bl7 = _split4(blo1, W)
-    ah0, ah1, ah2, ah3 = _split4(ahi0, W)
-    ah4, ah5, ah6, ah7 = _split4(ahi1, W)
-    bh0, bh1, bh2, bh3 = _split4(bhi0, W)
-    bh4, bh5, bh6, bh7 = _split4(bhi1, W)
-    p0, p1, p2, p3 = _split4(x0a, W)
-    p4, p5, p6, p7 = _split4(x0b, W)
-    q0, q1, q2, q3 = _split4(x1a, W)
-    q4, q5, q6, q7 = _split4(x1b, W)
+    al0, al1, al2, al3 = split4(alo0, W)
+    al4, al5, al6, al7 = split4(alo1, W)
+    bl0, bl1, bl2, bl3 = split4(blo0, W)
+    bl4, bl5, bl6, bl7 = split4(blo1, W)
+    ah0, ah1, ah2, ah3 = split4(ahi0, W)
+    ah4, ah5, ah6, ah7 = split4(ahi1, W)
+    bh0, bh1, bh2, bh3 = split4(bhi0, W)
+    bh4, bh5, bh6, bh7 = split4(bhi1, W)
+    p0, p1, p2, p3 = split4(x0a, W)
+    p4, p5, p6, p7 = split4(x0b, W)
+    q0, q1, q2, q3 = split4(x1a, W)
+    q4, q5, q6, q7 = split4(x1b, W)
     d0 = tl.zeros([32 * W], dtype=tl.float32)
     d1 = d0
     d2 = d0
     d3 = d0
-    d0, d1, d2, d3 = _mma(al0, ah0, bl0, bh0, p0, q0, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al1, ah1, bl1, bh1, p1, q1, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al2, ah2, bl2, bh2, p2, q2, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al3, ah3, bl3, bh3, p3, q3, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al4, ah4, bl4, bh4, p4, q4, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al5, ah5, bl5, bh5, p5, q5, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al6, ah6, bl6, bh6, p6, q6, d0, d1, d2, d3, W, ASM)
-    d0, d1, d2, d3 = _mma(al7, ah7, bl7, bh7, p7, q7, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al0, ah0, bl0, bh0, p0, q0, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al1, ah1, bl1, bh1, p1, q1, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al2, ah2, bl2, bh2, p2, q2, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al3, ah3, bl3, bh3, p3, q3, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al4, ah4, bl4, bh4, p4, q4, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al5, ah5, bl5, bh5, p5, q5, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al6, ah6, bl6, bh6, p6, q6, d0, d1, d2, d3, W, ASM)
+    d0, d1, d2, d3 = frag_mma(al7, ah7, bl7, bh7, p7, q7, d0, d1, d2, d3, W, ASM)
     c0 = sw0 * sx0
     c1 = sw1 * sx1
     return d0 * c0 + d1 * c1, d2 * c0 + d3 * c1
@@ -271,14 +270,14 @@ def _frag_gemv_kernel(
         c1 = pid_g >= p1
         c2 = pid_g >= p2
         c3 = pid_g >= p3
-        w_ptr = _pick(c1, c2, c3, w0, w1, w2, w3, COUNT)
-        s_ptr = _pick(c1, c2, c3, s0, s1, s2, s3, COUNT)
-        y_ptr = _pick(c1, c2, c3, y0, y1, y2, y3, COUNT)
-        N = _pick(c1, c2, c3, N0, N1, N2, N3, COUNT)
-        stride_wn = _pick(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
-        stride_sn = _pick(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
-        pid_n = pid_g - _pick(c1, c2, c3, 0, p1, p2, p3, COUNT)
-        col0 = _pick(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
+        w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
+        s_ptr = pick_operand(c1, c2, c3, s0, s1, s2, s3, COUNT)
+        y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
+        N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
+        stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
+        stride_sn = pick_operand(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
+        pid_n = pid_g - pick_operand(c1, c2, c3, 0, p1, p2, p3, COUNT)
+        col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
     else:
         w_ptr = w0
         s_ptr = s0
@@ -346,7 +345,7 @@ def _frag_gemv_kernel(
     acc = tl.reshape(tl.permute(tl.join(lo8, hi8), (0, 2, 1)), [1, 16 * W])
     offs_n = pid_n * (16 * W) + tl.arange(0, 16 * W)
     # Weight i's split-K partials: their own [SPLIT_K, N_i] region of the workspace; counters by global program.
-    _store_gemv_result(acc, y_ptr, part_ptr + col0.to(tl.int64) * SPLIT_K, cnt_ptr, tl.arange(0, 1), offs_n,
+    store_gemv_result(acc, y_ptr, part_ptr + col0.to(tl.int64) * SPLIT_K, cnt_ptr, tl.arange(0, 1), offs_n,
                        offs_n < N, 0, pid_g, pid_k, 1, N, N, SPLIT_K, SPLIT_POW2)
 
 

@@ -12,7 +12,7 @@ H200 (CUDA-graph replay, PDL, one x row, bench/results/2026-12-02_h200_s23/sibli
 concatenated along N through the tile kernel): the `h200` shared expert's w1 + w3 16.28 -> 14.02 us, wq_a + wkv
 9.55 -> 6.97 us.
 
-Kernel. The tile-at-once program of `quant_gemv` (`_gemv_tile`: weight tile loads before the PDL wait, FP8 1x32
+Kernel. The tile-at-once program of `quant_gemv` (`gemv_tile`: weight tile loads before the PDL wait, FP8 1x32
 activation quantisation, FP32 block sums, split-K merge) on a grid of the weights' n-tiles one after another: n-tile
 t belongs to the weight whose tile range holds it, and the program reads that weight, its scales and strides and
 writes that output. One plan for all (`quant_gemv.gemv_plan` for the summed N), so where it equals each weight's own
@@ -41,14 +41,20 @@ import triton
 import triton.language as tl
 
 from ._common import check_same_device, register_cuda, require_launchable, split_k_workspace, use_pdl_for
-from .quant_gemv import (MAX_TRITON_M, _check_args, _empty, _gemv_tile, _store_gemv_result, device_sm_count,
-                         gemv_plan, reference_linear_fp8_block, split_tma_overrides, triton_linear_fp8_block)
+from .gemv_tiles import gemv_tile, pick_operand, store_gemv_result
+from .quant_gemv import (MAX_TRITON_M, check_linear_args, device_sm_count, gemv_plan, reference_linear_fp8_block,
+                         split_tma_overrides, triton_linear_fp8_block)
 
 __all__ = ["linear_fp8_block_multi", "reference_linear_fp8_block_multi", "triton_linear_fp8_block_multi",
            "multi_launch_applies", "frag_launch_applies", "FRAG_MULTI_MIN_WEIGHT_BYTES", "MAX_SIBLINGS"]
 
 #: Most weights one op (and one launch) takes: the kernel has this many pointer slots.
 MAX_SIBLINGS = 4
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised result/workspace allocation; a seam the tests replace to poison outputs with NaN."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _check_multi(x: torch.Tensor, weights, scales) -> list[int]:
@@ -62,7 +68,7 @@ def _check_multi(x: torch.Tensor, weights, scales) -> list[int]:
     widths = []
     for i, (w, s) in enumerate(zip(weights, scales)):
         try:
-            n, _ = _check_args(x, w, s, False)
+            n, _ = check_linear_args(x, w, s, False)
         except (ValueError, TypeError) as err:
             where = "" if str(err).startswith("x ") else f"weight {i}: "  # an error about x names x alone
             raise type(err)(f"{where}{err}") from None
@@ -110,17 +116,6 @@ def multi_launch_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
 
 
 @triton.jit
-def _pick(c1, c2, c3, v0, v1, v2, v3, COUNT: tl.constexpr):
-    # v_i of the weight whose tile range holds this program (c_i: past the start of weight i's range).
-    v = tl.where(c1, v1, v0)
-    if COUNT > 2:
-        v = tl.where(c2, v2, v)
-    if COUNT > 3:
-        v = tl.where(c3, v3, v)
-    return v
-
-
-@triton.jit
 def _gemv_multi_kernel(
     x_ptr, w0, s0, y0, w1, s1, y1, w2, s2, y2, w3, s3, y3, part_ptr, cnt_ptr,
     M, K, N0, N1, N2, N3, stride_xm, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3,
@@ -141,15 +136,15 @@ def _gemv_multi_kernel(
     c1 = pid_n >= t1
     c2 = pid_n >= t2
     c3 = pid_n >= t3
-    w_ptr = _pick(c1, c2, c3, w0, w1, w2, w3, COUNT)
-    s_ptr = _pick(c1, c2, c3, s0, s1, s2, s3, COUNT)
-    y_ptr = _pick(c1, c2, c3, y0, y1, y2, y3, COUNT)
-    N = _pick(c1, c2, c3, N0, N1, N2, N3, COUNT)
-    stride_wn = _pick(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
-    stride_sn = _pick(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
-    stride_ym = _pick(c1, c2, c3, sy0, sy1, sy2, sy3, COUNT)
-    tile0 = _pick(c1, c2, c3, 0, t1, t2, t3, COUNT)
-    col0 = _pick(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
+    w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
+    s_ptr = pick_operand(c1, c2, c3, s0, s1, s2, s3, COUNT)
+    y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
+    N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
+    stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
+    stride_sn = pick_operand(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
+    stride_ym = pick_operand(c1, c2, c3, sy0, sy1, sy2, sy3, COUNT)
+    tile0 = pick_operand(c1, c2, c3, 0, t1, t2, t3, COUNT)
+    col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
     offs_n = (pid_n - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -157,14 +152,14 @@ def _gemv_multi_kernel(
     j32 = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for it in range(K_ITERS):
-        acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
+        acc = gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, (pid_k * K_ITERS + it) * BLOCK_K,
                          pid_m, M, K, stride_xm, stride_wn, stride_sn, False, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N,
                          NKB, USE_PDL, False)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # Weight i's split-K partials: their own [SPLIT_K, M, N_i] region of the workspace; counters by global tile.
     part_i = part_ptr + col0.to(tl.int64) * SPLIT_K * M
-    _store_gemv_result(acc, y_ptr, part_i, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+    store_gemv_result(acc, y_ptr, part_i, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
 
 

@@ -5,7 +5,7 @@ launch this kernel for one x row per output (`rows=True` in their plans); the nu
 "Quantized GEMM semantics": FP8 1x32 activation quantisation, block-FP8 32x32 or FP4 1x32 UE8M0 weight scales, FP32
 accumulation, one rounding to x.dtype).
 
-Why another tile loop. The tile-at-once kernel (`quant_gemv._gemv_tile`) reaches 46 % of copy bandwidth on the
+Why another tile loop. The tile-at-once kernel (`quant_gemv.gemv_tile`) reaches 46 % of copy bandwidth on the
 h200 projections: Nsight Compute put 39 % of its warp stalls on shared memory, from moving x, the scales and the
 block sums between register layouts (8 layout conversions and 15 barriers per tile). Here every tensor that meets
 the weight tile is built in the tile's own layout, so the loop has no layout conversion and no barrier:
@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ._common import (E2M1_HALF_SCALE, e2m1_value_scaled_down, exp2_int, next_power_of_2, round_bf16,
                       split_k_merge_2d, split_k_workspace, use_pdl_for)
-from .quant_gemv import _fake_quant_fp8_1x32
+from .gemv_tiles import fake_quant_fp8_tile
 
 __all__ = ["rows_plan", "check_rows_options", "launch_rows", "ROWS_PROGRAMS_PER_SM"]
 
@@ -172,7 +172,7 @@ def _rows_gemv_kernel(
     kx = k0 + kb[:, None] * 32 + tl.arange(0, 32)[None, :]
     xv = tl.load(x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr + kx, mask=kx < K, other=0.0).to(tl.float32)
     if ACT_QUANT:
-        xv = _fake_quant_fp8_1x32(xv)
+        xv = fake_quant_fp8_tile(xv)
     if X_FP16:
         xv = xv.to(tl.float16).to(tl.float32)
     if FP4:

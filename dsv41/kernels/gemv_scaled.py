@@ -41,7 +41,7 @@ the caches serve for the rows of one 128-row block). Under PDL the first code an
 Plan (`scaled_plan`): `quant_gemv.gemv_plan`'s tile-at-once rules, measured for 1-byte weights on the H200 (BLOCK_N
 128, or 64 for 4+ x rows; BLOCK_K 128; K_ITERS 4 / 2 / 1 by program count), so grids too small to fill the SMs
 split K (e.g. 2048 x 7168 at M = 1: 16 row tiles x 28 K splits). The K splits of one output tile combine through
-the arrival counters of `_common.split_k_counters` (`quant_gemv._store_gemv_result`).
+the arrival counters of `_common.split_k_counters` (`quant_gemv.store_gemv_result`).
 
 E4M3 decode: `.to(float8e4nv, bitcast=True).to(float32)`, the GPU's cvt, which gives NaN for 0x7F / 0xFF. The
 Triton 3.9 interpreter decodes those bytes as +-480, so under the interpreter only (`FIX_NAN`) the kernel selects
@@ -64,7 +64,8 @@ from dsv41.ref import gemv as _ref
 
 from ._common import (check_same_device, check_tensor, exp2_int, is_interpreted, register_cuda, require_launchable,
                       round_bf16, split_k_workspace, use_pdl_for)
-from .quant_gemv import _store_gemv_result, device_sm_count, gemv_plan
+from .gemv_tiles import store_gemv_result
+from .quant_gemv import device_sm_count, gemv_plan
 
 __all__ = ["linear_fp8_scaled", "reference_linear_fp8_scaled", "triton_linear_fp8_scaled", "scaled_plan",
            "kernel_rounding", "MAX_TRITON_M", "WEIGHT_DTYPES", "SCALE_DTYPES"]
@@ -218,7 +219,7 @@ def _scaled_gemv_kernel(
                            ROUND_S, ROUND_W, FIX_NAN, BLOCK_M, USE_PDL)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+    store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
 
 

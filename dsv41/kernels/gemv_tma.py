@@ -20,9 +20,9 @@ copies) were slower everywhere (wq_b 18.9 us). FP4 weights stay on the tile kern
 arithmetic-bound and a TMA variant measured slower (expert_w1 11.5 vs 9.5 us, grouped experts 41-46 vs 37-38 us).
 
 Kernel. Program (n-tile, k-split, m-tile) owns rows [n0, n0 + BLOCK_N) of W and K tiles [pid_k * K_ITERS,
-(pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv._tile_products` (the same
+(pid_k + 1) * K_ITERS) of 128 columns. Each tile is decoded and multiplied by `quant_gemv.tile_products` (the same
 arithmetic as the tile kernel: FP8 1x32 activation quant inside, FP32 sums per 32-block times the power-of-two weight
-scale), and the K splits merge through `quant_gemv._store_gemv_result` (arrival counters, last program sums the
+scale), and the K splits merge through `quant_gemv.store_gemv_result` (arrival counters, last program sums the
 partials in split order: deterministic). For one x row (decode; not fp16 x, whose
 reference roundings take the several-row path) the per-32-block sums accumulate in [BLOCK_N, 4] and are summed once
 after the loop. The scales are read as bytes, or as int32 words (`scale_words=True`, copied
@@ -56,8 +56,8 @@ import triton.language as tl
 
 from ._common import (check_int_options, exp2_int, is_interpreted, next_power_of_2, prefetch_l2_rows,
                       split_k_workspace, use_pdl_for)
-from .quant_gemv import (_fake_quant_fp8_1x32, _load_scale_tile, _program_tile, _store_gemv_result, _tile_products,
-                         scale_words)
+from .gemv_tiles import (fake_quant_fp8_tile, load_scale_tile, program_tile, scale_words, store_gemv_result,
+                         tile_products)
 
 __all__ = ["tma_gemv_plan", "tma_supported", "tma_eligible", "launch_tma", "TMA_BLOCK_K", "TMA_KEYS"]
 
@@ -180,7 +180,7 @@ def _tma_gemv_kernel(x_ptr, w_desc, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N
                      EARLY_LAUNCH: tl.constexpr, USE_PDL: tl.constexpr):
     NKB: tl.constexpr = BLOCK_K // 32
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
+    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = program_tile(N, BLOCK_M, BLOCK_N, NKB)
     if USE_PDL:
         if L2_PREFETCH > 0:
             k_lo = pid_k * (K_ITERS * BLOCK_K)
@@ -191,17 +191,17 @@ def _tma_gemv_kernel(x_ptr, w_desc, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N
     if BLOCK_M == 1 and not X_FP16:
         # Decode (one x row): per-32-block sums times their scale accumulate in [BLOCK_N, NKB], summed over the
         # blocks once after the loop (no per-tile reduction across threads or layout change of the row sums;
-        # the same arithmetic as `_tile_products` in another FP32 order).
+        # the same arithmetic as `tile_products` in another FP32 order).
         acc2 = tl.zeros([BLOCK_N, NKB], dtype=tl.float32)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
             k0 = (pid_k * K_ITERS + it) * BLOCK_K
             k_ok = (k0 + kb * 32) < K
             w3 = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32]).to(tl.float8e4nv, bitcast=True)
-            s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
+            s_raw = load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
             xv = tl.load(x_row + k0 + kb[:, None] * 32 + j32[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
             if ACT_QUANT:
-                xv = _fake_quant_fp8_1x32(xv)
+                xv = fake_quant_fp8_tile(xv)
             acc2 += tl.sum(w3.to(tl.float32) * xv[None, :, :], axis=2) * exp2_int(s_raw.to(tl.int32))
         acc = tl.sum(acc2, axis=1)[None, :]
     else:
@@ -210,12 +210,12 @@ def _tma_gemv_kernel(x_ptr, w_desc, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N
             k0 = (pid_k * K_ITERS + it) * BLOCK_K
             k_ok = (k0 + kb * 32) < K
             w_raw = tl.reshape(w_desc.load([pid_n * BLOCK_N, k0]), [BLOCK_N, NKB, 32])
-            s_raw = _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
-            acc = _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
+            s_raw = load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, False, SCALE_WORDS)
+            acc = tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, False,
                                  ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB)
     if USE_PDL and not EARLY_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+    store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
 
 

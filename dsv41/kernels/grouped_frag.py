@@ -24,10 +24,10 @@ The layout (PTX ISA, "Matrix fragments for mma.m16n8k32" with 8-bit A / B; lane 
   2^-6 (subnormal codes included): two shifts and two masks per 4 codes. 2^6 goes back with the scales.
 - Scales: lane (g, t) multiplies D[g][2t + j] and D[g + 8][2t + j] by the weight's UE8M0 scale of that row and
   block and by the activation block's scale, and adds them to its FP32 accumulators. After the loop the four
-  lanes of a row and the program's warps are summed (deterministic order), and `grouped_gemv._grouped_store`
+  lanes of a row and the program's warps are summed (deterministic order), and `grouped_gemv.grouped_store`
   writes y (K splits merged through its arrival counters, NaN rows for an invalid expert).
 - Activations (`prepare_frag_x`): one small launch first FP8-quantises x by 1x32 blocks (`formats.quantize_fp8_1x32`
-  through `quant_gemv._fp8_1x32_parts`) and writes the E4M3 bytes of each block in part order (part p, byte i =
+  through `quant_gemv.fp8_1x32_parts`) and writes the E4M3 bytes of each block in part order (part p, byte i =
   code 8 (p // 2) + 2 i + p % 2) with the block scales as FP32, so the active lanes read their B words as 16-byte
   vectors.
 
@@ -58,10 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
-from .grouped_gemv import _grouped_store, _pair_expert
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, use_pdl_for
+from .gemv_tiles import fp8_1x32_parts, grouped_store, pair_expert
 from .grouped_words import x_blocks
-from .quant_gemv import _fp8_1x32_parts
 
 __all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
            "FRAG_KEYS", "FRAG_ONLY_KEYS", "SPAN", "paired_launch_fits"]
@@ -186,7 +185,7 @@ def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, PART_
     # FP32.
     NB: tl.constexpr = BLOCK // 32
     row, kb, c, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL, EARLY)
-    q, e = _fp8_1x32_parts(xv)
+    q, e = fp8_1x32_parts(xv)
     if PART_ORDER:
         pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
     else:
@@ -196,7 +195,8 @@ def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, PART_
 
 
 @triton.jit
-def _split4(v, W: tl.constexpr):
+def split4(v, W: tl.constexpr):
+    """The four int32 words of a thread's 16-byte vector, split out (shared with `gemv_frag`)."""
     # The four int32 words of [32 W, 4] `v` (a thread's own 16-byte vector) as [32 W] tensors.
     a, b = tl.split(tl.reshape(v, [32 * W, 2, 2]))
     w0, w2 = tl.split(a)
@@ -259,7 +259,9 @@ def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr):
 
 
 @triton.jit
-def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, ASM: tl.constexpr):
+def frag_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, ASM: tl.constexpr):
+    """One m16n8k16 bf16 MMA on register fragments (inline PTX when ASM, else its arithmetic), accumulating into
+    c0..c3 in FP32 (shared with `gemv_frag`)."""
     if ASM:
         # Not pure: a pure elementwise op may be recomputed in another layout to save a layout conversion, and this
         # one is only right where element i sits in lane i % 32 of warp i // 32.
@@ -288,7 +290,7 @@ def _span_load(w_lo, w_hi, s_lo, s_hi, xq_row, xs_row, blk0, nkb, g, t, ok_lo, o
     blk_s = blk0 + 2 * t
     if EVEN:
         # Every block of every span is inside K and every row inside the weight (an invalid expert reads expert 0,
-        # whose rows `_grouped_store` replaces by NaN): no masks but `live` (a scalar, False only for the prefetch
+        # whose rows `grouped_store` replaces by NaN): no masks but `live` (a scalar, False only for the prefetch
         # after the last span) and the lanes that supply B.
         m_wa_lo = live
         m_wb_lo = live
@@ -344,7 +346,7 @@ def _part(d0, d1, d2, d3, wa_lo, wa_hi, wb_lo, wb_hi, b0, b1, HIGH: tl.constexpr
     a1 = _e4m3_of_nibbles(wa_hi, HIGH).to(tl.int32, bitcast=True)
     a2 = _e4m3_of_nibbles(wb_lo, HIGH).to(tl.int32, bitcast=True)
     a3 = _e4m3_of_nibbles(wb_hi, HIGH).to(tl.int32, bitcast=True)
-    return _mma(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, W, ASM)
+    return frag_mma(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, W, ASM)
 
 
 @triton.jit
@@ -353,14 +355,14 @@ def _span_sums(v, W: tl.constexpr, ASM: tl.constexpr):
     # Part p is word p // 2 of each block, its low nibbles for even p and its high nibbles for odd p; the eight
     # parts are written out (no loop variable indexing a tuple, which Triton 3.6's interpreter rejects).
     wa_lo, wb_lo, wa_hi, wb_hi, x0a, x0b, x1a, x1b, sl0, sl1, sh0, sh1, sx0, sx1 = v
-    al0, al1, al2, al3 = _split4(wa_lo.to(tl.uint32, bitcast=True), W)
-    bl0, bl1, bl2, bl3 = _split4(wb_lo.to(tl.uint32, bitcast=True), W)
-    ah0, ah1, ah2, ah3 = _split4(wa_hi.to(tl.uint32, bitcast=True), W)
-    bh0, bh1, bh2, bh3 = _split4(wb_hi.to(tl.uint32, bitcast=True), W)
-    p0, p1, p2, p3 = _split4(x0a, W)
-    p4, p5, p6, p7 = _split4(x0b, W)
-    q0, q1, q2, q3 = _split4(x1a, W)
-    q4, q5, q6, q7 = _split4(x1b, W)
+    al0, al1, al2, al3 = split4(wa_lo.to(tl.uint32, bitcast=True), W)
+    bl0, bl1, bl2, bl3 = split4(wb_lo.to(tl.uint32, bitcast=True), W)
+    ah0, ah1, ah2, ah3 = split4(wa_hi.to(tl.uint32, bitcast=True), W)
+    bh0, bh1, bh2, bh3 = split4(wb_hi.to(tl.uint32, bitcast=True), W)
+    p0, p1, p2, p3 = split4(x0a, W)
+    p4, p5, p6, p7 = split4(x0b, W)
+    q0, q1, q2, q3 = split4(x1a, W)
+    q4, q5, q6, q7 = split4(x1b, W)
     d0 = tl.zeros([32 * W], dtype=tl.float32)
     d1 = d0
     d2 = d0
@@ -403,7 +405,7 @@ def _grouped_frag_kernel(
         pair = z
         ws_pairs = P
     rows16 = pid_n * 16 + tl.arange(0, 16)
-    e_ok, e_safe, _ = _pair_expert(idx_ptr, pair, E, rows16, N_OUT, USE_PDL)
+    e_ok, e_safe, _ = pair_expert(idx_ptr, pair, E, rows16, N_OUT, USE_PDL)
     e_flag = tl.max(e_ok.to(tl.int32), axis=0)
     # One value per thread: element i of a [32 W] tensor is lane i % 32 of warp i // 32 (a 1-D layout has no other
     # natural order; with a [W, 32] tensor Triton 3.6 put warps along the lane axis and the MMAs got other lanes'
@@ -458,7 +460,7 @@ def _grouped_frag_kernel(
     lo8 = tl.sum(tl.sum(tl.reshape(acc_lo, [W, 8, 4]), axis=2), axis=0)
     hi8 = tl.sum(tl.sum(tl.reshape(acc_hi, [W, 8, 4]), axis=2), axis=0)
     acc16 = tl.reshape(tl.permute(tl.join(lo8, hi8), (1, 0)), [16])
-    _grouped_store(acc16, e_ok, rows16, z, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, ws_pairs, N_OUT, SPLIT_K,
+    grouped_store(acc16, e_ok, rows16, z, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, ws_pairs, N_OUT, SPLIT_K,
                    SPLIT_POW2)
 
 
@@ -539,3 +541,9 @@ def paired_launch_fits(weight: torch.Tensor, scale: torch.Tensor, y: torch.Tenso
             and scale2.shape == scale.shape and scale2.stride() == scale.stride() and scale2.dtype == scale.dtype
             and y2.shape == y.shape and y2.stride() == y.stride() and y2.dtype == y.dtype
             and _vector_readable(weight) and _vector_readable(weight2) and 2 * y.shape[0] <= 65535)
+
+
+def pdl_for(device) -> bool:
+    """Whether `_grouped_frag_kernel` launches with programmatic dependent launch on `device` (`use_pdl_for`); asked by
+    `grouped_gemv`, which chains it after the router."""
+    return use_pdl_for(_grouped_frag_kernel, device)

@@ -36,8 +36,8 @@ word-decode GEMV of `grouped_words.py` (two codes per integer operation, one-war
 at the h200 shapes against 37.1 / 36.7 us for the tile kernel below, bench/results/2026-12-01_h200_s19);
 `words=False` keeps the tile kernel, which also takes fp16 x and weights that cannot be read as int32 words.
 Tile kernel. Program (out-tile, k-split, pair) loads the pair's expert id, then multiplies K_ITERS [BLOCK_N, BLOCK_K]
-tiles of that expert's packed weight by the pair's x row with `quant_gemv._gemv_tile` (FP8 1x32 activation quant
-inside, FP32 accumulation; or `quant_gemv._mma_tile` on the tensor cores with `mma=True`); the K splits of an
+tiles of that expert's packed weight by the pair's x row with `quant_gemv.gemv_tile` (FP8 1x32 activation quant
+inside, FP32 accumulation; or `quant_gemv.mma_tile` on the tensor cores with `mma=True`); the K splits of an
 output tile combine through the split-K arrival counters of `_common.split_k_counters`, exactly as `quant_gemv`
 does (last program to arrive sums the partials in split order: deterministic). Block sizes come from
 `quant_gemv.gemv_plan` for M = 1 (`grouped_gemv_plan`), so a batch-1 decode step of the h200 preset (k = 6;
@@ -62,10 +62,10 @@ import triton.language as tl
 
 from dsv41.ref import gemv as _ref
 
-from ._common import (check_same_device, check_tensor, is_interpreted, register_cuda, require_launchable, round_bf16,
+from ._common import (check_same_device, check_tensor, is_interpreted, register_cuda, require_launchable,
                       split_k_workspace, use_pdl_for)
-from .quant_gemv import (_gemv_tile, _mma_tile, check_mma_dtype, device_sm_count, gemv_plan, scale_words,
-                         split_rows_overrides)
+from .gemv_tiles import gemv_tile, grouped_store, mma_tile, pair_expert, scale_words
+from .quant_gemv import check_mma_dtype, device_sm_count, gemv_plan, split_rows_overrides
 
 __all__ = ["grouped_linear_fp4", "reference_grouped_linear_fp4", "triton_grouped_linear_fp4", "grouped_gemv_plan",
            "grouped_linear_fp4_pair", "reference_grouped_linear_fp4_pair", "triton_grouped_linear_fp4_pair",
@@ -155,7 +155,7 @@ def _grouped_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.arange(0, NKB)
     j32 = tl.arange(0, 32)
-    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
+    e_ok, e_safe, n_ok = pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_exp = w_ptr + e_safe * stride_we
     s_exp = s_ptr + e_safe * stride_se
@@ -163,74 +163,24 @@ def _grouped_gemv_kernel(
     offs_m = tl.arange(0, 1)
     acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     # Software-pipelined K loop (STAGES > 1: tile it + STAGES - 1 is copied while tile it is multiplied); bf16 x
-    # multiplies on the tensor cores (`quant_gemv._mma_tile`), other dtypes on the CUDA cores.
+    # multiplies on the tensor cores (`quant_gemv.mma_tile`), other dtypes on the CUDA cores.
     if MMA:
         acc_t = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
-            acc_t = _mma_tile(x_row, w_exp, s_exp, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, zero, 1,
+            acc_t = mma_tile(x_row, w_exp, s_exp, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, zero, 1,
                               K, 0, stride_wn, stride_sn, True, ACT_QUANT, 1, BLOCK_N, BLOCK_K, 16, SCALE_WORDS,
                               DOT_F32)
         acc += tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc_t, 0.0), axis=1)[None, :]
     else:
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
-            acc = _gemv_tile(x_row, w_exp, s_exp, acc, offs_n, n_ok, offs_m, kb, j32,
+            acc = gemv_tile(x_row, w_exp, s_exp, acc, offs_n, n_ok, offs_m, kb, j32,
                              (pid_k * K_ITERS + it) * BLOCK_K, zero, 1, K, 0, stride_wn, stride_sn,
                              True, ACT_QUANT, X_FP16, 1, BLOCK_N, NKB, False, SCALE_WORDS)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    _grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+    grouped_store(tl.sum(acc, axis=0), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
                    SPLIT_K, SPLIT_POW2)
-
-
-@triton.jit
-def _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL: tl.constexpr):
-    """(e_ok [BLOCK_N] bool, e_safe int64, n_ok [BLOCK_N] bool) of the grouped kernels' (token, expert) `pair`:
-    its expert index (negatives wrapped as `weight[indices]` does), whether it is inside [0, E), the index to read
-    (0 for an invalid one, whose y row becomes NaN) and the rows offs_n to compute (< N_OUT, valid expert)."""
-    if USE_PDL:
-        # The expert index is the previous kernel's output (router top-k): wait before reading it.
-        tl.extra.cuda.gdc_wait()
-    e = tl.load(idx_ptr + pair)
-    e = tl.where(e < 0, e + E, e)
-    # Index validity as a vector (the interpreter mis-types scalar-bool & block-bool).
-    e_vec = offs_n.to(tl.int64) * 0 + e
-    e_ok = (e_vec >= 0) & (e_vec < E)
-    e_safe = tl.where((e >= 0) & (e < E), e, 0).to(tl.int64)
-    return e_ok, e_safe, (offs_n < N_OUT) & e_ok
-
-
-@triton.jit
-def _grouped_store(acc1, e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
-                   SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr):
-    """Epilogue of the grouped kernels (this module's and `grouped_mma`'s): store FP32 row sums `acc1` [BLOCK_N] of
-    y[pair, offs_n], merging K splits through the arrival counters (the last program to arrive sums the partials
-    in split order), rounded to y's dtype; NaN where the pair's expert index was invalid (`e_ok` False)."""
-    out_ok = offs_n < N_OUT
-    y_ptrs = y_ptr + pair.to(tl.int64) * N_OUT + offs_n
-    if SPLIT_K == 1:
-        total = acc1
-        store_ok = out_ok
-    else:
-        p_ptrs = part_ptr + pair.to(tl.int64) * N_OUT + offs_n
-        tl.store(p_ptrs + pid_k.to(tl.int64) * P * N_OUT, acc1, mask=out_ok)
-        # Every thread's partial must be visible before the counter moves (release at GPU scope).
-        tl.debug_barrier()
-        tile = pair * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        total = tl.zeros_like(acc1)
-        if arrived == SPLIT_K - 1:
-            # All partials in one load, summed by a fixed tree over the split axis (deterministic); .cg reads L2.
-            sp = tl.arange(0, SPLIT_POW2)
-            parts = tl.load(p_ptrs[None, :] + sp[:, None].to(tl.int64) * P * N_OUT,
-                            mask=(sp < SPLIT_K)[:, None] & out_ok[None, :], other=0.0, cache_modifier=".cg")
-            total = tl.sum(parts, axis=0)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-        store_ok = out_ok & ((offs_n * 0 + arrived) == SPLIT_K - 1)
-    if y_ptr.dtype.element_ty == tl.bfloat16:
-        total = round_bf16(total)  # RNE on the bits; exact for the cast below
-    total = tl.where(e_ok, total, float("nan"))
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=store_ok)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -465,18 +415,18 @@ def triton_grouped_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torc
         n_tiles, split_k, _ = plan["grid"]
         part, cnt = split_k_workspace(_empty, x.device, split_k, (pairs, out), n_tiles * pairs)
         grouped_mma.launch_grouped_mma(x2, weight, scale, idx, y.view(pairs, out), part, cnt, k if shared else 1,
-                                       plan, use_pdl_for(grouped_mma._grouped_mma_kernel, x.device))
+                                       plan, grouped_mma.pdl_for(x.device))
         return y
     if frag:
         from . import grouped_frag
         plan = grouped_frag.grouped_frag_plan(pairs, out, kk, **overrides)
-        pdl = use_pdl_for(grouped_frag._grouped_frag_kernel, x.device)
+        pdl = grouped_frag.pdl_for(x.device)
         xq, xs = grouped_frag.prepare_frag_x(x2, _empty, pdl)
         return _launch_frag(xq, xs, weight, scale, idx, y, k if shared else 1, plan, pdl)
     if cuda_words:
         from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, **overrides)
-        pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
+        pdl = grouped_words.pdl_for(x.device)
         xw = grouped_words.prepare_x(x2, act_quant, plan["X_PERM"], _empty, pdl)
         return _launch_words(xw, weight, scale, idx, y, k if shared else 1, plan, pdl)
     plan = grouped_gemv_plan(pairs, out, kk, **overrides)
@@ -566,7 +516,7 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
         if frag:
             from . import grouped_frag
             plan = grouped_frag.grouped_frag_plan(pairs, out, kk)
-            pdl = use_pdl_for(grouped_frag._grouped_frag_kernel, x.device)
+            pdl = grouped_frag.pdl_for(x.device)
             xq, xs = grouped_frag.prepare_frag_x(x2, _empty, pdl)
             ys = [_empty((n, k, out), x.dtype, x.device) for _ in ws]
             (wa, sa), (wb, sb) = ws
@@ -582,7 +532,7 @@ def triton_grouped_linear_fp4_pair(x: torch.Tensor, weight_a: torch.Tensor, scal
                          for (w, s), y in zip(ws, ys))
         from . import grouped_words
         plan = grouped_words.grouped_words_plan(pairs, out, kk, sm_count=device_sm_count(x.device))
-        pdl = use_pdl_for(grouped_words._grouped_words_kernel, x.device)
+        pdl = grouped_words.pdl_for(x.device)
         xw = grouped_words.prepare_x(x2, True, plan["X_PERM"], _empty, pdl)
         return tuple(_launch_words(xw, w, s, idx, _empty((n, k, out), x.dtype, x.device), k if shared else 1, plan,
                                    pdl) for w, s in ws)

@@ -49,9 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
-from .grouped_gemv import _grouped_store, _pair_expert
-from .quant_gemv import _fp8_1x32_parts
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, use_pdl_for
+from .gemv_tiles import fp8_1x32_parts, grouped_store, pair_expert
 
 __all__ = ["grouped_mma_plan", "mma_words_eligible", "mma_words_supported", "launch_grouped_mma", "MMA_WORDS_KEYS"]
 
@@ -207,11 +206,11 @@ def _scale_tile(s_rows, n_ok, k0, K, NKB: tl.constexpr, MMA_N: tl.constexpr, EVE
 @triton.jit
 def _x_block_operand(xv, NKB: tl.constexpr, MMA_N: tl.constexpr):
     """(B [NKB * 32, MMA_N] fp16, x scales [MMA_N] fp32) of an `_x_tile` after the 1x32 FP8 fake quantisation (as
-    `quant_gemv._fp8_1x32_parts`): B[c, j] = q of tile column c (the E4M3 value) where c // 32 == j, else 0;
+    `quant_gemv.fp8_1x32_parts`): B[c, j] = q of tile column c (the E4M3 value) where c // 32 == j, else 0;
     scale j = 2^sx of block j (0 for columns without a block)."""
     jn = tl.arange(0, MMA_N)
     kb = tl.arange(0, NKB)
-    q, e = _fp8_1x32_parts(xv)
+    q, e = fp8_1x32_parts(xv)
     e = tl.reshape(e, [NKB])
     q16 = q.to(tl.float16)
     on = jn[:, None] == kb[None, :]  # [MMA_N, NKB]: column j takes block j
@@ -238,7 +237,7 @@ def _grouped_mma_kernel(
     pair = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wi = tl.arange(0, WORDS)
-    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
+    e_ok, e_safe, n_ok = pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_rows = w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + e_safe * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
@@ -265,7 +264,7 @@ def _grouped_mma_kernel(
         a = _words_to_fp16_tile(words.to(tl.uint32, bitcast=True), BLOCK_N, BLOCK_K)
         b, sx = _x_block_operand(xv, NKB, MMA_N)
         if DOT_F32:
-            # The interpreter's half-precision tl.dot is not trusted (see quant_gemv._mma_tile): the same exact
+            # The interpreter's half-precision tl.dot is not trusted (see quant_gemv.mma_tile): the same exact
             # fp16 values multiplied in FP32.
             res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
@@ -275,7 +274,7 @@ def _grouped_mma_kernel(
         acc += (res * sx[None, :]) * (exp2_int(s_raw.to(tl.int32)) * 16384.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _grouped_store(tl.sum(acc, axis=1), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+    grouped_store(tl.sum(acc, axis=1), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
                    SPLIT_K, SPLIT_POW2)
 
 
@@ -308,3 +307,9 @@ def launch_grouped_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
         BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"], MMA_N=plan["MMA_N"], EVEN=even, USE_PDL=pdl,
         DOT_F32=is_interpreted(_grouped_mma_kernel), num_warps=plan["num_warps"], **extra)
     return y
+
+
+def pdl_for(device) -> bool:
+    """Whether `_grouped_mma_kernel` launches with programmatic dependent launch on `device` (`use_pdl_for`); asked by
+    `grouped_gemv`, which chains it after the router."""
+    return use_pdl_for(_grouped_mma_kernel, device)

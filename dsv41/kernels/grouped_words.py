@@ -37,7 +37,7 @@ tile kernel; byte 0 is a zero scale.
 
 Op: none of its own. `grouped_gemv.triton_grouped_linear_fp4` launches it (by default where
 `grouped_gemv.takes_words_by_default`; argument checks, index handling with NaN rows for an invalid expert, and
-split-K merging through `grouped_gemv._grouped_store`, shared with its tile kernel).
+split-K merging through `grouped_gemv.grouped_store`, shared with its tile kernel).
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2
-from .grouped_gemv import _grouped_store, _pair_expert
-from .quant_gemv import _fake_quant_fp8_1x32
+from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, use_pdl_for
+from .gemv_tiles import fake_quant_fp8_tile, grouped_store, pair_expert
 
 __all__ = ["grouped_words_plan", "words_eligible", "launch_grouped_words", "prepare_x", "x_blocks", "WORDS_KEYS",
            "WORDS_ONLY_KEYS"]
@@ -156,7 +155,7 @@ def _x_prep_kernel(x_ptr, y_ptr, K, stride_xr, ACT_QUANT: tl.constexpr, PERM: tl
     # reads the activations of nibble i of a block's four words as one 16-byte vector.
     row, kb, j, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL)
     if ACT_QUANT:
-        xv = _fake_quant_fp8_1x32(xv)
+        xv = fake_quant_fp8_tile(xv)
     if PERM:
         offs = kb[:, None] * 32 + (j % 8)[None, :] * 4 + (j // 8)[None, :]
     tl.store(y_ptr + row * K + offs, xv, mask=ok)
@@ -242,7 +241,7 @@ def _grouped_words_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.arange(0, NKB)
     wi = tl.arange(0, 4)
-    e_ok, e_safe, n_ok = _pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
+    e_ok, e_safe, n_ok = pair_expert(idx_ptr, pair, E, offs_n, N_OUT, USE_PDL)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xr
     w_rows = w_ptr + e_safe * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + e_safe * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
@@ -252,7 +251,7 @@ def _grouped_words_kernel(
         acc += _tile_block_sums(w, sb, k_ok, x_row, (pid_k * K_ITERS + it) * BLOCK_K, kb, wi, X_PERM, ASM)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _grouped_store(tl.sum(acc, axis=1), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
+    grouped_store(tl.sum(acc, axis=1), e_ok, offs_n, pair, pid_n, pid_k, y_ptr, part_ptr, cnt_ptr, P, N_OUT,
                    SPLIT_K, SPLIT_POW2)
 
 
@@ -261,7 +260,7 @@ def prepare_x(x2: torch.Tensor, act_quant: bool, perm: bool, empty, pdl: bool) -
     neither `act_quant` nor `perm`, else FP32 [rows, K] from one launch (PDL-launched when `pdl`): the values of
     `formats.fake_quant_fp8_1x32(x2)` when act_quant, in the GEMV's per-block order (`_x_prep_kernel`) when perm.
     `empty(shape, dtype, device)` allocates the result.
-    Source: formats.quantize_fp8_1x32 (MODEL.md §2.1), through `quant_gemv._fake_quant_fp8_1x32`."""
+    Source: formats.quantize_fp8_1x32 (MODEL.md §2.1), through `quant_gemv.fake_quant_fp8_tile`."""
     if not (act_quant or perm):
         return x2
     rows, kk = x2.shape
@@ -299,3 +298,9 @@ def launch_grouped_words(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Te
         BLOCK_K=plan["BLOCK_K"], X_PERM=plan["X_PERM"], USE_PDL=pdl, ASM=not is_interpreted(_grouped_words_kernel),
         num_warps=plan["num_warps"], **extra)
     return y
+
+
+def pdl_for(device) -> bool:
+    """Whether `_grouped_words_kernel` launches with programmatic dependent launch on `device` (`use_pdl_for`); asked by
+    `grouped_gemv`, which chains it after the router."""
+    return use_pdl_for(_grouped_words_kernel, device)

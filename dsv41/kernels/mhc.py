@@ -1,6 +1,6 @@
 """mHC coefficient, collapse + RMSNorm and expand kernels (ARCHITECTURE.md pattern table, row "mHC").
 
-Around every sublayer the eager model (dsv41/model/mhc.py, MODEL.md §2.3) runs three chains of small ops on the
+Around every sublayer the eager model (dsv41/ref/mhc.py, MODEL.md §2.3) runs three chains of small ops on the
 four-stream residual H [B, T, 4, d]; each becomes one op here:
 
 - `dsv41::mhc_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None) -> (pre, post, comb)`:
@@ -11,7 +11,7 @@ four-stream residual H [B, T, 4, d]; each becomes one op here:
   base fp32 [24], scale fp32 [3]; pre, post fp32 [B, T, 4]; comb fp32 [B, T, 4, 4] (comb[..., i, j] = weight of
   source stream i in destination stream j). With `norm_weight` w [4d] (fp32/bf16/fp16; schema `Tensor?
   norm_weight=None`) m = ((z * w) @ fn^T) * r, the spelling `F.linear(rms_norm(flatten(H), (4d,), w, eps), fn)`
-  (the statistic r stays unweighted). Reference: `dsv41.model.mhc.mhc_mixes` (with fn * w for the weight).
+  (the statistic r stays unweighted). Reference: `dsv41.ref.mhc.mhc_mixes` (with fn * w for the weight).
 - `dsv41::mhc_collapse_rmsnorm(H, pre, weight, eps) -> x`: x = rms_norm(sum_i pre_i H_i, weight, eps) with the
   collapse accumulated in FP32 and rounded to H.dtype before the norm (as the eager code does), the norm in FP32;
   x [B, T, d] in H.dtype, pre fp32 [B, T, 4], weight [d] any float dtype. Reference: `rms_norm(mhc_collapse(...))`.
@@ -148,7 +148,7 @@ def _check_expand(y, H, post, comb):
 # ------------------------------------------------------------------------------------------- references
 def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                         norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None):
-    """Plain-PyTorch `dsv41::mhc_mixes`: `dsv41.model.mhc.mhc_mixes` with contiguous results.
+    """Plain-PyTorch `dsv41::mhc_mixes`: `dsv41.ref.mhc.mhc_mixes` with contiguous results.
 
     With `norm_weight` w the projection reads the weighted normalised streams, m = (z * r * w) @ fn^T, the
     "RMS-normalise, then project" spelling `F.linear(rms_norm(flatten(H), (4d,), w, eps), fn)`; the statistic r
@@ -161,7 +161,7 @@ def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
         norm_weight: None, or the RMS weight [4d] fp32/bf16/fp16.
     Returns: (pre fp32 [B, T, 4], post fp32 [B, T, 4], comb fp32 [B, T, 4, 4]).
     Raises: TypeError / ValueError naming the bad argument (dtype, shape, iters out of range, negative eps).
-    Source: MODEL.md §2.3 steps 1-6; dsv41/model/mhc.py.
+    Source: MODEL.md §2.3 steps 1-6; dsv41/ref/mhc.py.
     """
     _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
     return _ref.mhc_mixes_normed(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
@@ -174,19 +174,19 @@ def reference_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: t
     Args: H [B, T, 4, d] fp32/bf16/fp16; pre [B, T, 4] (fp32 from mhc_mixes); weight [d]; eps (1e-20 in V4.1).
     Returns: [B, T, d] in H.dtype.
     Raises: TypeError / ValueError naming the bad argument.
-    Source: MODEL.md §2.2, §2.3 "collapse"; dsv41/model/mhc.py `mhc_collapse`, dsv41/model/norm.py `rms_norm`.
+    Source: MODEL.md §2.2, §2.3 "collapse"; dsv41/ref/mhc.py `mhc_collapse`, dsv41/ref/norm.py `rms_norm`.
     """
     _check_collapse(H, pre, weight, eps)
     return _ref.mhc_collapse_rmsnorm(H, pre, weight, eps)
 
 
 def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::mhc_expand`: `dsv41.model.mhc.mhc_expand(y, H, post, comb)`.
+    """Plain-PyTorch `dsv41::mhc_expand`: `dsv41.ref.mhc.mhc_expand(y, H, post, comb)`.
 
     Args: y [B, T, d]; H [B, T, 4, d] fp32/bf16/fp16; post fp32 [B, T, 4]; comb fp32 [B, T, 4, 4] (i = source).
     Returns: [B, T, 4, d] in H.dtype.
     Raises: TypeError / ValueError naming the bad argument.
-    Source: MODEL.md §2.3 "expand"; dsv41/model/mhc.py `mhc_expand`.
+    Source: MODEL.md §2.3 "expand"; dsv41/ref/mhc.py `mhc_expand`.
     """
     _check_expand(y, H, post, comb)
     return _ref.mhc_expand(y, H, post, comb).contiguous()
@@ -299,7 +299,7 @@ def _mhc_mixes_kernel(
     pre = tl.sigmoid((d_pre * r) * s_pre + base_pre) + hc_eps
     post = 2.0 * tl.sigmoid((d_post * r) * s_post + base_post)
 
-    # Sinkhorn (dsv41.model.mhc.sinkhorn): softmax over j (dim -1) + eps, column normalisation (sum over the
+    # Sinkhorn (dsv41.ref.mhc.sinkhorn): softmax over j (dim -1) + eps, column normalisation (sum over the
     # source axis i, dim -2), then iters - 1 rounds of row then column normalisation.
     logits = (d_comb * r) * s_comb + base_comb
     # The divisions are Triton's FP32 `/` (div.full.f32, within 2 ulp), not div_rn: a correctly rounded division

@@ -34,7 +34,7 @@ On sm_89+ one bf16 / fp32 x row with act_quant and a block-FP8 weight of 8 MiB o
 fragment GEMV of `gemv_frag` (E4M3 bytes straight into `mma.sync` operands; `FRAG_DEFAULT`). Otherwise, on sm_90+ a
 block-FP8 weight of 16 MiB or more, or any block-FP8 GEMV with several x rows, runs the TMA kernel of `gemv_tma`
 instead (weight tiles copied by TMA in a software-pipelined K loop; faster there, see that module and
-`TMA_DEFAULT`); the arithmetic per tile is this module's `_tile_products`.
+`TMA_DEFAULT`); the arithmetic per tile is this module's `tile_products`.
 
 Three other loops exist, all measured slower on the H200: the row-streaming kernel of `gemv_rows` for M = 1 (x held
 in registers, weight rows streamed, no layout conversion in its loop; `rows=True`, see `split_rows_overrides`),
@@ -42,7 +42,7 @@ and two tile loops opt-in through `gemv_plan` (`stages`, `mma`):
 - pipelined FMA tiles (STAGES > 1): 64-row tiles in a K loop that Triton's software pipeliner turns into cp.async
   copies to shared memory (the scales are then read as int32 words, `scale_words`: byte loads are not copied
   asynchronously and stall every iteration);
-- tensor-core tiles (`mma=True`, bf16 x only, `_mma_tile`): the weight tile dequantised to bf16 and x fake-quantised
+- tensor-core tiles (`mma=True`, bf16 x only, `mma_tile`): the weight tile dequantised to bf16 and x fake-quantised
   to bf16 (both exact: E4M3/E2M1 codes times powers of two), multiplied by a wgmma with FP32 accumulation, which
   is the reference's own bf16 F.linear.
 
@@ -69,9 +69,9 @@ import triton.language as tl
 
 from dsv41.ref import gemv as _ref
 
-from ._common import (E2M1_HALF_SCALE, check_same_device, check_tensor, e2m1_value_scaled_down, e4m3_round, exp2_int,
-                      is_interpreted, next_power_of_2, register_cuda, require_launchable, round_bf16, split_k_workspace,
-                      split_k_merge_2d, ue8m0_exponent, use_pdl_for)
+from ._common import (check_same_device, check_tensor, is_interpreted, next_power_of_2, register_cuda,
+                      require_launchable, split_k_workspace, use_pdl_for)
+from .gemv_tiles import gemv_tile, mma_tile, program_tile, scale_words, store_gemv_result  # noqa: F401 (scale_words)
 
 __all__ = [
     "linear_fp8_block", "linear_fp4",
@@ -111,8 +111,9 @@ _DEFAULT_SMS = 132
 
 
 # ------------------------------------------------------------------------------------------- checks
-def _check_args(x, weight, scale, fp4: bool):
-    """Validate shapes/dtypes; return (N, K). Errors name the argument at fault."""
+def check_linear_args(x, weight, scale, fp4: bool):
+    """Validate the arguments of `linear_fp8_block` / `linear_fp4` (x [..., K] float, K % 32 == 0; uint8 weight and
+    scale of the shapes of the format); return (N, K). Raises TypeError / ValueError naming the argument at fault."""
     check_tensor("x", x, dtypes=_FLOAT_DTYPES, min_ndim=1)
     check_tensor("weight", weight, dtypes=(torch.uint8,), ndim=2)
     check_tensor("scale", scale, dtypes=(torch.uint8,), ndim=2)
@@ -147,7 +148,7 @@ def reference_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: tor
     Raises: TypeError / ValueError for wrong dtypes or shapes (named).
     Source: dsv41/model/linear.py `Linear.forward` (fmt "fp8_block"), MODEL.md §2.1.
     """
-    _check_args(x, weight, scale, fp4=False)
+    check_linear_args(x, weight, scale, fp4=False)
     return _ref.linear_fp8_block(x, weight, scale, act_quant)
 
 
@@ -163,194 +164,11 @@ def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     Raises: TypeError / ValueError for wrong dtypes or shapes (named).
     Source: dsv41/model/linear.py `Linear.forward` (fmt "fp4"), MODEL.md §2.1 (routed experts).
     """
-    _check_args(x, weight, scale, fp4=True)
+    check_linear_args(x, weight, scale, fp4=True)
     return _ref.linear_fp4(x, weight, scale, act_quant)
 
 
 # ------------------------------------------------------------------------------------------- kernel
-@triton.jit
-def _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4: tl.constexpr,
-                      SCALE_WORDS: tl.constexpr):
-    """(codes, scale bytes, k_ok) of the weight tile W[offs_n, k0 : k0 + 32 * NKB] (NKB = len(kb)), zero where
-    masked: codes uint8 [BLOCK_N, NKB, 32] (E4M3) or [BLOCK_N, NKB, 16] (two E2M1 per byte), scale bytes (uint8,
-    or int32 with SCALE_WORDS) [BLOCK_N, NKB] (one per row for FP4 1x32, per 32 rows for block FP8), k_ok [NKB]
-    (32-block inside K).
-
-    SCALE_WORDS: `s_ptr` / `stride_sn` address the scale rows as int32 words (four UE8M0 bytes, little-endian),
-    which the software pipeliner can copy asynchronously; byte loads (SCALE_WORDS False) it cannot, and they stall
-    every iteration on a DRAM round trip. Needs K % 128 == 0 and k0 % 128 == 0 (the caller checks).
-    """
-    k_ok = (k0 + kb * 32) < K
-    w_mask = n_ok[:, None, None] & k_ok[None, :, None]
-    if FP4:
-        j16 = tl.arange(0, 16)
-        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
-                        + (k0 // 2 + kb[None, :, None] * 16 + j16[None, None, :]), mask=w_mask, other=0)
-    else:
-        j32 = tl.arange(0, 32)
-        w_raw = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn
-                        + (k0 + kb[None, :, None] * 32 + j32[None, None, :]), mask=w_mask, other=0)
-    return w_raw, _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, FP4, SCALE_WORDS), k_ok
-
-
-@triton.jit
-def _load_scale_tile(s_ptr, offs_n, n_ok, kb, k0, k_ok, stride_sn, FP4: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """UE8M0 bytes [BLOCK_N, NKB] of weight rows `offs_n` and the 32-blocks k0 / 32 + kb (0 where masked), one per
-    row (FP4 1x32) or per 32 rows (block FP8); read as int32 words with SCALE_WORDS (see `_load_weight_tile`)."""
-    s_rows = offs_n if FP4 else offs_n // 32
-    if SCALE_WORDS:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 128 + kb[None, :] // 4)
-    else:
-        s_off = s_rows[:, None].to(tl.int64) * stride_sn + (k0 // 32 + kb[None, :])
-    s_raw = tl.load(s_ptr + s_off, mask=n_ok[:, None] & k_ok[None, :], other=0)
-    if SCALE_WORDS:
-        s_raw = (s_raw >> ((kb % 4) * 8)[None, :]) & 255
-    return s_raw
-
-
-@triton.jit
-def _decode_codes(w_raw, FP4: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr):
-    """FP32 values [BLOCK_N, NKB, 32] of the codes `_load_weight_tile` returns: E4M3 exactly; E2M1 divided by 2^14
-    (a four-instruction decode, see _common: callers multiply the scale by `E2M1_HALF_SCALE`)."""
-    if FP4:
-        c = w_raw.to(tl.int32)
-        w3 = tl.reshape(tl.join(e2m1_value_scaled_down(c & 15), e2m1_value_scaled_down(c >> 4)), [BLOCK_N, NKB, 32])
-    else:
-        w3 = w_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return w3
-
-
-@triton.jit
-def _fake_quant_fp8_1x32(x):
-    """formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2), as values: q times its
-    scale (`_fp8_1x32_parts`)."""
-    q, e = _fp8_1x32_parts(x)
-    return q * exp2_int(e)
-
-
-@triton.jit
-def _fp8_1x32_parts(x):
-    """(q, e) of formats.quantize_fp8_1x32 of fp32 `x` whose axis 1 is a 32-block (any rank >= 2): amax floored at
-    1e-4, UE8M0 ceil scale byte e (int32, axis 1 kept with size 1) from the IEEE bits of amax / 448 (correctly
-    rounded division), q = clamp(x / 2^(e-127), +-448) -> E4M3 RNE (fp32 values); NaN where x is NaN."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), 1e-4)
-    e = ue8m0_exponent(tl.math.div_rn(amax, 448.0))
-    # The floor keeps e in [105, 247], so 2^(127-e) is a normal number and x * 2^(127-e) is exact.
-    q = tl.minimum(tl.maximum(x * exp2_int(254 - e), -448.0), 448.0)
-    qr = e4m3_round(tl.abs(q))
-    # A NaN stays NaN (as in formats.quantize_fp8_1x32); the clamp above would have made it +-448.
-    return tl.where(x != x, x, tl.where(q < 0, -qr, qr)), e
-
-
-@triton.jit
-def _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32, k0, pid_m, M, K, stride_xm, stride_wn,
-               stride_sn, FP4: tl.constexpr, ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, NKB: tl.constexpr, USE_PDL: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x[:, k0:k0+32*NKB] @ dequant(W[offs_n, k0:k0+32*NKB])^T (one weight tile; scale
-    addressing SCALE_WORDS as in `_load_weight_tile`)."""
-    # Weights and scales first: they never come from the previous kernel, so under PDL their reads
-    # overlap that kernel's tail.
-    w_raw, s_raw, k_ok = _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4,
-                                           SCALE_WORDS)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    return _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, FP4, ACT_QUANT,
-                          X_FP16, BLOCK_M, BLOCK_N, NKB)
-
-
-@triton.jit
-def _tile_products(x_ptr, w_raw, s_raw, k_ok, acc, offs_m, kb, j32, k0, pid_m, M, stride_xm, FP4: tl.constexpr,
-                   ACT_QUANT: tl.constexpr, X_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NKB: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + fq8(x[:, k0:k0+32*NKB]) @ dequant(tile)^T for a loaded weight tile: codes `w_raw`
-    and UE8M0 bytes `s_raw` as `_load_weight_tile` returns them (zero where masked), `k_ok` [NKB] the 32-blocks
-    inside K. x rows pid_m * BLOCK_M + (0 .. BLOCK_M-1) below M are read here (after any PDL wait)."""
-    # Decode to FP32 codes [BLOCK_N, NKB, 32] and the UE8M0 scales 2^(e-127) [BLOCK_N, NKB]. FP4 codes are
-    # decoded divided by 2^14 (a four-instruction decode, see _common) and multiplied back per block sum.
-    sw = exp2_int(s_raw.to(tl.int32))
-    if X_FP16:
-        # Reference: codes.to(fp16) * scale.to(fp16), rounded in fp16.
-        s16 = sw.to(tl.float16).to(tl.float32)
-    w3 = _decode_codes(w_raw, FP4, BLOCK_N, NKB)
-    if FP4:
-        sw = sw * E2M1_HALF_SCALE  # exact unless the scale exceeds 2^113 (UE8M0 byte > 240)
-        if X_FP16:
-            s16 = s16 * E2M1_HALF_SCALE
-    if X_FP16:
-        w3 = (w3 * s16[:, :, None]).to(tl.float16).to(tl.float32)
-
-    for mm in tl.static_range(BLOCK_M):
-        m = pid_m * BLOCK_M + mm
-        # Row validity as a vector: the interpreter mis-types scalar-bool & block-bool (int32 mask).
-        m_ok = (j32 * 0 + m) < M
-        xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + (k0 + kb[:, None] * 32 + j32[None, :]),
-                     mask=k_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-        if ACT_QUANT:
-            xq = _fake_quant_fp8_1x32(xv)
-            if X_FP16:
-                xq = xq.to(tl.float16).to(tl.float32)
-        else:
-            xq = xv
-        # Per 32-block dot of codes, times the power-of-two weight scale (exact), summed over blocks.
-        part = tl.sum(w3 * xq[None, :, :], axis=2)
-        if not X_FP16:
-            part = part * sw
-        acc += tl.where((offs_m == m)[:, None], tl.sum(part, axis=1)[None, :], 0.0)
-
-    return acc
-
-
-@triton.jit
-def _mma_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, k0, pid_m, M, K, stride_xm, stride_wn, stride_sn,
-              FP4: tl.constexpr, ACT_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MMA_N: tl.constexpr, SCALE_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BLOCK_N, MMA_N] + dequant(W[offs_n, k0:k0+BLOCK_K]) @ fq8(x[m-tile, k0:k0+BLOCK_K])^T on the tensor
-    cores, for bf16 x: the weight tile is dequantised to bf16 (code x UE8M0 scale, exact, as the reference's
-    dequantize to x.dtype rounds it) and x is fake-quantised to E4M3 x UE8M0 values, also exact in bf16, so the
-    bf16 MMA with FP32 accumulation computes the reference's F.linear. Columns >= BLOCK_M of the x^T operand are
-    zero (an MMA needs MMA_N >= 16). Scale addressing (SCALE_WORDS) as in `_load_weight_tile`. DOT_F32 (the
-    interpreter, whose bf16 tl.dot is wrong in Triton 3.9: errors of 2e10 on a 16 x 16 product of randn values)
-    multiplies the same bf16 values in FP32."""
-    NKB: tl.constexpr = BLOCK_K // 32
-    kb = tl.arange(0, NKB)
-    w_raw, s_raw, k_ok = _load_weight_tile(w_ptr, s_ptr, offs_n, n_ok, kb, k0, K, stride_wn, stride_sn, FP4,
-                                           SCALE_WORDS)
-    w3 = _decode_codes(w_raw, FP4, BLOCK_N, NKB)
-    sw = exp2_int(s_raw.to(tl.int32))
-    if FP4:
-        sw = sw * E2M1_HALF_SCALE  # exact unless the UE8M0 byte exceeds 240
-    w_bf16 = tl.reshape((w3 * sw[:, :, None]).to(tl.bfloat16), [BLOCK_N, BLOCK_K])
-
-    # x^T tile [BLOCK_K, MMA_N]; one real row for M = 1 (quantised once, then widened), else MMA_N rows.
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    XN: tl.constexpr = 1 if BLOCK_M == 1 else MMA_N
-    offs_x = pid_m * BLOCK_M + tl.arange(0, XN)
-    x_ok = (offs_x < M) & (offs_x < pid_m * BLOCK_M + BLOCK_M)
-    xv = tl.load(x_ptr + offs_x[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
-                 mask=(offs_k < K)[:, None] & x_ok[None, :], other=0.0).to(tl.float32)
-    if ACT_QUANT:
-        xv = tl.reshape(_fake_quant_fp8_1x32(tl.reshape(xv, [NKB, 32, XN])), [BLOCK_K, XN])
-    if BLOCK_M == 1:
-        xt = tl.where((tl.arange(0, MMA_N) == 0)[None, :], xv, 0.0)
-    else:
-        xt = xv
-    if DOT_F32:
-        return tl.dot(w_bf16.to(tl.float32), xt.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(w_bf16, xt.to(tl.bfloat16), acc)
-
-
-@triton.jit
-def _program_tile(N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr):
-    """(pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok) of a GEMV program on the grid (n tiles, K splits,
-    m tiles): its weight rows offs_n (n_ok: below N), x rows offs_m, the 32-blocks kb of a K tile, j32 within one."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return pid_n, pid_k, pid_m, offs_n, offs_m, tl.arange(0, NKB), tl.arange(0, 32), offs_n < N
-
-
 @triton.jit
 def _quant_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
@@ -366,21 +184,21 @@ def _quant_gemv_kernel(
     NKB: tl.constexpr = BLOCK_K // 32
     MMA_N: tl.constexpr = 16
     X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = _program_tile(N, BLOCK_M, BLOCK_N, NKB)
+    pid_n, pid_k, pid_m, offs_n, offs_m, kb, j32, n_ok = program_tile(N, BLOCK_M, BLOCK_N, NKB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if USE_PDL and EARLY_LAUNCH:
         # The next kernel may be placed as soon as every program here has started (its own wait still waits for
         # this grid to complete), so its pre-wait weight reads overlap this grid's last wave.
         tl.extra.cuda.gdc_launch_dependents()
     if MMA:
-        # bf16 x: tensor-core tiles (`_mma_tile`) in a software-pipelined K loop: the pipeliner copies tile
+        # bf16 x: tensor-core tiles (`mma_tile`) in a software-pipelined K loop: the pipeliner copies tile
         # it + STAGES - 1 into shared memory (cp.async) while tile it is multiplied. A PDL wait inside the loop
         # stops the pipeliner (Triton 3.6-3.9), so it comes first.
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         acc_t = tl.zeros([BLOCK_N, MMA_N], dtype=tl.float32)
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
-            acc_t = _mma_tile(x_ptr, w_ptr, s_ptr, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M,
+            acc_t = mma_tile(x_ptr, w_ptr, s_ptr, acc_t, offs_n, n_ok, (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M,
                               K, stride_xm, stride_wn, stride_sn, FP4, ACT_QUANT, BLOCK_M, BLOCK_N, BLOCK_K, MMA_N,
                               SCALE_WORDS, DOT_F32)
         # Column mm of acc_t is x row pid_m * BLOCK_M + mm: move the BLOCK_M real ones into acc [BLOCK_M, BLOCK_N].
@@ -389,44 +207,25 @@ def _quant_gemv_kernel(
             row = tl.sum(tl.where((cols == mm)[None, :], acc_t, 0.0), axis=1)
             acc += tl.where((tl.arange(0, BLOCK_M) == mm)[:, None], row[None, :], 0.0)
     elif STAGES > 1:
-        # Software-pipelined FMA tiles (`_gemv_tile`); the PDL wait comes first, as above.
+        # Software-pipelined FMA tiles (`gemv_tile`); the PDL wait comes first, as above.
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
-            acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
+            acc = gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
                              (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
                              FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, False, SCALE_WORDS)
     else:
         # Tile at once: each K_ITERS tile issues every load at once; under PDL the wait follows the weight loads,
         # which overlap the previous kernel's tail.
         for it in range(K_ITERS):
-            acc = _gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
+            acc = gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
                              (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
                              FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL, SCALE_WORDS)
 
     if USE_PDL and not EARLY_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
+    store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
                        SPLIT_K, SPLIT_POW2)
-
-
-@triton.jit
-def _store_gemv_result(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, n_ok, pid_m, pid_n, pid_k, M, N, stride_ym,
-                       SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr):
-    """Write the [BLOCK_M, BLOCK_N] FP32 partial `acc` of program (pid_n, pid_k, pid_m) to y (rounded once to y's
-    dtype), through the split-K merge when SPLIT_K > 1 (the last program of the output tile to arrive stores)."""
-    mask_mn = (offs_m[:, None] < M) & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        total = acc
-    else:
-        p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        total, arrived = split_k_merge_2d(acc, p_ptrs, M * N, mask_mn, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
-                                          pid_k, SPLIT_K, SPLIT_POW2)
-        mask_mn = mask_mn & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
-    if y_ptr.dtype.element_ty == tl.bfloat16:
-        total = round_bf16(total)  # RNE on the bits; exact for the cast below
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_mn)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -520,17 +319,6 @@ def device_sm_count(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def scale_words(scale: torch.Tensor, k: int, block_k: int) -> torch.Tensor | None:
-    """`scale` (uint8 [..., K/32], last dim contiguous) viewed as int32 words of four UE8M0 bytes, or None when
-    the pipelined kernel cannot read it that way (K or BLOCK_K not a multiple of 128, rows or start not 4-byte
-    aligned, which also checks the address: memory from DLPack or `frombuffer` need not be): the kernel then loads
-    bytes (`SCALE_WORDS` in `_gemv_tile`)."""
-    if (k % 128 or block_k % 128 or scale.storage_offset() % 4 or scale.data_ptr() % 4
-            or any(st % 4 for st in scale.stride()[:-1])):
-        return None
-    return scale.view(torch.int32)
 
 
 def check_mma_dtype(x: torch.Tensor, overrides: dict) -> None:
@@ -688,7 +476,7 @@ def split_frag_overrides(overrides: dict, fp4: bool, x: torch.Tensor, m: int, we
 
 
 def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
-    n, k = _check_args(x, weight, scale, fp4)
+    n, k = check_linear_args(x, weight, scale, fp4)
     check_mma_dtype(x, overrides)
     lead = x.shape[:-1]
     m = math.prod(lead)

@@ -1,6 +1,6 @@
 """RoPE + FP4 E2M1 quantisation in one pass (ARCHITECTURE.md pattern table, "RoPE + FP4 quant").
 
-The model rotates a latent (`dsv41.model.rope.apply_rope`: interleaved pairs on the LAST R channels,
+The model rotates a latent (`dsv41.ref.rope.apply_rope`: interleaved pairs on the LAST R channels,
 rotation in FP32, result cast back to x.dtype) and immediately quantises it to FP4 (MODEL.md §2.1):
 
 - compressed main-KV bank: E2M1 with one E4M3 scale per 16 channels (`formats.quantize_fp4_e4m3_1x16`),
@@ -112,7 +112,7 @@ def reference_rope_fp4_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         scale_block, e4m3_scale: (16, True) = E4M3 scale per 16 (bank); (32, False) = UE8M0 per 32 (index).
     Returns: (codes uint8 [..., D/2], scales uint8 [..., D/scale_block]).
     Raises: TypeError / ValueError naming the bad argument (dtype, mode, D not divisible, R > D, shapes).
-    Source: MODEL.md §2.1, §2.2; dsv41/model/rope.py, dsv41/model/formats.py.
+    Source: MODEL.md §2.1, §2.2; dsv41/ref/rope.py, dsv41/ref/formats.py.
     """
     check_rope_fp4_args(x, cos, sin, scale_block, e4m3_scale)
     return _ref.rope_fp4_quant(x, cos, sin, scale_block, e4m3_scale)
