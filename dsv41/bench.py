@@ -155,9 +155,10 @@ DEFINITIONS = {
                       "the fusion report's sites of the class's ops: weights + activations read and written per "
                       "step) and `floor_us` = bytes / copy_bandwidth_tb_s (null without bytes or bandwidth); "
                       "`total` sums them (floor and bytes over the classes that have them); `step_us` = 1e6 / "
-                      "median decode tok/s; span_us, busy_us (union of the kernel intervals), overlap_us and "
-                      "gap_per_boundary_us of the profiled steps (medians); `source` says where each figure came "
-                      "from (on CPU: static launches of the compiled code, no time)",
+                      "median decode tok/s; `roofline_step_us` = decode_bytes_per_step / copy bandwidth (the "
+                      "budget's floor of the whole step); span_us, busy_us (union of the kernel intervals), "
+                      "overlap_us and gap_per_boundary_us of the profiled steps (medians); `source` says where "
+                      "each figure came from (on CPU: static launches of the compiled code, no time)",
     "gap_per_boundary_us": "(span - busy) / (launches - 1) of a profiled decode step: span from the first GPU "
                            "activity's start to the last one's end, busy the time at least one ran (overlap from "
                            "PDL or side streams counted once), launches every kernel, memcpy and memset; median "
@@ -1134,7 +1135,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 if cuda:
                     try:
                         k = profile_decode_step(runners[n], prompt, new_tokens, PROFILE_STEPS)
-                        _set_breakdown(rows[n], k["step_events"], res["copy_bandwidth_tb_s"], say, n, notes[n])
+                        _set_breakdown(rows[n], k["step_events"], res["copy_bandwidth_tb_s"], say, n, notes[n],
+                                       res["decode_bytes_per_step"])
                         rows[n]["kernels_per_step"] = k["kernels"]
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
                         rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
@@ -1150,7 +1152,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
                 if rows[n].get("step_breakdown") is None:  # CPU, or the profile failed: static counts only
-                    _set_breakdown(rows[n], None, res["copy_bandwidth_tb_s"], say, n, notes[n])
+                    _set_breakdown(rows[n], None, res["copy_bandwidth_tb_s"], say, n, notes[n],
+                                   res["decode_bytes_per_step"])
                 if spec_of[n]:
                     try:
                         rows[n]["speculative_round_ms"] = round_phase_medians(generate(
@@ -1250,7 +1253,8 @@ _REPORTS: dict = {}
 PROFILE_STEPS = 3
 
 
-def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: list) -> None:
+def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: list,
+                   decode_bytes: float | None = None) -> None:
     """Put the `step_breakdown` table (`compiler/breakdown.py`) and `gap_per_boundary_us` into a row, from the
     profiled steps' kernels (None: static counts only) and the row's fusion report; the dsv41 row's report (JSON
     and object) gets the table too, so the fusion report shows it. A failure becomes a note in `notes`, never a
@@ -1262,6 +1266,8 @@ def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: lis
     except Exception as e:  # diagnostic: the row keeps every other figure
         notes.append("step breakdown " + _fail(e))
         return
+    if decode_bytes and copy_tb_s:  # the budget's floor of the whole step, beside the report's per class
+        bd["roofline_step_us"] = decode_bytes / (copy_tb_s * 1e12) * 1e6
     row["step_breakdown"] = bd
     row["gap_per_boundary_us"] = bd["gap_per_boundary_us"]
     if isinstance(row.get("report"), dict):
@@ -1270,8 +1276,9 @@ def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: lis
             rep.step_breakdown = bd
     if step_events is not None:
         top = ", ".join(f"{c} {e['time_us']:.0f} us x{e['launches']}" for c, e in list(bd["classes"].items())[:6])
+        gap = bd["gap_per_boundary_us"]
         say(f"{name}: where the step goes ({bd['steps_profiled']} steps): {top}; gap per boundary "
-            f"{bd['gap_per_boundary_us'] if bd['gap_per_boundary_us'] is not None else '-'} us")
+            + ("-" if gap is None else f"{gap:.3f}") + " us")
 
 
 def _with_origins(top: list, origins: dict) -> list:

@@ -267,7 +267,7 @@ def test_the_reports_show_the_table_only_when_it_is_there():
     assert rep.to_dict()["step_breakdown"]["step_us"] == 50.0
     headers, rows, foot = bd.table_rows(rep.step_breakdown)
     total = rows[-1]
-    assert total == ["total", "8", "39.0", "2.1", "18.4", "78.0"]  # 39 us of a 50 us step; floor 2 + 0.125 us
+    assert total == ["total", "8", "39.0", "2.12", "-", "78.0"]  # 39 us of a 50 us step; floor 2 + 0.125 us
     assert "step 50.0 us" in foot and "over 7 boundaries" in foot
     page = render_html(rep.to_dict())
     assert "Where the step goes" in page and "mhc_mixes" in page
@@ -303,3 +303,27 @@ def test_dsv41_report_on_cpu_leaves_the_table_out_with_one_line(tiny_model, tiny
     assert bd.profile_breakdown(tiny_model, tiny_prompt[:8], 3, rep) is None
     assert rep.step_breakdown is None
     assert "step breakdown left out: RuntimeError" in capsys.readouterr().err
+
+
+def test_a_profiled_row_gets_the_table_its_gap_and_a_progress_line():
+    """The CUDA branch of the benchmark, fed a hand-laid profile: what `_set_breakdown` writes into a dsv41 row."""
+    from dsv41 import bench
+    rep = _report()
+    row, lines, notes = {"report": rep.to_dict(), "note": None}, [], []
+    bench._REPORTS[id(row)] = rep
+    try:
+        bench._set_breakdown(row, [one_step(), one_step()], 2.0, lines.append, "dsv41", notes)
+    finally:
+        bench._REPORTS.pop(id(row))
+    assert row["gap_per_boundary_us"] == pytest.approx(5 / 7) and notes == []
+    assert row["report"]["step_breakdown"] is row["step_breakdown"] is rep.step_breakdown
+    assert row["step_breakdown"]["classes"]["mhc_mixes"]["floor_us"] == 0.125
+    assert row["step_breakdown"]["roofline_step_us"] is None  # no decode bytes given
+    bench._set_breakdown(row, [one_step()], 2.0, lines.append, "dsv41", notes, decode_bytes=5e6)
+    assert row["step_breakdown"]["roofline_step_us"] == 2.5  # 5 MB at 2 TB/s
+    assert "roofline step 2.5 us" in bd.table_rows(row["step_breakdown"])[2]
+    lines.pop()
+    assert lines == [lines[0]] and "2 steps" in lines[0] and "gap per boundary 0.714 us" in lines[0]
+    broken = {"note": None}
+    bench._set_breakdown(broken, [], 2.0, lines.append, "x", notes)  # an empty profile: a note, no table
+    assert "step_breakdown" not in broken and notes and "empty" in notes[0]

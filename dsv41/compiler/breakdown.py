@@ -379,6 +379,7 @@ def step_breakdown(steps: Sequence[Sequence[KernelEvent]] | None = None, report=
         copy_bandwidth_tb_s: the run's copy bandwidth, TB/s (1e12 bytes read + written per second), or None.
         known: `kernel_ops()` or a stand-in (tests).
     Returns: {"source", "steps_profiled", "copy_bandwidth_tb_s", "step_us" (None: `set_step_time` fills it),
+        "roofline_step_us" (None: the benchmark fills it),
         "span_us", "busy_us", "overlap_us", "gap_per_boundary_us" (µs, medians over the steps; None without a
         profile), "classes": {class: {"kind", "launches", "time_us", "floor_us", "bytes"[, "ops"][, "by_kind"]}}
         (costliest first), "total": {"launches", "time_us", "floor_us", "bytes"}, "note"}. Plain JSON.
@@ -455,7 +456,7 @@ def step_breakdown(steps: Sequence[Sequence[KernelEvent]] | None = None, report=
              "floor_us": _sum(e["floor_us"] for e in classes.values()),
              "bytes": _sum(e["bytes"] for e in classes.values())}
     return {"source": _source(steps, static, bw), "steps_profiled": len(steps) if steps is not None else 0,
-            "copy_bandwidth_tb_s": bw, "step_us": None,
+            "copy_bandwidth_tb_s": bw, "step_us": None, "roofline_step_us": None,
             **{k: _median(t[k] for t in timelines) for k in ("span_us", "busy_us", "overlap_us",
                                                             "gap_per_boundary_us")},
             "classes": classes, "total": total, "note": "; ".join(notes)}
@@ -493,6 +494,11 @@ def _f(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _us(x) -> str:
+    """µs for a table cell: one decimal from 10 µs up, two below (a 0.13 µs floor is not "0.1")."""
+    return "-" if x is None else format(x, ".1f" if abs(x) >= 10 else ".2f")
+
+
 def table_rows(bd: Mapping) -> tuple[list, list, str]:
     """(headers, rows of strings, one-line footer) of a `step_breakdown` table for the terminal and HTML reports:
     one row per class (Inductor's kinds indented under it), then `total`; the footer sets the sum against the step
@@ -500,11 +506,11 @@ def table_rows(bd: Mapping) -> tuple[list, list, str]:
     step = bd.get("step_us")
     headers = ["op class", "launches", "time us", "floor us", "time / floor", "% of step"]
 
-    def row(name, e) -> list:
-        """The cells of one class (or total) row."""
+    def row(name, e, ratio: bool = True) -> list:
+        """The cells of one class (or total) row; `ratio` False leaves time / floor out."""
         t, fl = e.get("time_us"), e.get("floor_us")
-        return [name, _f(e.get("launches"), "d"), _f(t, ".1f"), _f(fl, ".1f"),
-                _f(t / fl if t is not None and fl else None, ".1f"),
+        return [name, _f(e.get("launches"), "d"), _us(t), _us(fl),
+                _f(t / fl if ratio and t is not None and fl else None, ".1f"),
                 _f(100 * t / step if t is not None and step else None, ".1f")]
 
     rows = []
@@ -512,9 +518,12 @@ def table_rows(bd: Mapping) -> tuple[list, list, str]:
         rows.append(row(name + (" (shared)" if e.get("kind") == "dsv41 shared" else ""), e))
         for sub, s in (e.get("by_kind") or {}).items():
             rows.append(row(f"  {name}: {sub}", s))
-    rows.append(row("total", bd.get("total") or {}))
+    # the total floor covers only the classes with bytes, so a total time / floor would mix two sets of classes
+    rows.append(row("total", bd.get("total") or {}, ratio=False))
     total = (bd.get("total") or {}).get("launches")
     foot = [f"step {_f(step, '.1f')} us (1e6 / median decode tok/s)"]
+    if bd.get("roofline_step_us") is not None:
+        foot.append(f"roofline step {bd['roofline_step_us']:.1f} us (decode_bytes_per_step / copy bandwidth)")
     if bd.get("span_us") is not None:
         foot.append(f"GPU span {bd['span_us']:.1f} us, busy {_f(bd.get('busy_us'), '.1f')} us, overlap "
                     f"{_f(bd.get('overlap_us'), '.1f')} us, gap per boundary {_f(bd.get('gap_per_boundary_us'), '.3f')}"
