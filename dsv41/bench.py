@@ -43,7 +43,7 @@ profiler's `kernels_per_step` (one dsv41 op may launch more than one kernel, and
 
 `step_breakdown` (every row; `dsv41/compiler/breakdown.py`): where the step goes, per op class: `launches`,
 `time_us` (GPU kernel time per step from the same profiler session as `kernels_per_step`, which profiles
-`PROFILE_STEPS` steps; the other profiler figures are of the first), `bytes` and `floor_us` (the fusion report's
+`PROFILE_STEPS` steps, eager rows one; the other profiler figures are of the first), `bytes` and `floor_us` (the fusion report's
 bytes of the class's ops / the copy bandwidth), with `total`, `step_us` (1e6 / median decode tok/s) and the timeline
 of the profiled steps; `gap_per_boundary_us` = (span - busy) / (launches - 1). On CPU `time_us` is null and
 `launches` the static count of dsv41 rows.
@@ -151,7 +151,7 @@ DEFINITIONS = {
     "step_breakdown": "where the step goes (issue 37; dsv41/compiler/breakdown.py): per op class (a dsv41 fused op "
                       "with its variants, a dsv41 kernel several classes launch, inductor, blas, aten, copies, "
                       "other) `launches` per step, `time_us` (summed GPU kernel time per step, mean over the "
-                      "PROFILE_STEPS profiled decode steps; null without a GPU profile), `bytes` (bytes_after of "
+                      "profiled decode steps, PROFILE_STEPS = 3, eager rows 1; null without a GPU profile), `bytes` (bytes_after of "
                       "the fusion report's sites of the class's ops: weights + activations read and written per "
                       "step) and `floor_us` = bytes / copy_bandwidth_tb_s (null without bytes or bandwidth); "
                       "`total` sums them (floor and bytes over the classes that have them); `step_us` = 1e6 / "
@@ -530,14 +530,15 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps
     steps = max(1, min(int(steps), new_tokens - 1))
     out = generate(runner, prompt_ids, 2)
     tok = out.tokens[:, -1:].to(dev).clone(memory_format=torch.contiguous_format)
-    pos = torch.full((b, 1), p + 1, dtype=torch.int64, device=dev)
+    # One position tensor per step, made before profiling: an in-place `pos += 1` between the steps would be a GPU
+    # kernel of its own on the profiled timeline, counted into a step.
+    positions = [torch.full((b, 1), p + 1 + i, dtype=torch.int64, device=dev) for i in range(steps)]
     torch.cuda.synchronize()
     with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
+        for i, pos in enumerate(positions):
             with record_function(f"{STEP_MARK} {i}"):
                 runner(tok, pos)
                 torch.cuda.synchronize()
-            pos += 1  # the next position, as generate steps (the cache row of this step stays written)
     events = prof.events()
     windows = [(float(e.time_range.start), float(e.time_range.end)) for e in events
                if e.device_type != torch.autograd.DeviceType.CUDA and str(e.name).startswith(STEP_MARK)]
@@ -1134,7 +1135,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.update(task, description=f"kernels per step + teacher-forced logits: {n}")
                 if cuda:
                     try:
-                        k = profile_decode_step(runners[n], prompt, new_tokens, PROFILE_STEPS)
+                        # eager: one step (an eager `h200` step is ~0.7 s and tens of thousands of profiler events)
+                        k = profile_decode_step(runners[n], prompt, new_tokens,
+                                                1 if base_backend(n) == "eager" else PROFILE_STEPS)
                         _set_breakdown(rows[n], k["step_events"], res["copy_bandwidth_tb_s"], say, n, notes[n],
                                        res["decode_bytes_per_step"])
                         rows[n]["kernels_per_step"] = k["kernels"]
@@ -1249,7 +1252,8 @@ _ORIGINS: dict = {}
 
 #: id(result row) -> the FusionReport of the row's cold compile (launch detail and bytes for `step_breakdown`).
 _REPORTS: dict = {}
-#: Decode steps `profile_decode_step` profiles per row: the breakdown's times are their mean.
+#: Decode steps `profile_decode_step` profiles per compiled row (eager rows: one): the breakdown's times are their
+#: mean.
 PROFILE_STEPS = 3
 
 

@@ -327,3 +327,50 @@ def test_a_profiled_row_gets_the_table_its_gap_and_a_progress_line():
     broken = {"note": None}
     bench._set_breakdown(broken, [], 2.0, lines.append, "x", notes)  # an empty profile: a note, no table
     assert "step_breakdown" not in broken and notes and "empty" in notes[0]
+
+
+def test_profile_decode_step_steps_through_positions_and_splits_its_events(monkeypatch):
+    """`bench.profile_decode_step`'s CUDA path with the GPU taken out: a device that calls itself cuda, a stub
+    runner, and a profiler that hands back a hand-made timeline of three steps."""
+    import contextlib
+
+    import dsv41.compiler.profiling as profiling
+    import dsv41.model as model_pkg
+    from dsv41 import bench
+
+    class Dev(str):
+        type = "cuda"
+
+    calls = []
+
+    class Stub:
+        max_seq_len, batch_size = 64, 1
+        embed = SimpleNamespace(weight=SimpleNamespace(device=Dev("cpu")))
+
+        def __call__(self, tok, pos):
+            calls.append(int(pos))
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, a, b, dev=cuda):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=a, end=b),
+                               is_user_annotation=False)
+    timeline = [ev(f"{bd.STEP_MARK} {i}", 100 * i, 100 * i + 60, cpu) for i in range(3)]
+    for i in range(3):  # per step: two kernels and a memcpy; step 2's gemv is slower
+        t = 100 * i + 5
+        timeline += [ev("_frag_x_kernel", t, t + 3), ev("Memcpy DtoD (Device -> Device)", t + 4, t + 5),
+                     ev("_frag_gemv_kernel", t + 6, t + 16 + 10 * (i == 2))]
+
+    @contextlib.contextmanager
+    def fake_profile(activities):
+        yield SimpleNamespace(events=lambda: timeline)
+    monkeypatch.setattr(profiling, "quiet_profile", fake_profile)
+    monkeypatch.setattr(model_pkg, "generate", lambda r, p, n: SimpleNamespace(tokens=torch.tensor([[7, 9]])))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    k = bench.profile_decode_step(Stub(), torch.arange(10), new_tokens=4, steps=5)
+    assert calls == [11, 12, 13]  # steps capped at new_tokens - 1; prompt 10 + warm-up step, then one each
+    assert (k["kernels"], k["memcpy_memset"], k["span_us"], k["gpu_busy_us"]) == (2, 1, 16.0, 14.0)
+    assert k["names"] == {"_frag_x_kernel": 1, "_frag_gemv_kernel": 1}
+    assert [len(s) for s in k["step_events"]] == [3, 3, 3]
+    t = bd.step_breakdown(k["step_events"], None, None, known=KNOWN)
+    assert t["classes"]["linear_fp8_block"]["time_us"] == pytest.approx(40 / 3)  # (10 + 10 + 20) / 3
