@@ -43,10 +43,10 @@ profiler's `kernels_per_step` (one dsv41 op may launch more than one kernel, and
 
 `step_breakdown` (every row; `dsv41/compiler/breakdown.py`): where the step goes, per op class: `launches`,
 `time_us` (GPU kernel time per step from the same profiler session as `kernels_per_step`, which profiles
-`PROFILE_STEPS` steps, eager rows one; the other profiler figures are of the first), `bytes` and `floor_us` (the fusion report's
-bytes of the class's ops / the copy bandwidth), with `total`, `step_us` (1e6 / median decode tok/s) and the timeline
-of the profiled steps; `gap_per_boundary_us` = (span - busy) / (launches - 1). On CPU `time_us` is null and
-`launches` the static count of dsv41 rows.
+`PROFILE_STEPS` steps, eager rows one; the other profiler figures are of the first), `bytes` and `floor_us` (the
+fusion report's bytes of the class's ops / the copy bandwidth), with `total`, `step_us` (1e6 / median decode tok/s)
+and the timeline of the profiled steps; `gap_per_boundary_us` = (span - busy) / (launches - 1). On CPU `time_us`
+is null and `launches` the static count of dsv41 rows.
 
 Roofline: `decode_bytes_per_step` = `budget(config).decode_weight_bytes` + `decode_kv_read_bytes(config, C)`
 at the mean decode context C = prompt_len + new_tokens // 2; `roofline_tok_s` = device-to-device copy
@@ -151,9 +151,10 @@ DEFINITIONS = {
     "step_breakdown": "where the step goes (issue 37; dsv41/compiler/breakdown.py): per op class (a dsv41 fused op "
                       "with its variants, a dsv41 kernel several classes launch, inductor, blas, aten, copies, "
                       "other) `launches` per step, `time_us` (summed GPU kernel time per step, mean over the "
-                      "profiled decode steps, PROFILE_STEPS = 3, eager rows 1; null without a GPU profile), `bytes` (bytes_after of "
-                      "the fusion report's sites of the class's ops: weights + activations read and written per "
-                      "step) and `floor_us` = bytes / copy_bandwidth_tb_s (null without bytes or bandwidth); "
+                      "profiled decode steps, PROFILE_STEPS = 3, eager rows 1; null without a GPU profile), "
+                      "`bytes` (bytes_after of the fusion report's sites of the class's ops: weights + "
+                      "activations read and written per step) and `floor_us` = bytes / copy_bandwidth_tb_s "
+                      "(null without bytes or bandwidth); "
                       "`total` sums them (floor and bytes over the classes that have them); `step_us` = 1e6 / "
                       "median decode tok/s; `roofline_step_us` = decode_bytes_per_step / copy bandwidth (the "
                       "budget's floor of the whole step); span_us, busy_us (union of the kernel intervals), "

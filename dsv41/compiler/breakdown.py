@@ -179,7 +179,8 @@ def kernel_ops() -> Mapping[str, frozenset]:
 
 def inductor_kind(name: str) -> str:
     """Kind of an Inductor kernel by its name: `copy/cast` (a pointwise kernel whose fused ops only move data),
-    `pointwise` (`triton_poi_`), `reduction` (`triton_per_`, `triton_red_`), `template` (`triton_tem_`), else `other`."""
+    `pointwise` (`triton_poi_`), `reduction` (`triton_per_`, `triton_red_`), `template` (`triton_tem_`), else
+    `other`."""
     m = re.match(r"^triton_(poi|per|red|tem)_fused_?(.*?)(_\d+)?$", name)
     if m is None:
         return "other"
