@@ -242,6 +242,11 @@ def test_regional_steps_count_a_shared_layer_graph_once_per_layer():
     assert c["mhc_mixes"]["floor_us"] is None  # no bandwidth: no floor, bytes still known
     assert t["total"]["launches"] == 6 + 2 * 3 + 1
     assert "regional" in t["source"] and "no copy bandwidth" in t["source"]
+    # a graph the step runs without a launch count: no total is invented from the others
+    rep = _report({0: [0], 1: [1], "other": [2]})
+    rep.graphs[2] = rep.graphs[2].__class__(2, "2/0", ())
+    t = bd.step_breakdown(None, rep, copy_bandwidth_tb_s=None)
+    assert t["total"]["launches"] is None and t["classes"]["mhc_mixes"]["bytes"] == 250_000
 
 
 def test_the_profile_keeps_the_report_bytes_beside_the_measured_time():

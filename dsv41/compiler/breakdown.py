@@ -312,8 +312,8 @@ def _graph_runs(report) -> tuple[dict, str]:
 def static_counts(report) -> dict:
     """What the fusion report knows of one decode step per class: {"launches": {class: n} or None, "bytes":
     {class: bytes}, "kinds": {class: kind}, "ops": {class: [op, ...]}, "graphs": how graphs were weighted}.
-    `launches` sums the static detail of the graphs a step runs (`_graph_runs`), None when a graph that launches
-    something has no detail; `bytes` sums `bytes_after` of the sites of dsv41 ops (the `normalize` rewrites and
+    `launches` sums the static detail of the graphs a step runs (`_graph_runs`), None when one of them was not
+    counted or has no detail; `bytes` sums `bytes_after` of the sites of dsv41 ops (the `normalize` rewrites and
     other non-op records move nothing of their own)."""
     runs, how = _graph_runs(report)
     launches: Counter = Counter()
@@ -326,7 +326,7 @@ def static_counts(report) -> dict:
         if not r:
             continue
         lk = g.layer_kernels
-        if lk is not None and lk.total and not lk.detail:
+        if lk is None or (lk.total and not lk.detail):  # a graph the step runs without a launch detail
             complete = False
         for _, items in (lk.detail if lk is not None else ()):
             for what, n in items:
