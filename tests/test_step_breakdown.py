@@ -379,3 +379,23 @@ def test_profile_decode_step_steps_through_positions_and_splits_its_events(monke
     assert [len(s) for s in k["step_events"]] == [3, 3, 3]
     t = bd.step_breakdown(k["step_events"], None, None, known=KNOWN)
     assert t["classes"]["linear_fp8_block"]["time_us"] == pytest.approx(40 / 3)  # (10 + 10 + 20) / 3
+
+
+def test_an_h200_sized_table_fits_a_narrow_window(tmp_path):
+    """The H200 profile's kernel names laid end to end (1 us each) as the step of the tiny CPU report's page."""
+    import test_html_layout as layout
+    if layout._chromium() is None:
+        pytest.skip("no chromium / chromium-browser on PATH")
+    pytest.importorskip("triton")
+    with open(H200_RUN) as f:
+        names = json.load(f)["backends"]["dsv41"]["kernel_launches_by_name"]
+    lane = Lane()
+    for name, n in names.items():
+        for _ in range(n):
+            lane.then(name, 1.0, after=0.25)
+    d = layout._tiny()
+    d["step_breakdown"] = bd.set_step_time(bd.step_breakdown([lane.events], None, 4.2), 127.85)
+    page = layout.render_html(d)
+    assert "Where the step goes" in page and "_frag_x_kernel (shared)" in page
+    m = layout._measure(tmp_path, page, 800)
+    assert m["scrollWidth"] <= 800 and not m["wide"], m
