@@ -14,6 +14,8 @@ be mailed or attached to an issue as it is. It leads with its point; sections, i
 - near-misses with the failed check and the reason; findings (what stays on a slow path);
 - kernels per step, total and per graph; kernel launches per decoder layer (folded) and per layer role;
 - the side-stream schedule, folded, and left out when it was planned but not applied (CPU, streams off);
+- "where the step goes" (`breakdown.py`): time, byte floor and launches per op class, when the report or the
+  benchmark's dsv41 row carries the table;
 - the benchmark table and plot (PNG embedded as base64) when given; each graph's code in debug mode.
 
 Nothing is wider than the window: tables of five columns or more take the page's width with column widths from
@@ -485,6 +487,17 @@ def _bench(bench: dict) -> str:
     return f"<h2>Benchmark</h2><p>{_e(head)}</p>" + _table(cols, rows, num_cols=("kernels/step",))
 
 
+def _step_breakdown(d: dict, bench: dict | None) -> str:
+    """The "where the step goes" table (`breakdown.table_rows`) of the report, or of the bench's dsv41 row."""
+    from .breakdown import find_breakdown, table_rows
+    bd = find_breakdown(d, bench)
+    if bd is None:
+        return ""
+    headers, rows, foot = table_rows(bd)
+    return (f"<h2>Where the step goes</h2><p>{_e(foot)}</p>"
+            + _table(headers, rows, num_cols=tuple(headers[1:])))
+
+
 def _plot(png: bytes) -> str:
     data = base64.b64encode(png).decode("ascii")
     return ('<h2>Plot</h2><img class="plot" alt="decode tokens/s per backend with the roofline, and kernels per '
@@ -549,6 +562,7 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
         body.append(_schedule(report_dict["schedule"]))
     if "buckets" in report_dict:
         body.append("<h2>Batch-size buckets</h2>" + _generic(report_dict["buckets"]))
+    body.append(_step_breakdown(report_dict, bench))
     if bench is not None:
         body.append(_bench(bench))
     if png is not None:
@@ -622,7 +636,9 @@ def _report_args(argv):
 
 def main(argv=None) -> int:
     """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report
-    (default `out/dsv41_report.html`, `-o` to choose) and print its path.
+    (default `out/dsv41_report.html`, `-o` to choose) and print its path. On a GPU the page also gets "where the
+    step goes" from two profiled decode steps (`breakdown.profile_breakdown`; left out with a line on stderr if
+    profiling fails).
 
     Returns 0, or 1 when the compile produced no fusion report. Raises: UsageError for a bad argument, before
     anything is built (`dsv41 report` prints it as one line with status 2). Options: see `dsv41 report --help`.
@@ -639,15 +655,19 @@ def main(argv=None) -> int:
         model = cli.build_model(a.preset, a.device, a.weight_mode)
     before = report_mod.last_report()
     fast = cli.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
+    prompt = benchmark_prompt(model.config, a.prompt_len, device=a.device)
     with phases.phase(f"dsv41: compile + {a.new_tokens} tokens",
                       hint=f"a cold {a.preset} compile takes minutes on a 2-core CPU" if a.device == "cpu" else ""):
-        generate(fast, benchmark_prompt(model.config, a.prompt_len, device=a.device), a.new_tokens)
+        generate(fast, prompt, a.new_tokens)
     rep = report_mod.last_report()
     if rep is None or rep is before:
         print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
               file=sys.stderr)
         return 1
     rep.set_layer_roles(model.config.roles)  # launches per layer role (the backend never sees the config)
+    if a.device.startswith("cuda"):  # "where the step goes" needs a GPU profile
+        from .breakdown import profile_breakdown
+        profile_breakdown(fast, prompt, a.new_tokens, rep)
     with phases.phase("writing the page"):
         write_html(rep, a.out_path, bench=a.bench_result, png_path=a.png)
     print(f"wrote {shown(a.out_path)} ({a.preset} on {a.device}, {len(rep.graphs)} graph(s)); open it in a browser")
