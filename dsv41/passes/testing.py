@@ -116,7 +116,8 @@ def ops_after(graph, namespace: str | None = None) -> OpCounts:
     Args:
         graph: a `torch.fx.GraphModule` or `torch.fx.Graph` (every call_function node is counted); or the graph as
             the report keeps it in debug mode: a `GraphReport` / its dict (its `graph_after`) or the printed code
-            itself (every `torch.ops.*` call is counted, so Python builtins such as `getitem` are not).
+            itself (every `torch.ops.*` call is counted, so Python builtins such as `getitem` are not); or a list
+            or tuple of any of these (as `capture_graphs` gives them), whose counts are added.
         namespace: keep only ops of this namespace ("dsv41", "aten", "prims", "higher_order").
     Returns:
         `OpCounts`: printed op name ("aten.mm.default") -> number of calls.
@@ -124,8 +125,9 @@ def ops_after(graph, namespace: str | None = None) -> OpCounts:
         TypeError: `graph` is none of the above.
         ValueError: a report graph without its code (compiled without `debug=True`).
     """
-    g = _graph_of(graph)
-    if g is not None:
+    if isinstance(graph, (list, tuple)):
+        names = [name for one in graph for name in ops_after(one).elements()]
+    elif (g := _graph_of(graph)) is not None:
         names = [name for n in g.nodes if n.op == "call_function" for name in _node_ops(n)]
     else:
         code = graph.get("graph_after") if isinstance(graph, dict) else getattr(graph, "graph_after", graph)
