@@ -283,12 +283,13 @@ def test_family_switched_off_shows_off_and_leaves_the_chains():
         return derotate(attend(qs[0], rc, rs, nc, ns, ok, bc, bs, idx[0], model.sink_a, cos, sin), cos, sin)
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), capture_graphs() as graphs:
         torch.compile(one_site, backend="dsv41", options={"disable": ["sparse_attention"], "debug": True})(*inputs)
     rep = dsv41.last_report()
     recs = _records(rep)
     assert recs and all(r.enabled is False and not r.matches for r in recs)
-    assert "sparse_fp4_attention" not in rep.graphs[0].graph_after
+    ops = ops_after(graphs)
+    assert ops["dsv41.sparse_fp4_attention"] == 0 and ops["aten.bmm"] > 0
 
 
 # ------------------------------------------------------------------------------------------- tiny model
