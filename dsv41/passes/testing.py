@@ -31,13 +31,15 @@ from .manager import FAMILY_ORDER
 
 __all__ = ["OpCounts", "capture_graphs", "ops_after", "ops_between", "run_family", "PREREQUISITES"]
 
-#: Families that must run before a family for it to find anything. `normalize` is first in every compile (later
-#: families match its one form of each chain); `grouped_pair` and `sibling_gemv` merge ops that `dispatch` emits.
+#: The families `run_family` runs before each family, which finds nothing without them. `normalize` comes first in
+#: every compile, and the others match the one form of each chain it leaves; `grouped_pair` and `sibling_gemv` merge
+#: ops that only `dispatch` emits.
 PREREQUISITES: dict[str, tuple[str, ...]] = {
+    **{name: ("normalize",) for name in FAMILY_ORDER if name != "normalize"},
+    "normalize": (),
     "grouped_pair": ("normalize", "dispatch"),
     "sibling_gemv": ("normalize", "dispatch"),
 }
-_DEFAULT_PREREQUISITES = ("normalize",)
 #: Higher-order ops whose first argument is the op they run: counted under that op as well.
 _WRAPPERS = ("auto_functionalized", "auto_functionalized_v2")
 
@@ -47,6 +49,7 @@ class OpCounts(collections.Counter):
     an `OpOverload` or an `OpOverloadPacket`; a missing op counts 0."""
 
     def __getitem__(self, op) -> int:
+        """Calls of `op`: a printed name, `ns.op`, an `OpOverload`, `OpOverloadPacket` or higher-order op."""
         key = _op_key(op)
         if dict.__contains__(self, key):
             return dict.__getitem__(self, key)
@@ -59,10 +62,8 @@ def _op_key(op) -> str:
     """Printed name of an op or of a query for one (a string is kept as it is)."""
     if isinstance(op, str):
         return op
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(op)
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return f"{op._qualified_op_name.replace('::', '.')}"
     if isinstance(op, torch._ops.HigherOrderOperator):
         return f"higher_order.{op.name()}"
     return f"{getattr(op, '__module__', None) or '?'}.{getattr(op, '__name__', repr(op))}"
@@ -77,6 +78,7 @@ def _node_ops(node: fx.Node) -> list[str]:
 
 
 def _graph_of(graph) -> fx.Graph | None:
+    """The FX graph of a GraphModule or Graph; None for anything else (a report graph, printed code)."""
     if isinstance(graph, fx.GraphModule):
         return graph.graph
     return graph if isinstance(graph, fx.Graph) else None
@@ -159,9 +161,12 @@ def ops_between(graph, first, second) -> OpCounts:
         raise TypeError(f"ops_between takes a GraphModule or a Graph, not {type(graph).__name__}")
 
     def matches(node, op):
+        """Whether `node` calls `op` (directly or through a functionalising wrapper)."""
         return node.op == "call_function" and OpCounts(_node_ops(node))[op] > 0
 
     def closure(starts, step):
+        """Nodes reached from `starts` by repeated `step` (users or inputs), the starts themselves excluded
+        unless reached again."""
         seen, todo = set(), [m for s in starts for m in step(s)]
         while todo:
             n = todo.pop()
@@ -204,6 +209,7 @@ def capture_graphs() -> Iterator[list[fx.GraphModule]]:
     prev = inductor_config.post_grad_custom_post_pass
 
     def capture(graph: fx.Graph) -> None:
+        """Keep a copy of the graph as the families left it."""
         graphs.append(_copy_module(graph.owning_module))
 
     chain = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
@@ -238,7 +244,7 @@ def run_family(name: str, module, inputs: Sequence, *, also: Iterable[str] = (),
     if unknown:
         raise ValueError(f"unknown pass famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))}; "
                          f"known families: {', '.join(FAMILY_ORDER)}")
-    keep = {name, *also, *PREREQUISITES.get(name, _DEFAULT_PREREQUISITES)}
+    keep = {name, *also, *PREREQUISITES[name]}
     options = {"disable": [f for f in FAMILY_ORDER if f not in keep], "strict": True}
     import dsv41
 
