@@ -26,8 +26,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from .base import PassRecord
-from .manager import FAMILY_ORDER
+# Only the package's public names: the record types and the engine may move between modules without breaking this.
+from . import FAMILY_ORDER, PassRecord
 
 __all__ = ["OpCounts", "capture_graphs", "ops_after", "ops_between", "run_family", "PREREQUISITES"]
 
