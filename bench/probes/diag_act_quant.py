@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import dsv41.passes.dispatch as D
 from dsv41.model import formats
-from dsv41.passes.base import RegionNotClosed
+from dsv41.passes.engine import RegionNotClosed
 
 LOG = []
 _orig = D._act_quant_input

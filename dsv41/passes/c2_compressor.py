@@ -42,10 +42,10 @@ import torch.fx as fx
 from ..kernels.c2_compressor import reference_pair_pool
 from ..model.norm import rms_norm
 from . import rope_fp4 as rf
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
-                   rms_eps_reason, rms_norm_eps_outside, size_args, sourced_nodes, static_refusal,
-                   symbolic_part, tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, concrete_shape, dsv41_op, eliminate_dead_code,
+                     insert_node, is_view_op, node_label, same_shape, rms_eps_reason, rms_norm_eps_outside, size_args,
+                     sourced_nodes, static_refusal, symbolic_part, tensor_val, token_rows)
 
 __all__ = ["C2CompressorFamily"]
 

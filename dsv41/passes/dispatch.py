@@ -62,10 +62,11 @@ import torch.fx as fx
 
 from ..model import formats
 from . import fp8_layouts
-from .base import (Finding, FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed,
-                   SourceLocation, agree_where_representable, collect_region, concrete_shape, dsv41_op,
-                   eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label,
-                   same_shape, sourced_nodes, symbolic_part, tensor_val, token_rows, wide_scale_probes)
+from .records import Finding, MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, agree_where_representable, collect_region,
+                     concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
+                     is_view_op, node_label, same_shape, sourced_nodes, symbolic_part, tensor_val, token_rows,
+                     wide_scale_probes)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP"]

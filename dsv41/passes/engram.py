@@ -57,10 +57,11 @@ import torch.fx as fx
 
 from ..model.engram import engram_row_ids, engram_update
 from ..model.formats import dequantize_fp8_1x32
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, rms_eps_reason, sourced_nodes,
-                   static_refusal, symbolic_part, tensor_val, token_rows, wide_scale_probes)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, agree_where_representable, concrete_shape,
+                     dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op,
+                     node_label, rms_eps_reason, sourced_nodes, static_refusal, symbolic_part, tensor_val, token_rows,
+                     wide_scale_probes)
 
 __all__ = ["EngramFamily", "HC_STREAMS", "GATE_FLOOR"]
 

@@ -44,8 +44,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   group_in_order, insert_node, node_label, tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, concrete_shape, dsv41_op, group_in_order, insert_node, node_label, tensor_val,
+                     token_rows)
 
 __all__ = ["GroupedPairFamily"]
 

@@ -58,9 +58,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, symbolic_part, tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, concrete_shape, dsv41_op, eliminate_dead_code,
+                     insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label, symbolic_part, tensor_val,
+                     token_rows)
 
 __all__ = ["IndexerFamily"]
 

@@ -59,8 +59,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .base import (Finding, FusionFamily, GraphFingerprint, PassRecord, SourceLocation, node_label, restore_graph,
-                   snapshot_graph)
+from .records import Finding, PassRecord, SourceLocation
+from .engine import FusionFamily, GraphFingerprint, node_label, restore_graph, snapshot_graph
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
 from .engram import EngramFamily

@@ -60,10 +60,10 @@ import torch.fx as fx
 
 from ..model.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..model.norm import rms_norm
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup,
-                   is_view_op, node_label, rms_eps_reason, rms_norm_eps_outside, static_refusal,
-                   tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, concrete_shape, dsv41_op, eliminate_dead_code,
+                     insert_node, is_dataflow_op, is_table_lookup, is_view_op, node_label, rms_eps_reason,
+                     rms_norm_eps_outside, static_refusal, tensor_val, token_rows)
 from .mhc_spellings import normalised_input, verify_normalised_input
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED"]

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..model.mhc import HC_MULT
-from .base import RegionNotClosed, concrete_shape, node_label, rms_eps_reason, tensor_val
+from .engine import RegionNotClosed, concrete_shape, node_label, rms_eps_reason, tensor_val
 
 __all__ = ["NormalisedInput", "normalised_input", "verify_normalised_input"]
 

@@ -43,9 +43,10 @@ import torch.fx as fx
 
 from ..model import formats
 from ..model.rope import apply_rope
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label,
-                   same_shape, size_args, sourced_nodes, static_refusal, tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, concrete_shape, dsv41_op, eliminate_dead_code,
+                     insert_node, is_dataflow_op, is_view_op, node_label, same_shape, size_args, sourced_nodes,
+                     static_refusal, tensor_val, token_rows)
 
 __all__ = ["RopeFp4Family", "QUANT_RULES"]
 

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, is_dataflow_op, is_view_op,
-                   node_label, tensor_val)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import FusionFamily, is_dataflow_op, is_view_op, node_label, tensor_val
 
 __all__ = ["SmallOpsFamily", "mutated_inputs", "is_index_input", "step_nodes"]
 

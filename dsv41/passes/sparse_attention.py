@@ -51,10 +51,10 @@ import torch.fx as fx
 
 from ..model import formats
 from . import rope_fp4 as rf
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   agree_where_representable, concrete_shape, dsv41_op, eliminate_dead_code, insert_node,
-                   is_dataflow_op, is_table_lookup, is_view_op, node_label, sourced_nodes, static_refusal, tensor_val,
-                   token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, RegionEvaluator, RegionNotClosed, agree_where_representable, concrete_shape,
+                     dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_table_lookup, is_view_op,
+                     node_label, sourced_nodes, static_refusal, tensor_val, token_rows)
 
 __all__ = ["SparseAttentionFamily", "OP_NAME"]
 

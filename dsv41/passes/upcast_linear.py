@@ -53,9 +53,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
-                   dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, static_inputs, tensor_val,
-                   token_rows)
+from .records import BATCH, LENGTH, MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (FusionFamily, concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label,
+                     static_inputs, tensor_val, token_rows)
 from .small_ops import _view_base, mutated_inputs
 
 __all__ = ["UpcastLinearFamily"]

@@ -1,0 +1,44 @@
+"""Literal discovery: the numbers a region spells out (eps, softmax scales, offsets), in graph order, which a family
+tries as the values of its op's constants before pinning them with probes."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx as fx
+
+__all__ = ["float_literals", "int_literals"]
+
+
+def float_literals(nodes: Iterable[fx.Node], above: float = 0.0, below: float | None = None) -> list[float]:
+    """Distinct float arguments (args and kwargs, nested lists included) of `nodes` with above < value (< below when
+    given), in order of appearance; NaN never qualifies."""
+    out: list[float] = []
+
+    def visit(a):
+        """Collect `a` when it is a qualifying float not seen yet; returns it unchanged."""
+        if isinstance(a, float) and a > above and (below is None or a < below) and a not in out:
+            out.append(a)
+        return a
+
+    for n in nodes:
+        fx.node.map_aggregate(n.args, visit)
+        fx.node.map_aggregate(n.kwargs, visit)
+    return out
+
+
+def int_literals(nodes: Iterable[fx.Node], above: int = 0, below: int = 2 ** 31) -> list[int]:
+    """Distinct int arguments (not bools; args and kwargs, nested lists included) of `nodes` with above < value <
+    below, in order of appearance."""
+    out: list[int] = []
+
+    def visit(a):
+        """Collect `a` when it is an int not seen yet; returns it unchanged."""
+        if isinstance(a, int) and not isinstance(a, bool) and above < a < below and a not in out:
+            out.append(a)
+        return a
+
+    for n in nodes:
+        fx.node.map_aggregate(n.args, visit)
+        fx.node.map_aggregate(n.kwargs, visit)
+    return out
