@@ -16,36 +16,37 @@ cut search), literals, tolerance, casts, edit (inserting nodes, undo), traffic (
 family (`FusionFamily`), chain (declarations and registry).
 """
 
-from .casts import FP32_EXACT, PASS_THROUGH, chain_back, exact_cast
-from .chain import Chain, Role, chains_of, describe_chains, fused_ops, register_chains, registered_chains
+from .casts import FP32_EXACT, PASS_THROUGH, casts_after, chain_back, exact_cast
+from .chain import (Chain, FamilySpec, Role, describe_families, fused_ops, register_family, registered_families,
+                    unvalidated_ops)
 from .edit import GraphFingerprint, insert_node, restore_graph, size_args, snapshot_graph
-from .evaluate import RegionEvaluator, RegionNotClosed, collect_region, real_tensors
-from .family import FusionFamily
-from .graph import (concrete_shape, dsv41_op, dtype_of, eliminate_dead_code, group_in_order, is_dataflow_op, is_float,
-                    is_shape_value, is_small_constant, is_step, is_table_lookup, is_view_op, node_label, positions,
-                    same_shape, shape_of, size_hint, sourced_nodes, static_inputs, tensor_val, token_rows)
-from .literals import float_literals, int_literals
-from .loop import (Site, finish_graph, import_kernels, pass_record, records_of, resolve_replaced, rewrite_outputs,
-                   run_finders, sort_region)
-from .region import ancestors_within, backward_distances, closed_region, cut_search, ranked, walk_forward
+from .evaluate import RegionEvaluator, RegionNotClosed, collect_region, probe_runs, real_tensors
+from .family import ChainFamily, FusionFamily, HorizontalFamily
+from .graph import (call_arg, concrete_shape, dsv41_op, dtype_of, eliminate_dead_code, group_by_key, group_in_order,
+                    is_dataflow_op, is_float, is_shape_value, is_small_constant, is_step, is_table_lookup, is_view_op,
+                    node_label, positions, same_shape, shape_of, size_hint, sourced_nodes, static_inputs, tensor_val,
+                    token_rows)
+from .literals import eps_candidates, float_literals, int_literals
+from .loop import (GraphScan, Site, collect, finish_graph, import_kernels, keep_removed, match_record, ops_or_note,
+                   pass_record, records_of, resolve_replaced, rewrite_outputs, run_finders, sort_region)
+from .region import ancestors_within, backward_distances, closed_region, cut_search, ranked, walk_forward, walk_inputs
 from .symbolic import static_refusal, symbolic_part
-from .tolerance import (agree_where_representable, close, close_rounded, randn_probe, rms_eps_reason,
-                        rms_norm_eps_outside, wide_scale_probes)
+from .tolerance import (agree_where_representable, close, close_exact, close_rounded, close_scaled, randn_probe,
+                        rms_eps_reason, rms_norm_eps_outside, wide_scale_probes)
 from .traffic import ByteTally, op_inputs, per_token_closure
 
 __all__ = [
-    "FP32_EXACT", "PASS_THROUGH", "chain_back", "exact_cast",
-    "Chain", "Role", "chains_of", "describe_chains", "fused_ops", "register_chains", "registered_chains",
-    "GraphFingerprint", "insert_node", "restore_graph", "size_args", "snapshot_graph",
-    "RegionEvaluator", "RegionNotClosed", "collect_region", "real_tensors", "FusionFamily",
-    "concrete_shape", "dsv41_op", "dtype_of", "eliminate_dead_code", "group_in_order", "is_dataflow_op", "is_float",
-    "is_shape_value", "is_small_constant", "is_step", "is_table_lookup", "is_view_op", "node_label", "positions",
-    "same_shape", "shape_of", "size_hint", "sourced_nodes", "static_inputs", "tensor_val", "token_rows",
-    "float_literals", "int_literals",
-    "Site", "finish_graph", "import_kernels", "pass_record", "records_of", "resolve_replaced", "rewrite_outputs",
-    "run_finders", "sort_region",
-    "ancestors_within", "backward_distances", "closed_region", "cut_search", "ranked", "walk_forward",
-    "static_refusal", "symbolic_part",
-    "agree_where_representable", "close", "close_rounded", "randn_probe", "rms_eps_reason", "rms_norm_eps_outside",
-    "wide_scale_probes", "ByteTally", "op_inputs", "per_token_closure",
+    "FP32_EXACT", "PASS_THROUGH", "casts_after", "chain_back", "exact_cast", "Chain", "FamilySpec", "Role",
+    "describe_families", "fused_ops", "register_family", "registered_families", "unvalidated_ops", "GraphFingerprint",
+    "insert_node", "restore_graph", "size_args", "snapshot_graph", "RegionEvaluator", "RegionNotClosed",
+    "collect_region", "probe_runs", "real_tensors", "ChainFamily", "FusionFamily", "HorizontalFamily", "call_arg",
+    "concrete_shape", "dsv41_op", "dtype_of", "eliminate_dead_code", "group_by_key", "group_in_order", "is_dataflow_op",
+    "is_float", "is_shape_value", "is_small_constant", "is_step", "is_table_lookup", "is_view_op", "node_label",
+    "positions", "same_shape", "shape_of", "size_hint", "sourced_nodes", "static_inputs", "tensor_val", "token_rows",
+    "eps_candidates", "float_literals", "int_literals", "GraphScan", "Site", "collect", "finish_graph",
+    "import_kernels", "keep_removed", "match_record", "ops_or_note", "pass_record", "records_of", "resolve_replaced",
+    "rewrite_outputs", "run_finders", "sort_region", "ancestors_within", "backward_distances", "closed_region",
+    "cut_search", "ranked", "walk_forward", "walk_inputs", "static_refusal", "symbolic_part",
+    "agree_where_representable", "close", "close_exact", "close_rounded", "close_scaled", "randn_probe",
+    "rms_eps_reason", "rms_norm_eps_outside", "wide_scale_probes", "ByteTally", "op_inputs", "per_token_closure",
 ]

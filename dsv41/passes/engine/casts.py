@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import is_view_op, tensor_val
+from .graph import is_view_op, shape_of, tensor_val
 
-__all__ = ["PASS_THROUGH", "FP32_EXACT", "exact_cast", "chain_back"]
+__all__ = ["PASS_THROUGH", "FP32_EXACT", "exact_cast", "chain_back", "casts_after"]
 
 aten = torch.ops.aten
 #: Copies and casts: value-preserving when `exact_cast` holds.
@@ -34,4 +34,16 @@ def chain_back(n) -> list:
         if len(ins) != 1 or not exact_cast(ins[0], n):
             break
         n = ins[0]
+    return out
+
+
+def casts_after(n: fx.Node, shape) -> list:
+    """`n` and the copies / casts of the same shape that follow it, each the only user of the one before: the
+    candidates for a chain's output (a result may be cast back to its input's dtype after the last op)."""
+    out = [n]
+    while len(out[-1].users) == 1:
+        u = next(iter(out[-1].users))
+        if u.op != "call_function" or u.target not in PASS_THROUGH or shape_of(u) != tuple(shape):
+            break
+        out.append(u)
     return out

@@ -1,17 +1,19 @@
 """Chain declarations: what each fused chain looks for, as data, and the registry the pass manager reads.
 
-A family declares its chains (`Chain`): the anchor it starts from, the roles of the fused op's inputs with their
-shapes, the reference function the region is compared with, the constants the probes discover, the probes, and the
-checks (near-miss ids) a look-alike can fail. The registry (`register_chains`) keeps them per family in pass order;
-`FAMILY_ORDER`, the fused-op list of `PassManager.uuid()` and the GPU gate are read from it, and
-`dsv41 report --patterns` prints it (`describe_chains`).
+A family declares itself (`FamilySpec`: name, summary, chains) and its chains (`Chain`): the anchor each starts
+from, the roles of the fused op's inputs with their shapes, the reference function the region is compared with, the
+constants the probes discover, the probes, and the checks (near-miss ids) a look-alike can fail. The pass manager's
+registry (manager.py `FAMILIES`: the family classes in pass order, each with its `spec`) is the one list
+`FAMILY_ORDER`, the fused-op list of `PassManager.uuid()` and the GPU gate are read from, and `dsv41 report
+--patterns` prints (`describe_families`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Role", "Chain", "register_chains", "registered_chains", "chains_of", "fused_ops", "describe_chains"]
+__all__ = ["Role", "Chain", "FamilySpec", "register_family", "registered_families", "fused_ops", "unvalidated_ops",
+           "describe_families"]
 
 
 @dataclass(frozen=True)
@@ -64,45 +66,68 @@ class Chain:
         return "\n".join(lines)
 
 
-_REGISTRY: dict[str, tuple[Chain, ...]] = {}
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family as data: its `name` (the pass manager's key and the report's), a one-line `summary`, its `chains`,
+    `rewrites_only` (it normalises the graph for the others and fuses nothing: the report lists its matches as
+    rewrites) and `gpu_validated` (False: its kernels have not yet run on a GPU, so on CUDA it stays off unless the
+    option `gpu_unvalidated` is set)."""
+
+    name: str
+    summary: str
+    chains: tuple[Chain, ...] = ()
+    rewrites_only: bool = False
+    gpu_validated: bool = True
+
+    def describe(self) -> str:
+        """The family's summary and every chain it declares (`Chain.describe`)."""
+        body = "\n".join(c.describe() for c in self.chains) if self.chains else (
+            "(no chain with a fused op: it rewrites the graph in place, see the family module)")
+        return f"[{self.name}] {self.summary}\n{body}"
 
 
-def register_chains(family: str, chains) -> tuple[Chain, ...]:
-    """Record the chains of `family` (called once per family module, at import); returns them as a tuple.
-    Raises ValueError for two chains of one family with the same name."""
+_REGISTRY: dict[str, FamilySpec] = {}
+
+
+def register_family(name: str, summary: str, chains=(), rewrites_only: bool = False,
+                    gpu_validated: bool = True) -> FamilySpec:
+    """Record family `name` (called once per family module, at import) and return its `FamilySpec`.
+    Raises ValueError for two chains of the family with the same name."""
     chains = tuple(chains)
     names = [c.name for c in chains]
     if len(set(names)) != len(names):
-        raise ValueError(f"family {family!r} declares a chain name twice: {names}")
-    _REGISTRY[family] = chains
-    return chains
+        raise ValueError(f"family {name!r} declares a chain name twice: {names}")
+    spec = FamilySpec(name, summary, chains, rewrites_only, gpu_validated)
+    _REGISTRY[name] = spec
+    return spec
 
 
-def registered_chains() -> dict[str, tuple[Chain, ...]]:
-    """family -> its declared chains, in registration order (a copy)."""
+def registered_families() -> dict[str, FamilySpec]:
+    """family name -> its spec, in registration (import) order (a copy)."""
     return dict(_REGISTRY)
 
 
-def chains_of(family: str) -> tuple[Chain, ...]:
-    """The chains `family` declared (empty when it declared none)."""
-    return _REGISTRY.get(family, ())
-
-
-def fused_ops(families) -> tuple[str, ...]:
-    """The distinct dsv41 ops the chains of `families` (names, in order) become, in declaration order."""
+def fused_ops(specs) -> tuple[str, ...]:
+    """The distinct dsv41 ops the chains of `specs` become, in order."""
     out: list[str] = []
-    for f in families:
-        for c in chains_of(f):
+    for spec in specs:
+        for c in spec.chains:
             if c.op not in out:
                 out.append(c.op)
     return tuple(out)
 
 
-def describe_chains(families) -> str:
-    """Every chain of `families` (names, in order), described (`Chain.describe`), one block per family."""
-    blocks = []
-    for f in families:
-        chains = chains_of(f)
-        body = "\n".join(c.describe() for c in chains) if chains else "(no declared chain: see the family module)"
-        blocks.append(f"[{f}]\n{body}")
-    return "\n\n".join(blocks)
+def unvalidated_ops(specs) -> tuple[str, ...]:
+    """The gate names (`op`, or `op(argument)` for a variant) of the chains of `specs` whose kernels have not yet
+    run on a GPU."""
+    out: list[str] = []
+    for spec in specs:
+        for c in spec.chains:
+            if not c.gpu_validated:
+                out.extend(v for v in (c.variants or (c.op,)) if v not in out)
+    return tuple(out)
+
+
+def describe_families(specs) -> str:
+    """Every family of `specs` described (`FamilySpec.describe`), blank lines between."""
+    return "\n\n".join(spec.describe() for spec in specs)

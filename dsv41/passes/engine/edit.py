@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from .graph import tensor_val
 
-__all__ = ["insert_node", "size_args", "snapshot_graph", "restore_graph", "GraphFingerprint", "resolve_replaced"]
+__all__ = ["insert_node", "size_args", "snapshot_graph", "restore_graph", "GraphFingerprint"]
 
 
 def _fake_mode_of(nodes: Iterable[fx.Node]):

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from .graph import is_dataflow_op, is_table_lookup, node_label, size_hint
 
-__all__ = ["RegionNotClosed", "RegionEvaluator", "collect_region", "real_tensors"]
+__all__ = ["RegionNotClosed", "RegionEvaluator", "collect_region", "real_tensors", "probe_runs"]
 
 
 class RegionNotClosed(Exception):
@@ -89,7 +89,10 @@ class RegionEvaluator:
     def _compute(self, n: fx.Node, memo: dict) -> Any:
         if n.op == "call_function" and n.target in self.extra_ops:
             # hint_args: symbolic ints among the arguments become their hints (a top-k's k)
-            conv = (lambda a: memo[a] if isinstance(a, fx.Node) else (size_hint(a) if self._hint_args else a))  # noqa: E731
+            def conv(a):
+                """Probe value of a node argument; a symbolic int's hint when `hint_args`."""
+                return memo[a] if isinstance(a, fx.Node) else (size_hint(a) if self._hint_args else a)
+
             return n.target(*fx.node.map_aggregate(n.args, conv), **fx.node.map_aggregate(n.kwargs, conv))
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) and isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat,
@@ -129,3 +132,12 @@ def real_tensors():
 
     with unset_fake_temporarily(), _disable_current_modes(), torch.no_grad():
         yield
+
+
+def probe_runs(ev: RegionEvaluator, end: fx.Node, envs) -> list | None:
+    """The value of `end` on each probe environment of `envs` (node -> tensor), or None when the region cannot be
+    evaluated on them (not closed over the probes, or an op raised)."""
+    try:
+        return [ev.evaluate([end], env)[end] for env in envs]
+    except (RegionNotClosed, RuntimeError):
+        return None

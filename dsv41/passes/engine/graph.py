@@ -13,9 +13,9 @@ import torch.fx as fx
 from ..records import BATCH, LENGTH
 
 __all__ = ["token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "node_label", "group_in_order",
-           "dsv41_op", "is_view_op", "is_dataflow_op", "is_table_lookup", "sourced_nodes", "eliminate_dead_code",
-           "static_inputs", "shape_of", "dtype_of", "is_float", "is_shape_value", "is_step", "positions",
-           "is_small_constant"]
+           "group_by_key", "dsv41_op", "is_view_op", "is_dataflow_op", "is_table_lookup", "sourced_nodes",
+           "eliminate_dead_code", "static_inputs", "shape_of", "dtype_of", "is_float", "is_shape_value", "is_step",
+           "positions", "is_small_constant", "call_arg"]
 
 
 def token_rows(leading: Iterable[int]) -> tuple[sympy.Expr, dict[str, int]]:
@@ -100,6 +100,29 @@ def group_in_order(nodes: Iterable[fx.Node], mismatch: Callable, most: int) -> t
             open_groups.remove(home)
             groups.append(home)
     return groups + [g for g in open_groups if len(g) > 1], why_not
+
+
+def group_by_key(lists: Iterable[list], mismatch: Callable, most: int,
+                 admit: Callable | None = None) -> tuple[list[list[fx.Node]], dict]:
+    """`group_in_order` over each list of `lists` (nodes sharing a key, e.g. one activation) of two or more nodes,
+    after `admit(node)` (None, or the (check, reason) that keeps a node out of every group). Returns (all groups,
+    {node: (check, reason)} for the refused nodes that ended in no group), refusals in the order they were met."""
+    groups, why_not = [], {}
+    for nodes in lists:
+        if len(nodes) < 2:
+            continue
+        fits = []
+        for n in nodes:
+            why = admit(n) if admit is not None else None
+            if why is None:
+                fits.append(n)
+            else:
+                why_not[n] = why
+        found, refused = group_in_order(fits, mismatch, most)
+        groups += found
+        why_not.update(refused)
+    grouped = {n for g in groups for n in g}
+    return groups, {n: why for n, why in why_not.items() if n not in grouped}
 
 
 def dsv41_op(name: str):
@@ -265,3 +288,10 @@ def is_small_constant(n: fx.Node, most: int = 256) -> bool:
     """A `get_attr` tensor of at most `most` elements (a lifted table a region may read like a literal)."""
     v = n.meta.get("val")
     return isinstance(v, torch.Tensor) and v.numel() <= most
+
+
+def call_arg(n: fx.Node, i: int, name: str, default):
+    """Argument `i` of call `n`, given positionally or as keyword `name`, else `default`."""
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)

@@ -21,11 +21,12 @@ import torch.fx as fx
 
 from ..records import MatchRecord, NearMiss, PassRecord, SourceLocation
 from .edit import insert_node
-from .graph import dsv41_op, eliminate_dead_code, node_label, positions
+from .evaluate import RegionEvaluator
+from .graph import dsv41_op, eliminate_dead_code, node_label, positions, sourced_nodes
 from .symbolic import static_refusal
 
-__all__ = ["Site", "resolve_replaced", "import_kernels", "run_finders", "records_of", "pass_record",
-           "rewrite_outputs", "sort_region", "finish_graph"]
+__all__ = ["Site", "GraphScan", "collect", "ops_or_note", "resolve_replaced", "import_kernels", "run_finders",
+           "records_of", "match_record", "keep_removed", "pass_record", "rewrite_outputs", "sort_region", "finish_graph"]
 
 aten = torch.ops.aten
 
@@ -60,6 +61,38 @@ class Site:
     def end(self) -> fx.Node:
         """The first output: the end of a single-output chain."""
         return self.outputs[0]
+
+
+class GraphScan:
+    """What a family's run starts from: `graph`, its nodes before any rewrite (`start`), a probe evaluator `ev`
+    (evaluating `eval_ops` too) and the nodes fed by graph inputs or large constants (`sourced`)."""
+
+    def __init__(self, gm: fx.GraphModule, eval_ops=frozenset(), hint_args: bool = False):
+        self.graph = gm.graph
+        self.start = set(self.graph.nodes)
+        self.ev = RegionEvaluator(gm, extra_ops=eval_ops, hint_args=hint_args)
+        self.sourced = sourced_nodes(self.graph)
+
+    def removed_names(self) -> set:
+        """Names of the nodes of `start` no longer in the graph."""
+        return {n.name for n in self.start - set(self.graph.nodes)}
+
+
+def collect(sites: list, misses: list, site, miss) -> None:
+    """Append a finder's verdict: `site` to `sites` and `miss` to `misses`, each when not None."""
+    if site is not None:
+        sites.append(site)
+    if miss is not None:
+        misses.append(miss)
+
+
+def ops_or_note(family: str, names, label: str) -> tuple:
+    """(the registered ops `dsv41::<name>` for `names`, None), or (None, the family's empty record with the note
+    "dsv41::`label` not registered") when one is not registered (a family that rewrites dsv41 ops it finds)."""
+    ops = tuple(dsv41_op(n) for n in names)
+    if any(op is None for op in ops):
+        return None, PassRecord(family, True, note=f"dsv41::{label} not registered")
+    return ops, None
 
 
 def resolve_replaced(arg, replaced: dict):
@@ -135,13 +168,26 @@ def records_of(family: str, sites: Iterable[Site], removed: set, byte_rule: Call
     out = []
     for s in sites:
         gone = [n for n in s.region if n in removed]
-        before, after, subs = byte_rule(s, gone)
-        out.append(MatchRecord(family, s.pattern, f"dsv41::{s.op_name}", SourceLocation.from_node(s.anchor),
-                               tuple(n.name for n in gone), tuple(node_label(n) for n in gone), before, after,
-                               tuple(sorted(subs.items())), s.detail))
+        out.append(match_record(family, s.pattern, s.op_name, s.anchor, gone, byte_rule(s, gone), s.detail))
         if first_only:
             removed = removed - set(s.region)
     return tuple(out)
+
+
+def match_record(family: str, pattern: str, op_name: str, anchor: fx.Node, gone: list, traffic: tuple,
+                 detail: tuple) -> MatchRecord:
+    """The `MatchRecord` of one fusion: `gone` the removed nodes, `traffic` (before, after, {"B": b, "L": l})."""
+    before, after, subs = traffic
+    return MatchRecord(family, pattern, f"dsv41::{op_name}", SourceLocation.from_node(anchor),
+                       tuple(n.name for n in gone), tuple(node_label(n) for n in gone), before, after,
+                       tuple(sorted(subs.items())), tuple(detail))
+
+
+def keep_removed(m: MatchRecord, removed: set) -> MatchRecord:
+    """`m` with only the chain nodes that really left the graph (a shared node another consumer still reads
+    stays); `removed` holds node names."""
+    keep = [(a, b) for a, b in zip(m.nodes_replaced, m.ops_replaced) if a in removed]
+    return dataclasses.replace(m, nodes_replaced=tuple(a for a, _ in keep), ops_replaced=tuple(b for _, b in keep))
 
 
 def pass_record(family: str, matches, misses, missing: set) -> PassRecord:

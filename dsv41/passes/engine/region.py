@@ -16,12 +16,15 @@ import torch.fx as fx
 
 from .graph import is_small_constant
 
-__all__ = ["backward_distances", "closed_region", "ranked", "cut_search", "ancestors_within", "walk_forward"]
+__all__ = ["backward_distances", "walk_inputs", "closed_region", "ranked", "cut_search", "ancestors_within",
+           "walk_forward"]
 
 
-def backward_distances(end: fx.Node, limit: int, walkable: Callable[[fx.Node], bool]) -> dict:
+def backward_distances(end: fx.Node, limit: int, walkable: Callable[[fx.Node], bool],
+                       boundary: Callable[[fx.Node], None] | None = None) -> dict:
     """node -> distance (edges) from `end`, breadth first, walking back through `walkable` nodes while fewer than
-    `limit` nodes are known; the boundary nodes (not walked through) are included."""
+    `limit` nodes are known; the boundary nodes (not walked through) are included, and each is passed to
+    `boundary` when given."""
     dist = {end: 0}
     queue = deque([end])
     while queue:
@@ -32,7 +35,29 @@ def backward_distances(end: fx.Node, limit: int, walkable: Callable[[fx.Node], b
             dist[a] = dist[n] + 1
             if walkable(a) and len(dist) < limit:
                 queue.append(a)
+            elif boundary is not None:
+                boundary(a)
     return dist
+
+
+def walk_inputs(root: fx.Node, limit: int | None, step: Callable[[fx.Node, set], list | None]) -> set | None:
+    """Depth-first walk back from `root`: `step(n, seen)` returns the inputs of `n` to walk next (it may mark nodes
+    seen itself), or None to abandon the walk. Returns the nodes seen, or None when abandoned or when more than
+    `limit` (None: no limit) were seen."""
+    seen: set = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if limit is not None and len(seen) > limit:
+            return None
+        nxt = step(n, seen)
+        if nxt is None:
+            return None
+        stack.extend(nxt)
+    return seen
 
 
 def closed_region(end: fx.Node, cut: Iterable[fx.Node], limit: int, accept: Callable[[fx.Node], bool],
@@ -41,28 +66,23 @@ def closed_region(end: fx.Node, cut: Iterable[fx.Node], limit: int, accept: Call
     depth-first walk from `end` meets them; None when the walk reaches a placeholder, a `get_attr` that is not
     `constant`, a node `accept` refuses, or more than `limit` nodes."""
     cutset = set(cut)
-    seen: set = set()
     nodes: list = []
     reached: set = set()
-    stack = [end]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+
+    def step(n, seen):
+        """Stop at a cut node or a constant; walk on through an accepted op (None: the region is not closed)."""
         if n in cutset:
             reached.add(n)
-            continue
+            return []
         if n.op == "get_attr":
-            if not constant(n):
-                return None
-            continue
+            return [] if constant(n) else None
         if n.op != "call_function" or not accept(n):
             return None
         nodes.append(n)
-        if len(nodes) > limit:
-            return None
-        stack.extend(n.all_input_nodes)
+        return None if len(nodes) > limit else n.all_input_nodes
+
+    if walk_inputs(end, None, step) is None:
+        return None
     return nodes if reached == cutset else None
 
 

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import torch
 
 __all__ = ["wide_scale_probes", "agree_where_representable", "rms_norm_eps_outside", "rms_eps_reason", "close",
-           "close_rounded", "randn_probe"]
+           "close_rounded", "close_exact", "close_scaled", "randn_probe"]
 
 
 def wide_scale_probes(scale: torch.Tensor) -> list:
@@ -88,3 +88,26 @@ def randn_probe(shape, dtype: torch.dtype, gen: torch.Generator, scale: float = 
     """A standard-normal probe of `shape` drawn in float64 from `gen`, times `scale`, cast to `dtype` (on `device`)."""
     out = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
     return out if device is None else out.to(device)
+
+
+def close_exact(got, ref: torch.Tensor) -> bool:
+    """Equal, or within 2 ulps of the dtype (a hand-written exp2 may round its last bit differently); same shape
+    and dtype required. False when `got` is not a tensor."""
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    if torch.equal(got, ref):
+        return True
+    eps = torch.finfo(ref.dtype).eps
+    return bool(torch.allclose(got.float(), ref.float(), rtol=2 * eps, atol=0.0))
+
+
+def close_scaled(got, ref: torch.Tensor, ulps: int = 4) -> bool:
+    """Equal, or within `ulps` ulps of the dtype relative to each element and to max |ref| (a differently
+    ordered FP32 sum); same shape and dtype required. False when `got` is not a tensor."""
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    if torch.equal(got, ref):
+        return True
+    eps = torch.finfo(ref.dtype).eps
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    return bool(torch.allclose(got.float(), ref.float(), rtol=ulps * eps, atol=ulps * eps * scale))
