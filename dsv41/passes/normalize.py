@@ -36,9 +36,9 @@ import torch
 import torch.fx as fx
 
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
-from .engine import FusionFamily, eliminate_dead_code, node_label, tensor_val
+from .engine import FusionFamily, eliminate_dead_code, node_label, register_family, tensor_val
 
-__all__ = ["NormalizeFamily", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
+__all__ = ["NormalizeFamily", "SPEC", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -219,11 +219,16 @@ def restore_batch1_mm(gm: fx.GraphModule) -> set:
     return done
 
 
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "normalize", "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases",
+    rewrites_only=True)
+
+
 class NormalizeFamily(FusionFamily):
     """Remove value-preserving detours (see module docstring); each rewrite is one match in the record."""
 
-    name = "normalize"
-    summary = "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases"
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Remove the value-preserving detours of `gm` in place; returns the record of what was rewritten."""
