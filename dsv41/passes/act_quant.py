@@ -78,8 +78,8 @@ def act_quant_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, wid
 
 def quantiser_input(lhs: fx.Node, k: int, ev: RegionEvaluator, sourced: set, dtype: torch.dtype,
                      near: list) -> fx.Node | None:
-    # The nearest dominator of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (`act_quant_input`); near
-    # gets (dominator, edge kind) for those that fail on an edge block only.
+    """The nearest dominator of `lhs` of `dtype` with lhs == fake_quant_fp8_1x32(it) on probes (see
+    `act_quant_input`), or None; `near` gets (dominator, edge kind) for those that fail on an edge block only."""
     lv = tensor_val(lhs)
     for d in dominators(lhs, sourced):
         if d is lhs:

@@ -181,6 +181,8 @@ def signature(region: list, inputs: tuple) -> tuple:
 
 
 def probe_weight(cand: Weight, device) -> tuple:
+    """Probe (codes, scale) of the candidate's shapes on `device`: random codes (no FP8 NaN encodings) and scale
+    bytes 116..131."""
     gen = torch.Generator().manual_seed(1234)
     cshape = concrete_shape(tensor_val(cand.codes))
     sshape = concrete_shape(tensor_val(cand.scale))
@@ -197,6 +199,7 @@ SCALE_RANGE_REASON = ("the region equals the UE8M0 dequantisation only for scale
 
 
 def reference_weight(fmt: str, codes, scale, dtype):
+    """The checkpoint's dequantisation of (codes, scale) in format `fmt` ("fp8_block" or "fp4") as `dtype`."""
     if fmt == "fp8_block":
         return formats.dequantize_fp8_block(codes, scale, dtype)
     return formats.dequantize_fp4_1x32(codes, scale, dtype)

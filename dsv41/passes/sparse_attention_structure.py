@@ -16,7 +16,7 @@ from .rope_fp4 import rope_structure
 
 __all__ = ["MATMULS", "FORWARD_LIMIT", "REGION_LIMIT", "SEL_STEPS", "FLOAT_LITERAL_MAX", "PRIORITY", "gather_pairs",
            "forward_within", "bank_tensor", "same_shape_base", "sel_candidates", "derived_from", "Leaves", "discover",
-           "to_bts", "Assignment", "candidate_scales", "attention_close", "why_no_end", "module_path"]
+           "to_bts", "candidate_scales", "attention_close", "why_no_end", "module_path"]
 
 aten = torch.ops.aten
 MATMULS = {aten.bmm.default, aten.mm.default}
@@ -196,16 +196,8 @@ def to_bts(val: torch.Tensor, b: int, t: int, last: int):
         return None
 
 
-@dataclass
-class Assignment:
-    order: tuple        # ((codes leaf, scales leaf), ...) window parts in concatenation order
-    cos: fx.Node
-    sin: fx.Node
-    invert_mask: bool
-    scale: float
-
-
 def candidate_scales(region_nodes, d: int) -> list:
+    """Softmax-scale candidates: 1/sqrt(d), then the region's finite float literals and their reciprocals."""
     vals = [d ** -0.5]
 
     def visit(a):
@@ -222,6 +214,7 @@ def candidate_scales(region_nodes, d: int) -> list:
 
 
 def attention_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Same shape and dtype, finite, and within max(2 eps, 2e-5) of |ref| + 5 % of max |ref| elementwise."""
     if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
         return False
     g, r = got.double().cpu(), ref.double().cpu()
