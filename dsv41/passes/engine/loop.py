@@ -116,11 +116,12 @@ def import_kernels(module: str) -> None:
 
 
 def run_finders(family: str, graph: fx.Graph, ev, finders: Iterable[Callable], rewrite: Callable, kernels: str,
-                gated_ops: frozenset = frozenset(), check_static: bool = True,
-                static_values: Callable[[Site], list] | None = None) -> tuple[list, list, set]:
+                gated_ops: frozenset = frozenset(), check_static: bool = True) -> tuple[list, list, set]:
     """Run each finder on `graph` in turn and rewrite its sites: `rewrite(graph, site, op, replaced)` inserts the op
-    and returns {old node: new node}. Dead code is removed after each finder. Returns (rewritten sites, near-misses,
-    names of ops found unregistered). `kernels` names the module that registers the ops (for the near-miss)."""
+    and returns {old node: new node}. Before a rewrite a site is refused (a near-miss) when `check_static` and it
+    reads a size known only at run time, when its op or op variant is in `gated_ops`, or when its op is not
+    registered. Dead code is removed after each finder. Returns (rewritten sites, near-misses, names of ops found
+    unregistered). `kernels` names the module that registers the ops (for the near-miss)."""
     sites: list = []
     misses: list = []
     missing: set = set()
@@ -131,14 +132,15 @@ def run_finders(family: str, graph: fx.Graph, ev, finders: Iterable[Callable], r
         for site in found:
             loc = SourceLocation.from_node(site.anchor)
             if check_static:
-                values = static_values(site) if static_values else [*site.args, *site.outputs, *site.region]
-                refused = static_refusal(family, site.pattern, values, loc, f"dsv41::{site.op_name}")
+                refused = static_refusal(family, site.pattern, [*site.args, *site.outputs, *site.region], loc,
+                                         f"dsv41::{site.op_name}")
                 if refused is not None:
                     misses.append(refused)
                     continue
-            if site.variant is not None and site.variant in gated_ops:
+            gated = [g for g in (site.op_name, site.variant) if g is not None and g in gated_ops]
+            if gated:
                 misses.append(NearMiss(family, site.pattern, "gpu_unvalidated",
-                                       f"dsv41::{site.variant} has not yet run on a GPU, so on CUDA this chain stays "
+                                       f"dsv41::{gated[0]} has not yet run on a GPU, so on CUDA this chain stays "
                                        "with Inductor (option gpu_unvalidated=True fuses it)", loc))
                 continue
             op = dsv41_op(site.op_name)
