@@ -13,7 +13,8 @@ family's chains are described by, and the registry the pass manager reads.
 
 Modules: graph (node facts, op classes), symbolic (run-time sizes), evaluate (probe evaluation), region (growth and
 cut search), literals, tolerance, casts, edit (inserting nodes, undo), traffic (bytes), loop (the chain loop),
-family (`FusionFamily`), chain (declarations and registry).
+family (`FusionFamily`; `ChainFamily`, a family as data on the chain loop; `HorizontalFamily`, one that merges ops
+of one input), chain (`FamilySpec` / `Chain` declarations).
 """
 
 from .casts import FP32_EXACT, PASS_THROUGH, casts_after, chain_back, exact_cast
