@@ -9,7 +9,7 @@ last R channels" from "on the first R", an exponent bias of 127 from 100, or a 3
 one; evaluating the region settles exactly those constants (`literals` lists the candidates), whichever way eager
 code spelled the math. A check that fails becomes a `NearMiss` naming it. `loop` runs finders, op checks, rewrites,
 dead-code elimination, toposort and records; `traffic` is the default byte rule; `chain` holds the declarations a
-family's chains are described by, and the registry the pass manager reads.
+family's chains are described by, and the registry the pass manager reads (its `FAMILIES`).
 
 Modules: graph (node facts, op classes), symbolic (run-time sizes), evaluate (probe evaluation), region (growth and
 cut search), literals, tolerance, casts, edit (inserting nodes, undo), traffic (bytes), loop (the chain loop),
@@ -18,8 +18,7 @@ of one input), chain (`FamilySpec` / `Chain` declarations).
 """
 
 from .casts import FP32_EXACT, PASS_THROUGH, casts_after, chain_back, exact_cast
-from .chain import (Chain, FamilySpec, Role, describe_families, fused_ops, register_family, registered_families,
-                    unvalidated_ops)
+from .chain import Chain, FamilySpec, Role, describe_families, fused_ops, register_family, unvalidated_ops
 from .edit import GraphFingerprint, insert_node, restore_graph, size_args, snapshot_graph
 from .evaluate import RegionEvaluator, RegionNotClosed, collect_region, probe_runs, real_tensors
 from .family import ChainFamily, FusionFamily, HorizontalFamily
@@ -38,7 +37,7 @@ from .traffic import ByteTally, op_inputs, per_token_closure
 
 __all__ = [
     "FP32_EXACT", "PASS_THROUGH", "casts_after", "chain_back", "exact_cast", "Chain", "FamilySpec", "Role",
-    "describe_families", "fused_ops", "register_family", "registered_families", "unvalidated_ops", "GraphFingerprint",
+    "describe_families", "fused_ops", "register_family", "unvalidated_ops", "GraphFingerprint",
     "insert_node", "restore_graph", "size_args", "snapshot_graph", "RegionEvaluator", "RegionNotClosed",
     "collect_region", "probe_runs", "real_tensors", "ChainFamily", "FusionFamily", "HorizontalFamily", "call_arg",
     "concrete_shape", "dsv41_op", "dtype_of", "eliminate_dead_code", "group_by_key", "group_in_order", "is_dataflow_op",

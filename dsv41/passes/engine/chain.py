@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Role", "Chain", "FamilySpec", "register_family", "registered_families", "fused_ops", "unvalidated_ops",
-           "describe_families"]
+__all__ = ["Role", "Chain", "FamilySpec", "register_family", "fused_ops", "unvalidated_ops", "describe_families"]
 
 
 @dataclass(frozen=True)
@@ -86,25 +85,15 @@ class FamilySpec:
         return f"[{self.name}] {self.summary}\n{body}"
 
 
-_REGISTRY: dict[str, FamilySpec] = {}
-
-
 def register_family(name: str, summary: str, chains=(), rewrites_only: bool = False,
                     gpu_validated: bool = True) -> FamilySpec:
-    """Record family `name` (called once per family module, at import) and return its `FamilySpec`.
-    Raises ValueError for two chains of the family with the same name."""
+    """The `FamilySpec` of family `name` (a family module's `SPEC`; its class sets `spec = SPEC`, and the pass
+    manager's `FAMILIES` lists the classes). Raises ValueError for two chains of the family with the same name."""
     chains = tuple(chains)
     names = [c.name for c in chains]
     if len(set(names)) != len(names):
         raise ValueError(f"family {name!r} declares a chain name twice: {names}")
-    spec = FamilySpec(name, summary, chains, rewrites_only, gpu_validated)
-    _REGISTRY[name] = spec
-    return spec
-
-
-def registered_families() -> dict[str, FamilySpec]:
-    """family name -> its spec, in registration (import) order (a copy)."""
-    return dict(_REGISTRY)
+    return FamilySpec(name, summary, chains, rewrites_only, gpu_validated)
 
 
 def fused_ops(specs) -> tuple[str, ...]:

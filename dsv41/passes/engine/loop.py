@@ -26,7 +26,8 @@ from .graph import dsv41_op, eliminate_dead_code, node_label, positions, sourced
 from .symbolic import static_refusal
 
 __all__ = ["Site", "GraphScan", "collect", "ops_or_note", "resolve_replaced", "import_kernels", "run_finders",
-           "records_of", "match_record", "keep_removed", "pass_record", "rewrite_outputs", "sort_region", "finish_graph"]
+           "records_of", "match_record", "keep_removed", "pass_record", "rewrite_outputs", "sort_region",
+           "finish_graph"]
 
 aten = torch.ops.aten
 
