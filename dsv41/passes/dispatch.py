@@ -82,8 +82,8 @@ _VERDICT_CACHE_SIZE = 512
 #: The weight verification (a module global, so a test can wrap it).
 _verify_weight = verify_weight
 
-_WEIGHT_ROLES = (Role("x", "[.., K]"), Role("codes", "[N, K] / [N, K/2]", "uint8"), Role("scale", "[N/32, K/32] / "
-                                                                                      "[N, K/32]", "uint8"))
+_WEIGHT_ROLES = (Role("x", "[.., K]"), Role("codes", "[N, K] / [N, K/2]", "uint8"),
+                 Role("scale", "[N/32, K/32] / [N, K/32]", "uint8"))
 _WEIGHT_CHECKS = ("ue8m0_scale_rule", "scale_missing", "ue8m0_exponent_bias", "e2m1_nibble_order", "dequant_values",
                   "weight_shape", "scale_range", "region_closed", "op_shape", "weight_source", "static_shapes",
                   "gpu_unvalidated", "op_registered")
@@ -109,17 +109,6 @@ SPEC = register_family(
           "dsv41.model.formats:dequantize_fp4_1x32", ("act_quant", "layout"),
           ("probe codes and activations end to end in float64",), _WEIGHT_CHECKS),
 ))
-
-
-#: Probe verdicts of weight regions across graphs and compiles: (region signature, format, transposed, device
-#: type) -> (ok, check, reason). A signature fixes the region's function (`signature`) when the region is made of
-#: ATen calls alone (a constant tensor, `get_attr`, is keyed by name only: such regions are not cached), so a
-#: regional compile (one graph per layer variant) probes each weight layout once, not once per graph (at h200 a
-#: probe of one 32768 x 1280 weight takes seconds on the host). Bounded, oldest verdict dropped first.
-_VERDICT_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-
-
-_VERDICT_CACHE_SIZE = 512
 
 
 class DispatchFamily(FusionFamily):
