@@ -53,8 +53,6 @@ def leaf_sets(nodes, leaves: set) -> dict:
     return out
 
 
-
-
 def graph_index(n: fx.Node) -> int:
     """Position of `n` in its graph. Cached per graph; each finder starts with `reset_positions` (rewrites
     happen between finders), and a node the cache has not seen rebuilds it."""
