@@ -56,9 +56,9 @@ from ..model.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..model.norm import rms_norm
 from .records import NearMiss, SourceLocation
 from .engine import (ByteTally, Chain, ChainFamily, RegionEvaluator, RegionNotClosed, Role, Site, ancestors_within,
-                     casts_after, close, close_rounded, collect, concrete_shape, eps_candidates, is_dataflow_op,
-                     is_float, node_label, op_inputs, per_token_closure, positions, probe_runs, randn_probe,
-                     real_tensors, register_family, resolve_replaced, rewrite_outputs, rms_eps_reason,
+                     casts_after, close, close_rounded, collect, concrete_shape, discover, eps_candidates,
+                     is_dataflow_op, is_float, node_label, op_inputs, per_token_closure, positions, probe_runs,
+                     randn_probe, real_tensors, register_family, resolve_replaced, rewrite_outputs, rms_eps_reason,
                      rms_norm_eps_outside, shape_of, sort_region, static_refusal, tensor_val)
 from .mhc_spellings import verify_normalised_input
 from .mhc_structure import (BATCHED_MATMULS, N_MIX, coefficient_region, is_last_dim_reduction, mix_probes,
@@ -191,13 +191,8 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
                 return n
         return None
 
-    post = norm_eps = None
     norm_lits = lits if norm_eps_found is None else [norm_eps_found]
-    for e in norm_lits:
-        post = find(vec, [r[1] for r in reference(e, 0.0, 1)])
-        if post is not None:
-            norm_eps = e
-            break
+    norm_eps, post = discover(norm_lits, lambda e: find(vec, [r[1] for r in reference(e, 0.0, 1)]))
     if post is None:
         # Probes A and C do not depend on norm_eps (|H| ~ 1, or scale = 0); B does (|H| ~ 1e-4).
         if any(find(vec, [r[1] for r in reference(e, 0.0, 1)], probes=(0, 2)) is not None for e in norm_lits):
@@ -206,12 +201,7 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
         return None, NearMiss("mhc", pattern, "post_mix",
                               "no tensor of the chain equals post = 2 * sigmoid(m[4:8] * scale[1] + base[4:8]) with "
                               "m = (flatten(H) @ fn^T) * rsqrt(mean(z^2) + eps) (MODEL.md §2.3 steps 2, 3, 5)", loc)
-    pre = hc_eps = None
-    for e in lits:
-        pre = find(vec, [r[0] for r in reference(norm_eps, e, 1)], exclude=(post,))
-        if pre is not None:
-            hc_eps = e
-            break
+    hc_eps, pre = discover(lits, lambda e: find(vec, [r[0] for r in reference(norm_eps, e, 1)], exclude=(post,)))
     if pre is None:
         return None, NearMiss("mhc", pattern, "pre_mix",
                               "no tensor of the chain equals pre = sigmoid(m[0:4] * scale[0] + base[0:4]) + hc_eps "
@@ -219,12 +209,8 @@ def _verify_mixes(ev, mm, H, fn, fn_t, base, scale, forward, side, small, loc, p
     # First guess: two divisions of a [B, T, 4, 4] tensor per round (softmax + column, then row + column).
     n_div = sum(1 for n in mat if n.target in (aten.div.Tensor, prims.div.default))
     order = [n_div // 2, n_div // 2 + 1, n_div // 2 - 1] + list(range(1, MAX_ITERS_SEARCHED + 1))
-    comb = iters = None
-    for k in dict.fromkeys(o for o in order if 1 <= o <= MAX_ITERS_SEARCHED):
-        comb = find(mat, [r[2] for r in reference(norm_eps, hc_eps, k)])
-        if comb is not None:
-            iters = k
-            break
+    iters, comb = discover(dict.fromkeys(o for o in order if 1 <= o <= MAX_ITERS_SEARCHED),
+                           lambda k: find(mat, [r[2] for r in reference(norm_eps, hc_eps, k)]))
     if comb is None:
         return None, NearMiss("mhc", pattern, "sinkhorn",
                               "no tensor of the chain equals Sinkhorn(softmax_j(logits) + hc_eps, column first, then "

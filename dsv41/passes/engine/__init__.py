@@ -26,7 +26,7 @@ from .graph import (call_arg, concrete_shape, dsv41_op, dtype_of, eliminate_dead
                     is_dataflow_op, is_float, is_shape_value, is_small_constant, is_step, is_table_lookup, is_view_op,
                     node_label, positions, same_shape, shape_of, size_hint, sourced_nodes, static_inputs, tensor_val,
                     token_rows)
-from .literals import eps_candidates, float_literals, int_literals
+from .literals import discover, eps_candidates, float_literals, int_literals
 from .loop import (GraphScan, Site, collect, finish_graph, import_kernels, keep_removed, match_record, ops_or_note,
                    pass_record, records_of, resolve_replaced, rewrite_outputs, run_finders, sort_region)
 from .region import ancestors_within, backward_distances, closed_region, cut_search, ranked, walk_forward, walk_inputs
@@ -43,7 +43,7 @@ __all__ = [
     "concrete_shape", "dsv41_op", "dtype_of", "eliminate_dead_code", "group_by_key", "group_in_order", "is_dataflow_op",
     "is_float", "is_shape_value", "is_small_constant", "is_step", "is_table_lookup", "is_view_op", "node_label",
     "positions", "same_shape", "shape_of", "size_hint", "sourced_nodes", "static_inputs", "tensor_val", "token_rows",
-    "eps_candidates", "float_literals", "int_literals", "GraphScan", "Site", "collect", "finish_graph",
+    "discover", "eps_candidates", "float_literals", "int_literals", "GraphScan", "Site", "collect", "finish_graph",
     "import_kernels", "keep_removed", "match_record", "ops_or_note", "pass_record", "records_of", "resolve_replaced",
     "rewrite_outputs", "run_finders", "sort_region", "ancestors_within", "backward_distances", "closed_region",
     "cut_search", "ranked", "walk_forward", "walk_inputs", "static_refusal", "symbolic_part",

@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch.fx as fx
 
-__all__ = ["float_literals", "int_literals", "eps_candidates"]
+__all__ = ["float_literals", "int_literals", "eps_candidates", "discover"]
 
 
 def _distinct_arguments(nodes: Iterable[fx.Node], keep) -> list:
@@ -41,3 +41,13 @@ def int_literals(nodes: Iterable[fx.Node], above: int = 0, below: int = 2 ** 31)
 def eps_candidates(nodes: Iterable[fx.Node], below: float = 1e-2) -> list[float]:
     """The eps candidates of a region: its float literals in (0, `below`), in order of appearance, then 0.0."""
     return float_literals(nodes, below=below) + [0.0]
+
+
+def discover(candidates, match) -> tuple:
+    """(value, found) for the first of `candidates` for which `match(value)` finds something (not None), else
+    (None, None): how a family settles a constant (an eps, a round count) among the values a region may use."""
+    for value in candidates:
+        found = match(value)
+        if found is not None:
+            return value, found
+    return None, None
