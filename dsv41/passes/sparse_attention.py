@@ -50,7 +50,7 @@ from .engine import (ByteTally, Chain, FusionFamily, RegionEvaluator, RegionNotC
                      agree_where_representable, concrete_shape, dsv41_op, dtype_of, eliminate_dead_code, import_kernels,
                      insert_node, is_view_op, node_label, per_token_closure, positions, records_of, register_family,
                      shape_of, sourced_nodes, static_refusal, tensor_val)
-from .rope_fp4 import rope_structure
+from .rope_match import rope_structure
 from .sparse_attention_structure import (FORWARD_LIMIT, MATMULS, PRIORITY, Leaves, attention_close, bank_tensor,
                                          candidate_scales, discover, forward_within, gather_pairs, module_path,
                                          sel_candidates, to_bts, why_no_end)

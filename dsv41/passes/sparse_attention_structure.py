@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from .engine import concrete_shape, dtype_of, is_dataflow_op, is_step, is_view_op, shape_of, tensor_val, walk_inputs
-from .rope_fp4 import rope_structure
+from .rope_match import rope_structure
 
 __all__ = ["MATMULS", "FORWARD_LIMIT", "REGION_LIMIT", "SEL_STEPS", "FLOAT_LITERAL_MAX", "PRIORITY", "gather_pairs",
            "forward_within", "bank_tensor", "same_shape_base", "sel_candidates", "derived_from", "Leaves", "discover",
