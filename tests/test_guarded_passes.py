@@ -148,7 +148,7 @@ def test_stream_rewrite_that_raises_leaves_one_stream(monkeypatch):
 
 
 def test_fingerprint_sees_every_kind_of_edit_and_restore_keeps_names():
-    from dsv41.passes.base import GraphFingerprint, restore_graph, snapshot_graph
+    from dsv41.passes.engine import GraphFingerprint, restore_graph, snapshot_graph
 
     def f(x, y):
         return (x * y + 1).relu()

@@ -31,7 +31,7 @@ from typing import Any
 
 import sympy
 
-from ..passes.base import BATCH, LENGTH, PassRecord, SourceLocation
+from ..passes.records import BATCH, LENGTH, PassRecord, SourceLocation
 from ..passes.manager import FAMILY_ORDER
 from .kernel_counts import OTHER, LayerKernelCounts, kernels_by_role, per_layer_by_role
 from .units import human_bytes
