@@ -197,7 +197,7 @@ def _report(regional_steps=None):
     graph 1 (a layer graph) one mhc_mixes, one rope_fp4_quant_store and a buffer copy; graph 2 the head's mm."""
     from dsv41.compiler.kernel_counts import LayerKernelCounts
     from dsv41.compiler.report import FusionReport, GraphReport
-    from dsv41.passes.base import MatchRecord, PassRecord
+    from dsv41.passes.records import MatchRecord, PassRecord
 
     def site(op, after, fam="dispatch"):
         return MatchRecord(fam, op, f"dsv41::{op}", None, (), (), "0", after, (("B", 1), ("L", 1)))
