@@ -133,11 +133,13 @@ for s in $sections; do
         --repeats 1 --no-warm-compile --json "$OUTDIR/bench_tp${TP:-2}.json" 2>&1 | tail -20 ;;
     h200)
       # The h200 preset side by side, compiled region by region (one graph per layer variant, whole-step CUDA graph
-      # captured by the wrapper): a whole-model h200 compile does not fit a 10-minute call.
+      # captured by the wrapper): a whole-model h200 compile does not fit a 10-minute call. Issue [first-contact]'s
+      # served compile: BENCH_FLAGS="--cache-dir .bench_cache/h200" in two calls on one warm machine, the second
+      # (TAG=_served) compiles from the caches the first filled (compile_cache_hits / misses in its row).
       timeout ${H200_TIMEOUT:-580} python3 -m dsv41.bench --preset h200 --regional --backends ${H200_BACKENDS:-eager,dsv41} \
         --prompt-len ${H200_PROMPT_LEN:-4096} --new-tokens ${H200_NEW_TOKENS:-64} --repeats ${H200_REPEATS:-1} --no-warm-compile \
-        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} \
-        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional.json" --png 2>&1 | tail -30 ;;
+        ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} ${BENCH_FLAGS:-} \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/backends_h200_regional${TAG:-}.json" --png 2>&1 | tail -30 ;;
     toggles|ablate|dspark)
       # Issue 6 (toggles: CUDA graphs, PDL, side streams each flipped alone, and inductor reduce-overhead) and issue 4
       # (ablate: dsv41 with each family off in turn). A cold `small` compile is ~180 s of one Python thread, so rows

@@ -41,6 +41,13 @@ mean}}}. `kernels_per_step_static` is their total; on CPU it is the only count, 
 profiler's `kernels_per_step` (one dsv41 op may launch more than one kernel, and copies may run as memcpy), and
 `kernels_static_minus_profiler` is the difference the GPU run checks.
 
+`step_breakdown` (every row; `dsv41/compiler/breakdown.py`): where the step goes, per op class: `launches`,
+`time_us` (GPU kernel time per step from the same profiler session as `kernels_per_step`, which profiles
+`PROFILE_STEPS` steps, eager rows one; the other profiler figures are of the first), `bytes` and `floor_us` (the
+fusion report's bytes of the class's ops / the copy bandwidth), with `total`, `step_us` (1e6 / median decode tok/s)
+and the timeline of the profiled steps; `gap_per_boundary_us` = (span - busy) / (launches - 1). On CPU `time_us`
+is null and `launches` the static count of dsv41 rows.
+
 Roofline: `decode_bytes_per_step` = `budget(config).decode_weight_bytes` + `decode_kv_read_bytes(config, C)`
 at the mean decode context C = prompt_len + new_tokens // 2; `roofline_tok_s` = device-to-device copy
 bandwidth measured in this run (bytes read + written per second) / decode_bytes_per_step; a backend's
@@ -57,7 +64,7 @@ top level `date`, `gpu`, `driver`, `torch`, `triton`, `cuda`, `host`, `preset`, 
 text), and `backends` = {name: {`decode_tok_s`: {median, min, max}, `prefill_tok_s`: {median, min, max},
 `kernels_per_step`, `memcpy_memset_per_step`, `roofline_fraction`, `compile_s`, `compile_warm_s`,
 `peak_mem_gb`, `tokens_match_eager`, `matching_prefix_tokens`, `max_rel_logit_err`, `logit_err_vs_fp32`,
-`logit_err_vs_fp32_over_eager`, `options`, `new_tokens`
+`logit_err_vs_fp32_over_eager`, `step_breakdown`, `gap_per_boundary_us`, `options`, `new_tokens`
 (tokens each of the row's runs decodes: `new_tokens`, `eager_new_tokens` for eager rows, or the row's
 `row_new_tokens`), `note`}}; top level `row_new_tokens` {row: R} (the rows run shorter on request, else {}),
 `logit_err_vs_fp32_eager` and `fp32_reference` (how the FP32 reference was built, its bytes and seconds);
@@ -87,7 +94,8 @@ from .accuracy import DEFINITIONS as _ACCURACY_DEFINITIONS
 # Public names of this module too (`__all__`); tests replace them on this module, where `run_benchmark` looks them up.
 from .bench_rows import (CORE_BACKENDS, DSPARK, DSPARK_ACCEPTANCE, ablation_families, base_backend,  # noqa: F401
                          expand_backends, row_options, row_speculation)
-from .harness import bench_model, cache_positions, make_runner, teacher_forced_logits, timed_run  # noqa: F401
+from .harness import (bench_model, cache_positions, copy_bandwidth_tb_s, make_runner, profile_decode_step,  # noqa: F401
+                      teacher_forced_logits, timed_run)
 
 __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternating", "copy_bandwidth_tb_s",
            "roofline", "decode_context", "decode_bytes_per_step", "ablation_families", "expand_backends",
@@ -139,6 +147,22 @@ DEFINITIONS = {
     "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds; for "
                        "Inductor's own kernels of dsv41 rows also `origin`: the user source lines and ATen ops of "
                        "the graph nodes the kernel computes (from the compile's kernel provenance)",
+    "step_breakdown": "where the step goes (issue 37; dsv41/compiler/breakdown.py): per op class (a dsv41 fused op "
+                      "with its variants, a dsv41 kernel several classes launch, inductor, blas, aten, copies, "
+                      "other) `launches` per step, `time_us` (summed GPU kernel time per step, mean over the "
+                      "profiled decode steps, PROFILE_STEPS = 3, eager rows 1; null without a GPU profile), "
+                      "`bytes` (bytes_after of the fusion report's sites of the class's ops: weights + "
+                      "activations read and written per step) and `floor_us` = bytes / copy_bandwidth_tb_s "
+                      "(null without bytes or bandwidth); "
+                      "`total` sums them (floor and bytes over the classes that have them); `step_us` = 1e6 / "
+                      "median decode tok/s; `roofline_step_us` = decode_bytes_per_step / copy bandwidth (the "
+                      "budget's floor of the whole step); span_us, busy_us (union of the kernel intervals), "
+                      "overlap_us and gap_per_boundary_us of the profiled steps (medians); `source` says where "
+                      "each figure came from (on CPU: static launches of the compiled code, no time)",
+    "gap_per_boundary_us": "(span - busy) / (launches - 1) of a profiled decode step: span from the first GPU "
+                           "activity's start to the last one's end, busy the time at least one ran (overlap from "
+                           "PDL or side streams counted once), launches every kernel, memcpy and memset; median "
+                           "over the profiled steps; null on CPU",
     "kernel_launches_by_name": "every kernel name of the profiled step with its launches (most first): what the "
                                "profiler counted, to set against the static per-layer count of the report",
     "speculative_round_ms": "(+dspark rows) median milliseconds of each phase of a verify round over the rounds "
@@ -202,28 +226,6 @@ def measure_alternating(fns: Mapping[str, Callable[[], Any]], repeats: int,
 
 
 # ------------------------------------------------------------------------------------------ roofline
-def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth of the current CUDA device, TB/s (bytes read + written per second).
-
-    Copies `nbytes // 2` bytes `reps` times (CUDA events), median time. Raises: RuntimeError without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("copy_bandwidth_tb_s needs a CUDA device")
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / statistics.median(times) / 1e12
-
-
 def roofline(decode_bytes: float, bandwidth_tb_s: float) -> float:
     """Tokens/s bound of a decode step that must read `decode_bytes` bytes at `bandwidth_tb_s` TB/s (1e12 B/s).
 
@@ -298,57 +300,6 @@ def max_rel_logit_err(logits: torch.Tensor, ref: torch.Tensor) -> float:
     if scale == 0:
         raise ValueError("reference logits are all zero: relative error undefined")
     return (logits.double() - ref.double()).abs().max().item() / scale
-
-
-@torch.no_grad()
-def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
-    """Kernels of ONE decode step of `runner` on CUDA, after a prefill and one unprofiled (warm-up) step.
-
-    Uses `generate(runner, prompt, 2)` (cache reset in place when sized for `new_tokens`, so buffer addresses and
-    CUDA graphs stay valid), then profiles the next step. Returns {"kernels": int, "memcpy_memset": int,
-    "names": {kernel name: count}}: CUDA device activities, memcpy/memset split off by name.
-    Raises: RuntimeError when the model is not on a CUDA device.
-    """
-    from torch.profiler import ProfilerActivity
-
-    from .compiler.profiling import quiet_profile
-    from .model import generate
-    from .model.results import base_model
-    base = base_model(runner)
-    dev = base.embed.weight.device
-    if dev.type != "cuda":
-        raise RuntimeError("profile_decode_step counts GPU kernels; the model is on " + str(dev))
-    if prompt_ids.dim() == 1:
-        prompt_ids = prompt_ids[None]
-    b, p = prompt_ids.shape
-    if base.max_seq_len < p + new_tokens or base.batch_size != b:
-        base.setup_cache(b, p + new_tokens)
-    out = generate(runner, prompt_ids, 2)
-    tok = out.tokens[:, -1:].to(dev).clone(memory_format=torch.contiguous_format)
-    pos = torch.full((b, 1), p + 1, dtype=torch.int64, device=dev)
-    torch.cuda.synchronize()
-    with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        runner(tok, pos)
-        torch.cuda.synchronize()
-    kernels, copies, names, times, busy, t0, t1 = 0, 0, {}, {}, 0.0, None, None
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)
-        busy += us
-        t0 = e.time_range.start if t0 is None else min(t0, e.time_range.start)
-        t1 = e.time_range.end if t1 is None else max(t1, e.time_range.end)
-        low = e.name.lower()
-        if low.startswith("memcpy") or low.startswith("memset"):
-            copies += 1
-        else:
-            kernels += 1
-            names[e.name] = names.get(e.name, 0) + 1
-        times[e.name] = times.get(e.name, 0.0) + us
-    top = sorted(times.items(), key=lambda kv: -kv[1])[:20]
-    return {"kernels": kernels, "memcpy_memset": copies, "names": names, "gpu_busy_us": busy,
-            "span_us": (t1 - t0) if t0 is not None else None,
-            "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top]}
 
 
 def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, seed: int = 0) -> dict:
@@ -443,7 +394,7 @@ def _empty_row() -> dict:
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
             "logit_err_vs_fp32": None, "logit_err_vs_fp32_over_eager": None, "teacher_forced_logits_sha256": None,
-            "same_tokens_as": None, "same_logits_as": None,
+            "same_tokens_as": None, "same_logits_as": None, "step_breakdown": None, "gap_per_boundary_us": None,
             "options": None, "new_tokens": None, "note": None}
 
 
@@ -652,6 +603,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 if base_backend(n) != "eager" and n in warm_wall:
                     row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
                 row["peak_mem_gb"] = max(x["peak_gb"] for x in runs) if cuda else None
+                if not spec_of[n]:  # a speculative row's tok/s is tokens per round time, not a plain step
+                    from .compiler.breakdown import set_step_time
+                    set_step_time(row.get("step_breakdown"), row["decode_tok_s"]["median"])
             elif row["note"] is None and not notes_[n]:
                 notes_[n].append("not measured")
         same = identical_rows({n: [x["out"].tokens for x in outs.get(n) or []] for n in names},
@@ -666,6 +620,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
 
     console = Console(stderr=True, quiet=rank != 0)
     _ORIGINS.clear()  # rows of an earlier run in this process are gone: their ids may be reused
+    _REPORTS.clear()
     cache_root = os.path.abspath(cache_dir) if cache_dir else tempfile.mkdtemp(prefix="dsv41-bench-cache-")
     res["cache_dir"] = cache_dir
 
@@ -863,7 +818,11 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.update(task, description=f"kernels per step + teacher-forced logits: {n}")
                 if cuda:
                     try:
-                        k = profile_decode_step(runners[n], prompt, new_tokens)
+                        # eager: one step (an eager `h200` step is ~0.7 s and tens of thousands of profiler events)
+                        k = profile_decode_step(runners[n], prompt, new_tokens,
+                                                1 if base_backend(n) == "eager" else PROFILE_STEPS)
+                        _set_breakdown(rows[n], k["step_events"], res["copy_bandwidth_tb_s"], say, n, notes[n],
+                                       res["decode_bytes_per_step"])
                         rows[n]["kernels_per_step"] = k["kernels"]
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
                         rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
@@ -878,6 +837,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                             rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
+                if rows[n].get("step_breakdown") is None:  # CPU, or the profile failed: static counts only
+                    _set_breakdown(rows[n], None, res["copy_bandwidth_tb_s"], say, n, notes[n],
+                                   res["decode_bytes_per_step"])
                 if spec_of[n]:
                     try:
                         rows[n]["speculative_round_ms"] = round_phase_medians(generate(
@@ -971,6 +933,41 @@ def _context_sweep(model, runners, names, contexts, n_tokens, cuda, copy_tb_s, p
 _ORIGINS: dict = {}
 
 
+#: id(result row) -> the FusionReport of the row's cold compile (launch detail and bytes for `step_breakdown`).
+_REPORTS: dict = {}
+#: Decode steps `profile_decode_step` profiles per compiled row (eager rows: one): the breakdown's times are their
+#: mean.
+PROFILE_STEPS = 3
+
+
+def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: list,
+                   decode_bytes: float | None = None) -> None:
+    """Put the `step_breakdown` table (`compiler/breakdown.py`) and `gap_per_boundary_us` into a row, from the
+    profiled steps' kernels (None: static counts only) and the row's fusion report; the dsv41 row's report (JSON
+    and object) gets the table too, so the fusion report shows it. A failure becomes a note in `notes`, never a
+    number."""
+    from .compiler.breakdown import step_breakdown
+    rep = _REPORTS.get(id(row))
+    try:
+        bd = step_breakdown(step_events, rep, copy_tb_s)
+    except Exception as e:  # diagnostic: the row keeps every other figure
+        notes.append("step breakdown " + _fail(e))
+        return
+    if decode_bytes and copy_tb_s:  # the budget's floor of the whole step, beside the report's per class
+        bd["roofline_step_us"] = decode_bytes / (copy_tb_s * 1e12) * 1e6
+    row["step_breakdown"] = bd
+    row["gap_per_boundary_us"] = bd["gap_per_boundary_us"]
+    if isinstance(row.get("report"), dict):
+        row["report"]["step_breakdown"] = bd
+        if rep is not None:
+            rep.step_breakdown = bd
+    if step_events is not None:
+        top = ", ".join(f"{c} {e['time_us']:.0f} us x{e['launches']}" for c, e in list(bd["classes"].items())[:6])
+        gap = bd["gap_per_boundary_us"]
+        say(f"{name}: where the step goes ({bd['steps_profiled']} steps): {top}; gap per boundary "
+            + ("-" if gap is None else f"{gap:.3f}") + " us")
+
+
 def _with_origins(top: list, origins: dict) -> list:
     """`kernel_time_top` rows with `origin` (the kernel's source lines and ATen ops) where the compile knew it."""
     return [dict(t, origin=origins.get(t["name"])) if origins.get(t["name"]) else t for t in top]
@@ -990,6 +987,7 @@ def _attach_report(row: dict, full: bool, roles=None) -> None:
         rep.set_layer_roles(roles)
     d = rep.to_dict()
     _ORIGINS[id(row)] = rep.kernel_origins()
+    _REPORTS[id(row)] = rep
     row["fusion_matches"] = {f: v.get("matches") for f, v in d.get("families", {}).items()}
     row["kernels_per_step_by_role"] = d.get("kernels_by_role")
     row["kernels_per_step_static"] = (d.get("kernels_by_layer") or {}).get("total")

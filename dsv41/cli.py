@@ -176,6 +176,21 @@ def _run_parser(sub) -> None:
                    help="per-rank expert inter padding multiple (default 128)")
 
 
+def print_patterns(families: list[str]) -> int:
+    """`dsv41 report --patterns [FAMILY ...]`: print what each chain of the named families (default: all, in pass
+    order) looks for, from their declarations (`dsv41.passes.engine.chain`). Builds nothing, compiles nothing.
+    Returns 0, or 2 naming an unknown family on stderr."""
+    from .passes.engine import describe_families
+    from .passes.manager import FAMILIES, FAMILY_ORDER
+
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        print(f"dsv41 report: error: unknown families {unknown}; valid: {', '.join(FAMILY_ORDER)}", file=sys.stderr)
+        return 2
+    print(describe_families(FAMILIES[f].spec for f in (families or FAMILY_ORDER)))
+    return 0
+
+
 def main(argv=None) -> int:
     """Entry point of the `dsv41` console script (also `python -m dsv41`): `run`, `bench` and `report`.
 
@@ -188,6 +203,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:
         from .bench_cli import console_main
         return console_main(argv[1:])
+    if argv[:1] == ["report"] and "--patterns" in argv[1:]:
+        return print_patterns([a for a in argv[1:] if a != "--patterns"])
     if argv[:1] == ["report"]:
         from .report_cli import main as report_main
         try:
@@ -198,7 +215,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("bench", help="the decode benchmark (see `dsv41 bench --help`)")
     sub.add_parser("report", help="compile a preset with dsv41 and write the fusion report as HTML "
-                                  "(see `dsv41 report --help`)")
+                                  "(see `dsv41 report --help`); `dsv41 report --patterns [FAMILY ...]` prints what "
+                                  "each fusion chain looks for")
     _run_parser(sub)
     args = p.parse_args(argv)
     if args.cmd != "run":

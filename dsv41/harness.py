@@ -1,7 +1,9 @@
 """What the commands share (`dsv41 run`, `bench`, `report`, the TP launcher and the precompile workers): building a
 preset with seeded weights (`build_model`), wrapping it for a backend (`compile_model`), the environment a result
 records, and the benchmark's runs (`make_runner`, `bench_model`, `timed_run`, `teacher_forced_logits`), which the
-benchmark and its precompile workers must do alike. Below every command in the app layer, so that no command
+benchmark and its precompile workers must do alike, and the profiled decode steps and copy bandwidth the "where the
+step goes" table is built from (`profile_decode_step`, `copy_bandwidth_tb_s`, `profile_breakdown`; the table itself
+is `dsv41.compiler.breakdown`'s, which runs no model). Below every command in the app layer, so that no command
 imports another for these (tests/test_layers.py).
 
 Tests replace `compile_model` / `build_model` here (`monkeypatch.setattr(harness, ...)`): every caller looks them up
@@ -11,13 +13,16 @@ for `run_benchmark`.
 
 from __future__ import annotations
 
+import statistics
+import sys
 import time
 from typing import Sequence
 
 import torch
 
 __all__ = ["BACKENDS", "DTYPES", "build_model", "compile_model", "environment", "teacher_forced_logits", "make_runner",
-           "bench_model", "cache_positions", "timed_run"]
+           "bench_model", "cache_positions", "timed_run", "copy_bandwidth_tb_s", "profile_decode_step",
+           "profile_breakdown"]
 
 #: Backends `dsv41 run --backend` accepts.
 BACKENDS = ("dsv41", "eager", "inductor", "inductor-cudagraphs")
@@ -193,3 +198,106 @@ def timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | 
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"out": out, "wall_s": wall, "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+
+
+def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth of the current CUDA device, TB/s (bytes read + written per second).
+
+    Copies `nbytes // 2` bytes `reps` times (CUDA events), median time. Raises: RuntimeError without CUDA.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("copy_bandwidth_tb_s needs a CUDA device")
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / statistics.median(times) / 1e12
+
+
+@torch.no_grad()
+def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps: int = 1) -> dict:
+    """Kernels of decode steps of `runner` on CUDA, after a prefill and one unprofiled (warm-up) step.
+
+    Uses `generate(runner, prompt, 2)` (cache reset in place when sized for `new_tokens`, so buffer addresses and
+    CUDA graphs stay valid), then profiles the next `steps` steps in one profiler session (at most new_tokens - 1, so
+    the positions stay inside the cache), each inside a `breakdown.STEP_MARK` range that ends after its
+    `torch.cuda.synchronize()`. Returns {"kernels": int, "memcpy_memset": int, "names": {kernel name: count},
+    "gpu_busy_us", "span_us", "top_us"} of the FIRST profiled step (CUDA device activities, memcpy/memset split off
+    by name), and "step_events": one list of `breakdown.KernelEvent` per profiled step (`breakdown.split_steps`).
+    Raises: RuntimeError when the model is not on a CUDA device.
+    """
+    from torch.profiler import ProfilerActivity, record_function
+
+    from .compiler.breakdown import STEP_MARK, kernel_events, split_steps
+    from .compiler.profiling import quiet_profile
+    from .model import generate
+    from .model.results import base_model
+    base = base_model(runner)
+    dev = base.embed.weight.device
+    if dev.type != "cuda":
+        raise RuntimeError("profile_decode_step counts GPU kernels; the model is on " + str(dev))
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    b, p = prompt_ids.shape
+    if base.max_seq_len < p + new_tokens or base.batch_size != b:
+        base.setup_cache(b, p + new_tokens)
+    steps = max(1, min(int(steps), new_tokens - 1))
+    out = generate(runner, prompt_ids, 2)
+    tok = out.tokens[:, -1:].to(dev).clone(memory_format=torch.contiguous_format)
+    # One position tensor per step, made before profiling: an in-place `pos += 1` between the steps would be a GPU
+    # kernel of its own on the profiled timeline, counted into a step.
+    positions = [torch.full((b, 1), p + 1 + i, dtype=torch.int64, device=dev) for i in range(steps)]
+    torch.cuda.synchronize()
+    with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i, pos in enumerate(positions):
+            with record_function(f"{STEP_MARK} {i}"):
+                runner(tok, pos)
+                torch.cuda.synchronize()
+    events = prof.events()
+    windows = [(float(e.time_range.start), float(e.time_range.end)) for e in events
+               if e.device_type != torch.autograd.DeviceType.CUDA and str(e.name).startswith(STEP_MARK)]
+    per_step = split_steps(kernel_events(events), windows, steps)
+    kernels, copies, names, times, busy, t0, t1 = 0, 0, {}, {}, 0.0, None, None
+    for e in per_step[0] if per_step else ():
+        us = e.end_us - e.start_us
+        busy += us
+        t0 = e.start_us if t0 is None else min(t0, e.start_us)
+        t1 = e.end_us if t1 is None else max(t1, e.end_us)
+        low = e.name.lower()
+        if low.startswith("memcpy") or low.startswith("memset"):
+            copies += 1
+        else:
+            kernels += 1
+            names[e.name] = names.get(e.name, 0) + 1
+        times[e.name] = times.get(e.name, 0.0) + us
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:20]
+    return {"kernels": kernels, "memcpy_memset": copies, "names": names, "gpu_busy_us": busy,
+            "span_us": (t1 - t0) if t0 is not None else None,
+            "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top],
+            "step_events": per_step}
+
+
+def profile_breakdown(runner, prompt_ids, new_tokens: int, report=None, steps: int = 3) -> dict | None:
+    """For `dsv41 report` on a GPU: the `step_breakdown` (`dsv41.compiler.breakdown`) of `runner` from `steps`
+    profiled decode steps (`profile_decode_step`) and the copy bandwidth measured now (`copy_bandwidth_tb_s`), also
+    set as `report.step_breakdown` when a report is given. `step_us` stays None (no timed run here). Never raises: a
+    failure (e.g. a model not on CUDA) prints one line on stderr and returns None, and the report is written without
+    it."""
+    from .compiler.breakdown import step_breakdown
+    try:
+        k = profile_decode_step(runner, prompt_ids, new_tokens, steps)
+        table = step_breakdown(k["step_events"], report, copy_bandwidth_tb_s())
+    except Exception as e:  # noqa: BLE001 - a diagnostic table; the page stays useful without it
+        print(f"dsv41 report: step breakdown left out: {type(e).__name__}: {e}"[:400], file=sys.stderr)
+        return None
+    if report is not None:
+        report.step_breakdown = table
+    return table

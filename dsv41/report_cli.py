@@ -58,7 +58,9 @@ def _report_args(argv):
 
 def main(argv=None) -> int:
     """`dsv41 report`: build a preset, compile with backend="dsv41", decode a few tokens, write the HTML report
-    (default `out/dsv41_report.html`, `-o` to choose) and print its path.
+    (default `out/dsv41_report.html`, `-o` to choose) and print its path. On a GPU the page also gets "where the
+    step goes" from profiled decode steps (`harness.profile_breakdown`; left out with a line on stderr if
+    profiling fails).
 
     Returns 0, or 1 when the compile produced no fusion report. Raises: UsageError for a bad argument, before
     anything is built (`dsv41 report` prints it as one line with status 2). Options: see `dsv41 report --help`.
@@ -75,15 +77,18 @@ def main(argv=None) -> int:
         model = harness.build_model(a.preset, a.device, a.weight_mode)
     before = report_mod.last_report()
     fast = harness.compile_model(model, "dsv41", {"count_kernels": a.count_kernels})
+    prompt = benchmark_prompt(model.config, a.prompt_len, device=a.device)
     with phases.phase(f"dsv41: compile + {a.new_tokens} tokens",
                       hint=f"a cold {a.preset} compile takes minutes on a 2-core CPU" if a.device == "cpu" else ""):
-        generate(fast, benchmark_prompt(model.config, a.prompt_len, device=a.device), a.new_tokens)
+        generate(fast, prompt, a.new_tokens)
     rep = report_mod.last_report()
     if rep is None or rep is before:
         print("dsv41 report: the dsv41 backend produced no fusion report (did the compile fall back?)",
               file=sys.stderr)
         return 1
     rep.set_layer_roles(model.config.roles)  # launches per layer role (the backend never sees the config)
+    if a.device.startswith("cuda"):  # "where the step goes" needs a GPU profile
+        harness.profile_breakdown(fast, prompt, a.new_tokens, rep)
     with phases.phase("writing the page"):
         write_html(rep, a.out_path, bench=a.bench_result, png_path=a.png)
     print(f"wrote {shown(a.out_path)} ({a.preset} on {a.device}, {len(rep.graphs)} graph(s)); open it in a browser")

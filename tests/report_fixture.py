@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dsv41.compiler.kernel_counts import LayerKernelCounts
 from dsv41.compiler.report import FusionReport, GraphReport, KernelCount
-from dsv41.passes.base import Finding, MatchRecord, NearMiss, PassRecord, SourceLocation
+from dsv41.passes.records import Finding, MatchRecord, NearMiss, PassRecord, SourceLocation
 
 
 def _loc(file, line, fn, code, caller=None):

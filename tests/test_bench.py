@@ -332,7 +332,7 @@ def test_plot_rejects_a_result_without_backends():
 def test_dsv41_rows_carry_the_fusion_report_of_their_compile(monkeypatch):
     import dsv41
     from dsv41.compiler.report import FusionReport, GraphReport
-    from dsv41.passes.base import MatchRecord, PassRecord
+    from dsv41.passes.records import MatchRecord, PassRecord
     rep = FusionReport()
     m = MatchRecord("dispatch", "linear_fp8_block", "dsv41::linear_fp8_block", None, ("mm",), ("aten.mm",), "8", "4")
     rep.add_graph(GraphReport(0, "0/0", (PassRecord("dispatch", True, (m, m)), PassRecord("rope_fp4", False))))
@@ -353,7 +353,7 @@ def test_dsv41_rows_carry_static_launches_per_step_by_layer_role(monkeypatch):
     import dsv41
     from dsv41.compiler.kernel_counts import LayerKernelCounts
     from dsv41.compiler.report import FusionReport, GraphReport
-    from dsv41.passes.base import PassRecord
+    from dsv41.passes.records import PassRecord
     rep = FusionReport()
     # layers 0..3 with 5, 6, 9, 7 launches, 4 outside the layers: 31 in all
     counts = LayerKernelCounts(31, ((0, 5), (1, 6), (2, 9), (3, 7)), 4)

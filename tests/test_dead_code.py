@@ -1,11 +1,11 @@
-"""`passes.base.eliminate_dead_code`: torch's dead-code rule, asking about side effects only of nodes without users."""
+"""`passes.engine.eliminate_dead_code`: torch's dead-code rule, asking about side effects only of nodes without users."""
 
 import copy
 
 import torch
 import torch.fx as fx
 
-from dsv41.passes.base import eliminate_dead_code
+from dsv41.passes.engine import eliminate_dead_code
 
 torch.library.define("dcetest::bump", "(Tensor(a!) x) -> ()")
 

@@ -16,7 +16,7 @@ import torch
 
 from dsv41.compiler.html import render_html, write_html
 from dsv41.compiler.report import FusionReport, GraphReport, KernelCount
-from dsv41.passes.base import Finding, MatchRecord, NearMiss, PassRecord, SourceLocation
+from dsv41.passes.records import Finding, MatchRecord, NearMiss, PassRecord, SourceLocation
 
 EVIL_FAMILY = '<script>alert("family")</script>'
 EVIL_REASON = "</td><img src=x onerror=alert(1)> & more"

@@ -176,7 +176,7 @@ def test_insert_node_carries_the_anchor_provenance_to_the_fused_node():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.traceback import NodeSource
 
-    from dsv41.passes.base import insert_node
+    from dsv41.passes.engine import insert_node
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -454,7 +454,7 @@ def test_run_json_has_launches_per_step_by_role_of_the_model_config(tmp_path, mo
     import dsv41.harness as harness
     from dsv41.compiler.report import FusionReport, GraphReport
     from dsv41.model import ModelConfig
-    from dsv41.passes.base import PassRecord
+    from dsv41.passes.records import PassRecord
 
     rep = FusionReport()
     counts = kc.LayerKernelCounts(8 * 10 + 3, tuple((i, 10) for i in range(8)), 3)

@@ -2,7 +2,7 @@
 
 Layers, bottom up: `ref` (pure-torch references) -> `model` (the eager model) and `kernels` (Triton ops) -> `passes`
 -> `compiler`; the app layer (`APP`: the commands and what only they share) sits on top; the remaining top-level
-modules (`dsv41/__init__`, `outputs`, `progress`, `plots`, ...) are support code any layer above `passes` may use.
+modules (`dsv41/__init__.py`, `outputs`, `progress`, `plots`, ...) are support code any layer above `passes` may use.
 
 Rules, each checked on every import statement, function-local ones included (a local import still couples):
 1. `ref` imports only `ref`;
@@ -39,31 +39,18 @@ APP = {"dsv41.cli", "dsv41.bench", "dsv41.bench_cli", "dsv41.bench_plan", "dsv41
 PLUMBING = {"dsv41._package"}
 BACKEND = ("dsv41.kernels", "dsv41.passes", "dsv41.compiler")
 
-_MHC_SPELLINGS = ("passes/mhc_spellings.py reads mhc.py's region helpers; left for the chain engine "
-                  "(passes/engine/, issue [house] item 1), which owns them, to avoid a merge clash with it")
-_ROPE_HELPERS = ("the compressor and sparse-attention families reuse rope_fp4.py's matchers; they move to the chain "
-                 "engine (issue [house] item 1)")
-_VIEW_BASE = "small_ops.py's view helper, shared by two families; moves to the chain engine (issue [house] item 1)"
+#: "importer:module.name" of private names imported across modules, not fixed yet -> why. (Empty: the chain engine,
+#: passes/engine/, made public the pass helpers family files shared: rope_match's matchers, view_base, mhc's.)
+ALLOWED_PRIVATE: dict[str, str] = {}
 
-#: "importer:module.name" of private names imported across modules, not fixed yet -> why.
-ALLOWED_PRIVATE: dict[str, str] = {
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._cache_write": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._is_block_amax": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._keep_removed": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._match_quant": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._match_rope": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._quantised_tensor_candidates": _ROPE_HELPERS,
-    "dsv41.passes.c2_compressor:dsv41.passes.rope_fp4._rope_structure": _ROPE_HELPERS,
-    "dsv41.passes.dispatch:dsv41.passes.small_ops._view_base": _VIEW_BASE,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._chain_back": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._close_rounded": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_float": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_shape_value": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._is_step": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._real_tensors": _MHC_SPELLINGS,
-    "dsv41.passes.mhc_spellings:dsv41.passes.mhc._shape": _MHC_SPELLINGS,
-    "dsv41.passes.sparse_attention:dsv41.passes.rope_fp4._rope_structure": _ROPE_HELPERS,
-    "dsv41.passes.upcast_linear:dsv41.passes.small_ops._view_base": _VIEW_BASE,
+#: (importer, imported) module edges that break a layer rule (`test_a_low_layer_imports_only_the_layers_below_it`),
+#: not fixed yet -> why.
+ALLOWED_LAYER_EDGES: dict[tuple[str, str], str] = {
+    ("dsv41.passes.testing", "dsv41"): (
+        "the family test harness compiles through the real backend (backend=\"dsv41\") and reads the family's record "
+        "from `dsv41.last_report()`, the package's name that callers may replace; no compile reads the harness "
+        "(manager._NOT_READ_BY_PASSES keeps it out of the cache key), and the pass manager keeps no records a chained "
+        "post-grad pass could reach"),
 }
 
 _BENCH_MAIN = ("`python -m dsv41.bench` and `bench.main` hand over to bench_cli (the command's parser), which "
@@ -72,7 +59,6 @@ _BENCH_MAIN = ("`python -m dsv41.bench` and `bench.main` hand over to bench_cli 
 #: (importer, imported) module edges that close an import circle, not fixed yet -> why. Removing these edges must
 #: leave the graph acyclic.
 ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
-    ("dsv41.passes.mhc_spellings", "dsv41.passes.mhc"): _MHC_SPELLINGS,
     ("dsv41.bench", "dsv41.bench_cli"): _BENCH_MAIN,
 }
 
@@ -80,7 +66,7 @@ ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
 @dataclass(frozen=True)
 class Import:
     """One imported thing: `target` is the dsv41 module it loads; `name` the attribute taken from it (None for a
-    whole module); `where` is "dsv41/x.py:line"."""
+    whole module); `where` is the file and line, e.g. "dsv41/cli.py:12"."""
     importer: str
     target: str
     name: str | None
@@ -169,8 +155,15 @@ def _fail(bad: list[str], rule: str) -> None:
 ])
 def test_a_low_layer_imports_only_the_layers_below_it(layer, allowed):
     bad = [f"{i.where} imports {i.target}" for i in IMPORTS
-           if _layer(i.importer) == layer and i.target not in PLUMBING and _layer(i.target) not in allowed]
+           if _layer(i.importer) == layer and i.target not in PLUMBING and _layer(i.target) not in allowed
+           and (i.importer, i.target) not in ALLOWED_LAYER_EDGES]
     _fail(bad, f"`{layer}` may import only {', '.join(allowed)}")
+
+
+def test_allowed_layer_edges_still_occur():
+    edges = {(i.importer, i.target) for i in IMPORTS}
+    _fail([f"{a} -> {b}" for a, b in ALLOWED_LAYER_EDGES if (a, b) not in edges],
+          "ALLOWED_LAYER_EDGES entries that no longer occur (delete them)")
 
 
 def test_passes_use_only_public_names_of_kernels():

@@ -34,6 +34,8 @@ from dsv41.model.formats import fake_quant_fp8_1x32
 from test_pass_dispatch import quantize_fp8_block_for_test, ref_dequant_fp8_block, ref_fake_quant_fp8_1x32
 from test_pass_dispatch_gathered import hand_decode, quantize_experts, ref_experts
 
+from dsv41.passes.testing import capture_graphs, ops_after
+
 T, K, N, F_OUT, E, TOPK = 3, 96, 64, 40, 6, 2
 TOL = 2e-2
 
@@ -74,22 +76,36 @@ def _inputs():
 
 
 @pytest.fixture(scope="module")
-def widened():
+def compiled_widened():
+    """((model, inputs, eager outputs, compiled outputs, report), post-pass GraphModules)."""
     import dsv41
 
     model = WidenedQuant().eval()
     inputs = _inputs()
-    with torch.no_grad():
+    with torch.no_grad(), capture_graphs() as graphs:
         eager = model(*inputs)
         out = torch.compile(model, backend="dsv41", dynamic=False, options={"debug": True})(*inputs)
-    return model, inputs, eager, out, dsv41.last_report()
+    return (model, inputs, eager, out, dsv41.last_report()), graphs
+
+
+@pytest.fixture(scope="module")
+def widened(compiled_widened):
+    """(model, inputs, eager outputs, compiled outputs, report)."""
+    return compiled_widened[0]
+
+
+@pytest.fixture(scope="module")
+def widened_after(compiled_widened):
+    """The graph as dsv41's families left it (torch.fx.GraphModule)."""
+    (gm,) = compiled_widened[1]
+    return gm
 
 
 def _close(a, b):
     return float((a.double() - b.double()).abs().max()) <= TOL * float(b.abs().max())
 
 
-def test_the_float32_quantiser_input_is_fused_with_act_quant(widened):
+def test_the_float32_quantiser_input_is_fused_with_act_quant(widened, widened_after):
     *_, report = widened
     sites = report.to_dict()["families"]["dispatch"]["sites"]
     got = sorted((s["pattern"], dict(s["detail"]).get("x_dtype")) for s in sites)
@@ -101,10 +117,11 @@ def test_the_float32_quantiser_input_is_fused_with_act_quant(widened):
     assert got == sorted([("grouped_linear_fp4(act_quant=True)", "float32"),
                           ("linear_fp8_block(act_quant=False)", "bfloat16"),
                           (narrow, "bfloat16")]), got
-    after = report.graphs[0].graph_after
     # the experts' quantiser is gone, and the op's float32 result is rounded once to bfloat16
-    assert after.count("torch.ops.dsv41.grouped_linear_fp4.default(") == 1
-    assert re.search(r"convert_element_type\.default\(grouped_linear_fp4\w*, torch\.bfloat16\)", after), after
+    assert ops_after(widened_after)["dsv41.grouped_linear_fp4.default"] == 1
+    (op,) = widened_after.graph.find_nodes(op="call_function", target=torch.ops.dsv41.grouped_linear_fp4.default)
+    rounds = [u for u in op.users if u.target == torch.ops.prims.convert_element_type.default]
+    assert [u.args[1] for u in rounds] == [torch.bfloat16], widened_after.code
 
 
 def test_compiled_matches_eager_and_the_float64_reference(widened):

@@ -26,7 +26,6 @@ abs, see the test).
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -36,6 +35,8 @@ from torch import nn
 pytest.importorskip("dsv41.kernels.mhc", reason="dsv41.kernels.mhc (the fused ops) is not importable")
 import dsv41.kernels.mhc  # noqa: E402,F401
 from zoo_sites import site_markers, site_of  # noqa: E402
+
+from dsv41.passes.testing import capture_graphs, ops_after  # noqa: E402
 
 SITES = site_markers(__file__)
 DIM = 32
@@ -163,8 +164,8 @@ FUSED = {  # site -> (H input index, norm_eps in the graph, hc_eps, iters, weigh
 
 
 @pytest.fixture(scope="module")
-def zoo():
-    """(inputs, module, compiled outputs, eager outputs, report)."""
+def compiled_zoo():
+    """((inputs, module, compiled outputs, eager outputs, report), post-pass GraphModules)."""
     import dsv41
 
     g = torch.Generator().manual_seed(3)
@@ -172,10 +173,23 @@ def zoo():
     h16 = (torch.randn(2, 3, STREAMS, DIM, generator=g) * 2).bfloat16()
     model = SpellingZoo().eval()
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), capture_graphs() as graphs:
         eager = model(h32, h16)
         out = torch.compile(model, backend="dsv41", options={"debug": True}, dynamic=False)(h32, h16)
-    return (h32, h16), model, out, eager, dsv41.last_report()
+    return ((h32, h16), model, out, eager, dsv41.last_report()), graphs
+
+
+@pytest.fixture(scope="module")
+def zoo(compiled_zoo):
+    """(inputs, module, compiled outputs, eager outputs, report)."""
+    return compiled_zoo[0]
+
+
+@pytest.fixture(scope="module")
+def zoo_after(compiled_zoo):
+    """The zoo's one graph as dsv41's families left it (torch.fx.GraphModule)."""
+    (gm,) = compiled_zoo[1]
+    return gm
 
 
 def _fam(report):
@@ -224,23 +238,22 @@ def test_look_alikes_of_the_new_spelling_are_near_misses_naming_the_check(zoo):
         misses["w_after"]["reason"]
 
 
-def test_post_pass_graph_calls_the_fused_op_with_the_weight_itself(zoo):
+def test_post_pass_graph_calls_the_fused_op_with_the_weight_itself(zoo, zoo_after):
     *_, report = zoo
     (graph,) = report.graphs
-    after, before = graph.graph_after, graph.graph_before
     extra = int(_rounding_dropped(report))
-    calls = re.findall(r"torch\.ops\.dsv41\.mhc_mixes\.default\(([^)]*)\)", after)
+    calls = zoo_after.graph.find_nodes(op="call_function", target=torch.ops.dsv41.mhc_mixes.default)
     assert len(calls) == 3 + extra
     # Weighted sites pass the RMS weight parameter itself (8 arguments, the last a graph input): no fn * w node
     # that would read and write fn every step; the unweighted one keeps the 7-argument call.
-    nargs = sorted(len(c.split(", ")) for c in calls)
+    nargs = sorted(len(c.args) for c in calls)
     assert nargs == [7, 8, 8] if not extra else nargs in ([7, 8, 8, 8], [7, 7, 8, 8])  # bf16_norm (torch 2.11)
-    placeholders = set(re.findall(r"def forward\(self, ([^)]*)\)", after)[0].split(", "))
-    assert all(c.split(", ")[-1] in placeholders for c in calls if len(c.split(", ")) == 8)
+    assert all(c.args[-1].op == "placeholder" for c in calls if len(c.args) == 8)
     # The look-alikes keep their projection and norm; the fused sites lost theirs (sqrt only in div_bf16w).
-    assert after.count("torch.ops.aten.mm.default(") == 4 - extra and before.count("torch.ops.aten.mm.default(") == 7
-    assert "torch.ops.aten.sqrt.default(" in before and "torch.ops.aten.sqrt.default(" not in after
-    defined = set(re.findall(r"^\s+(\w+) = ", after, flags=re.M))
+    after, before = ops_after(zoo_after), ops_after(graph.graph_before)
+    assert after["aten.mm.default"] == 4 - extra and before["aten.mm.default"] == 7
+    assert before["aten.sqrt.default"] > 0 and after["aten.sqrt.default"] == 0
+    defined = {n.name for n in zoo_after.graph.nodes}
     for rec in graph.records:
         for mt in rec.matches if rec.family == "mhc" else ():
             assert mt.nodes_replaced and not defined & set(mt.nodes_replaced)

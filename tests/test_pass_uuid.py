@@ -73,3 +73,11 @@ def test_the_sources_follow_the_imports_not_a_list(package_copy):
     before = PassManager().uuid()
     _append(package_copy / "model" / "generate.py", "\n# now a pass reads this\n")
     assert PassManager().uuid() != before
+
+
+def test_editing_the_family_test_harness_keeps_the_uuid(package_copy):
+    """passes/testing.py is imported by tests, never by a compile: an edit to it must not cold-start every cache."""
+    before = PassManager().uuid()
+    _append(package_copy / "passes" / "testing.py", "\n# a new query helper for tests\n")
+    assert PassManager().uuid() == before
+    assert "dsv41/passes/testing.py" not in _rel(manager._source_files(), package_copy.parent)

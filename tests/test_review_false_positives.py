@@ -376,7 +376,7 @@ def test_small_ops_does_not_share_across_in_place_mutations():
 # ------------------------------------------------------------------------------------------- scale probes
 def test_wide_scale_probes_cover_every_byte_and_expose_a_clamped_exponent():
     # The helper dispatch and engram use after their finite-range probe (bytes 116..131 / 112..140).
-    from dsv41.passes.base import agree_where_representable, wide_scale_probes
+    from dsv41.passes.engine import agree_where_representable, wide_scale_probes
 
     scale = torch.zeros(4, 10, dtype=torch.uint8)  # 40 entries: 7 probes to hold all 254 bytes
     probes = wide_scale_probes(scale)

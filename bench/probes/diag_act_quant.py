@@ -1,23 +1,24 @@
-"""Why do the h200 graph's MoE w2 sites get act_quant=False on the GPU (s21)? Wraps dispatch._act_quant_input and
+"""Why do the h200 graph's MoE w2 sites get act_quant=False on the GPU (s21)? Wraps act_quant.act_quant_input and
 records, for every call that finds no fake-quant input, each dominator tried and the probe comparison.
     python3 bench/probes/diag_act_quant.py OUT.json moe            # MoE block alone at h200 dims, 96 experts, CUDA
     python3 bench/probes/diag_act_quant.py OUT.json bench ARGS...  # dsv41.bench with ARGS"""
 import atexit, json, math, os, runpy, sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # dsv41 from this checkout
 import torch
-import dsv41.passes.dispatch as D
+import dsv41.passes.act_quant as D
+import dsv41.passes.dispatch  # noqa: F401  (loads dispatch_gathered too)
 from dsv41.model import formats
-from dsv41.passes.base import RegionNotClosed
+from dsv41.passes.engine import RegionNotClosed
 
 LOG = []
-_orig = D._act_quant_input
+_orig = D.act_quant_input
 
 
 def _detail(lhs, k, ev, sourced):
     lv = D.tensor_val(lhs)
     tried = []
     gen = torch.Generator().manual_seed(99)
-    for d in D._dominators(lhs, sourced):
+    for d in D.dominators(lhs, sourced):
         if d is lhs:
             continue
         dv = D.tensor_val(d)
@@ -53,7 +54,9 @@ def wrapped(lhs, k, ev, sourced):
     return r
 
 
-D._act_quant_input = wrapped
+D.act_quant_input = wrapped
+for _m in ("dispatch", "dispatch_gathered"):  # they bound the name at import
+    setattr(sys.modules["dsv41.passes." + _m], "act_quant_input", wrapped)
 out = sys.argv[1]
 atexit.register(lambda: json.dump(LOG, open(out, "w"), indent=1, default=str))
 if sys.argv[2] == "moe":

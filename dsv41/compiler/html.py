@@ -14,6 +14,8 @@ be mailed or attached to an issue as it is. It leads with its point; sections, i
 - near-misses with the failed check and the reason; findings (what stays on a slow path);
 - kernels per step, total and per graph; kernel launches per decoder layer (folded) and per layer role;
 - the side-stream schedule, folded, and left out when it was planned but not applied (CPU, streams off);
+- "where the step goes" (`breakdown.py`): time, byte floor and launches per op class, when the report or the
+  benchmark's dsv41 row carries the table;
 - the benchmark table and plot (PNG embedded as base64) when given; each graph's code in debug mode.
 
 Nothing is wider than the window: tables of five columns or more take the page's width with column widths from
@@ -484,6 +486,17 @@ def _bench(bench: dict) -> str:
     return f"<h2>Benchmark</h2><p>{_e(head)}</p>" + _table(cols, rows, num_cols=("kernels/step",))
 
 
+def _step_breakdown(d: dict, bench: dict | None) -> str:
+    """The "where the step goes" table (`breakdown.table_rows`) of the report, or of the bench's dsv41 row."""
+    from .breakdown import find_breakdown, table_rows
+    bd = find_breakdown(d, bench)
+    if bd is None:
+        return ""
+    headers, rows, foot = table_rows(bd)
+    return (f"<h2>Where the step goes</h2><p>{_e(foot)}</p>"
+            + _table(headers, rows, num_cols=tuple(headers[1:])))
+
+
 def _plot(png: bytes) -> str:
     data = base64.b64encode(png).decode("ascii")
     return ('<h2>Plot</h2><img class="plot" alt="decode tokens/s per backend with the roofline, and kernels per '
@@ -550,6 +563,7 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
         body.append(_schedule(report_dict["schedule"]))
     if "buckets" in report_dict:
         body.append("<h2>Batch-size buckets</h2>" + _generic(report_dict["buckets"]))
+    body.append(_step_breakdown(report_dict, bench))
     if bench is not None:
         body.append(_bench(bench))
     if png is not None:

@@ -596,7 +596,7 @@ def kernel_origins(launches: Sequence[Launch], post_grad: fx.Graph) -> tuple:
     `ops: aten.x xN, ...` (the `_ORIGIN_OPS` commonest ATen ops). Launches without post-grad provenance and
     extern / op / buffer launches (named by what they call) are skipped.
     """
-    from ..passes.base import SourceLocation
+    from ..passes.records import SourceLocation
 
     by_name = {n.name: n for n in post_grad.nodes}
     lines: dict = {}

@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from ..passes.base import PassRecord
+from ..passes.records import PassRecord
 from ..passes.manager import GraphPassResult, PassManager
 from .fallback_text import bounded_operator_text
 from .kernel_counts import WrapperCapture, graph_counts, load_counts, provenance_config

@@ -161,7 +161,7 @@ def _mutated_inputs(gm: Callable, inputs: Sequence) -> set[int] | None:
 
 def _concrete(v):
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        from ..passes.base import size_hint
+        from ..passes.engine import size_hint
         return size_hint(v)
     return v
 

@@ -13,6 +13,9 @@ after are recorded when the `count_kernels` option is on (see `profiling.py` for
 Kernel launches per call per decoder layer are always counted, statically from the generated code
 (`kernel_counts.py`: `kernels_by_layer`); `set_layer_roles(ModelConfig.roles)` adds `kernels_by_role`.
 
+With a benchmark run, `step_breakdown` ("where the step goes": GPU time, byte floor and launches per op class,
+`breakdown.py`) is set on the report and shown as a table.
+
 Output: `to_dict()`, `to_json(path)`, `summary()` (a few lines), `print()` / `str(report)` (rich tables). Source: ARCHITECTURE.md
 "Pipeline stages" 6 and "The user's view" (the records are collected as the pipeline runs, never scraped from logs).
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 import sympy
 
-from ..passes.base import BATCH, LENGTH, PassRecord, SourceLocation
+from ..passes.records import BATCH, LENGTH, PassRecord, SourceLocation
 from ..passes.manager import FAMILY_ORDER
 from .kernel_counts import OTHER, LayerKernelCounts, kernels_by_role, per_layer_by_role
 from .units import human_bytes
@@ -117,6 +120,24 @@ def _where(d: dict | None) -> str:
     return here
 
 
+def _breakdown_table(d: dict) -> list:
+    """The "where the step goes" table (`breakdown.table_rows`) when the report carries one, else nothing."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .breakdown import table_rows
+    bd = d.get("step_breakdown")
+    if not bd:
+        return []
+    headers, rows, foot = table_rows(bd)
+    t = Table(title="where the step goes", title_justify="left", caption=escape(foot), caption_justify="left")
+    for col in headers:
+        t.add_column(col, justify="left" if col == headers[0] else "right")
+    for r in rows:
+        t.add_row(escape(r[0]), *r[1:])
+    return [t]
+
+
 class FusionReport:
     """The fusion report of one `torch.compile(..., backend="dsv41")` call (see module docstring).
 
@@ -137,6 +158,9 @@ class FusionReport:
         #: set by `regional.RegionalModel` on its first decode step: {layer index or "other": [indices of the graphs
         #: that region ran]}; None before (or for a whole-model compile)
         self.regional_step_graphs: dict | None = None
+        #: set by `dsv41.bench` after profiling decode steps: the "where the step goes" table
+        #: (`breakdown.step_breakdown`); None when no benchmark ran
+        self.step_breakdown: dict | None = None
 
     def set_layer_roles(self, roles) -> None:
         """Name the role of each decoder layer (e.g. `ModelConfig.roles`: swa / full / reindex / reuse), so the
@@ -321,6 +345,7 @@ class FusionReport:
             "graphs": [g.to_dict() for g in self.graphs],
             **({"schedule": sched} if (sched := self.schedule()) is not None else {}),
             **({"buckets": self.buckets} if self.buckets is not None else {}),
+            **({"step_breakdown": self.step_breakdown} if getattr(self, "step_breakdown", None) else {}),
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -430,6 +455,7 @@ class FusionReport:
             for row in bk["seen"]:
                 t.add_row(str(row["batch"]), row["runs_as"], str(row["calls"]))
             out.append(t)
+        out += _breakdown_table(d)
         cached = sum(g.from_cache for g in self.graphs)
         if cached:
             out.append(f"{cached} graph(s) came from Inductor's FX-graph cache; their records from dsv41's record cache.")

@@ -46,8 +46,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..passes.base import (is_dataflow_op, is_view_op, node_label, restore_graph, size_hint, snapshot_graph,
-                           tensor_val)
+from ..passes.engine import is_dataflow_op, is_view_op, node_label, restore_graph, size_hint, snapshot_graph, tensor_val
 
 __all__ = ["CostModel", "Region", "StreamPlan", "StreamPass", "build_dag", "critical_path", "plan_streams",
            "apply_plan", "simulate", "is_collective", "is_mutating", "dsv41_eligible"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -42,7 +43,7 @@ from torch.utils._pytree import tree_map
 
 from . import _common
 
-__all__ = ["CensusError", "census", "op_launches", "program_launches", "meta_like"]
+__all__ = ["CensusError", "census", "op_launches", "program_launches", "meta_like", "cuda_hosts"]
 
 
 #: ATen ops (schema names, every overload) that return a tensor without running a kernel: allocation, aliasing,
@@ -57,6 +58,13 @@ _NO_KERNEL = {
 _TLS = threading.local()      # .counter: the Triton launch counter of this thread's innermost census
 _PATCH_LOCK = threading.Lock()
 _PATCH = {"refs": 0, "saved": []}
+
+
+def cuda_hosts() -> Mapping[str, Callable]:
+    """{"dsv41::<op>": the Python function its CUDA kernel registration runs}: the host code the census runs on
+    meta tensors, for callers outside the package that follow it to the Triton kernels it launches (read-only view
+    of `_common.CUDA_HOSTS`; it fills as the kernel modules are imported)."""
+    return types.MappingProxyType(_common.CUDA_HOSTS)
 
 
 class CensusError(RuntimeError):

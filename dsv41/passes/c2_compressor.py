@@ -42,12 +42,14 @@ import torch.fx as fx
 from ..ref.c2_compressor import pair_pool as reference_pair_pool
 from ..ref.norm import rms_norm
 from . import rope_fp4 as rf
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, same_shape,
-                   rms_eps_reason, rms_norm_eps_outside, size_args, sourced_nodes, static_refusal,
-                   symbolic_part, tensor_val, token_rows)
+from .rope_match import match_rope, rope_structure
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (Chain, FusionFamily, GraphScan, RegionEvaluator, RegionNotClosed, Role, close_scaled,
+                     concrete_shape, dsv41_op, finish_graph, insert_node, is_view_op, keep_removed, node_label,
+                     probe_runs, register_family, rms_eps_reason, rms_norm_eps_outside, same_shape, size_args,
+                     static_refusal, symbolic_part, tensor_val, token_rows)
 
-__all__ = ["C2CompressorFamily"]
+__all__ = ["C2CompressorFamily", "SPEC"]
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default}
@@ -58,21 +60,33 @@ _POOL_OPS = {aten.maximum.default, aten.sub.Tensor, aten.exp.default, aten.mul.T
 _LIMIT = 60
 
 
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "c2_compressor", "C2 compressor: [pair softmax pooling ->] RMSNorm -> RoPE -> FP4 -> bank row write "
+    "(returns the pre-RoPE latent)", tuple(
+    Chain(op, op, "a RoPE -> FP4 quantiser chain (rope_fp4's structure) whose x is an RMSNorm output"
+          + (" of a pair softmax pooling" if pooled else "") + " and whose codes and scales are written into a bank",
+          (Role("u", "[.., D] (pooled: [.., 2, 2D] kv and gate)"), Role("weight", "[D]"),
+           Role("cos / sin", "[.., R/2]", "fp32"), Role("bank codes / scales", "[B, Rows, bytes]", "uint8"),
+           Role("rows", "[B, T]", "int64")),
+          "dsv41.ref.norm:rms_norm" + (" + dsv41.ref.c2_compressor:pair_pool" if pooled else ""),
+          ("eps", "rule", "rope_dim"), ("random u at magnitudes 1 and 1e-3 (pins eps)",),
+          ("rmsnorm_inputs", "rmsnorm_values", "rms_eps", "pair_pool_values", "pending_state", "static_shapes",
+           "op_registered"))
+    for op, pooled in (("c2_norm_rope_fp4_store", False), ("c2_pool_norm_rope_fp4_store", True))))
+
+
 class C2CompressorFamily(FusionFamily):
     """Fuse the compressor's [pooling ->] RMSNorm -> RoPE -> FP4 -> bank write (see module docstring)."""
 
-    name = "c2_compressor"
-    summary = ("C2 compressor: [pair softmax pooling ->] RMSNorm -> RoPE -> FP4 -> bank row write "
-               "(returns the pre-RoPE latent)")
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Replace every verified compressor chain with `dsv41::c2_[pool_]norm_rope_fp4_store`."""
-        graph = gm.graph
-        start = set(graph.nodes)
-        ev = RegionEvaluator(gm)
-        sourced = sourced_nodes(graph)
+        scan = GraphScan(gm)
+        graph, ev, sourced = scan.graph, scan.ev, scan.sourced
         matches, misses, done = [], [], set()
-        for amax in [n for n in graph.nodes if rf._is_block_amax(n)]:
+        for amax in [n for n in graph.nodes if rf.is_block_amax(n)]:
             if amax in done:
                 continue
             site = _rope_fp4_store_site(amax, ev, sourced)
@@ -100,11 +114,9 @@ class C2CompressorFamily(FusionFamily):
                 misses.append(rec)
             else:
                 matches.append(rec)
-        from torch._inductor.pattern_matcher import stable_topological_sort
-        stable_topological_sort(graph)
-        eliminate_dead_code(graph)
-        removed = {n.name for n in start - set(graph.nodes)}
-        matches = [rf._keep_removed(m, removed) for m in matches]
+        finish_graph(graph)
+        removed = scan.removed_names()
+        matches = [keep_removed(m, removed) for m in matches]
         missing = [op for op in ("c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store") if dsv41_op(op) is None]
         note = f"ops not registered: {', '.join(missing)}" if missing else ""
         return PassRecord(self.name, True, tuple(matches), tuple(misses), (), note)
@@ -182,21 +194,21 @@ def _bytes(lv: torch.Tensor, blk: int, pooled: bool):
 def _rope_fp4_store_site(amax, ev, sourced):
     """(y, rope, quant, (codes write, scales write)) for a RoPE -> FP4 chain whose codes and scales go to
     [B, Rows, *] caches at rows [B, T] of a [B, T, D] latent (rope_fp4's matchers); None otherwise."""
-    ys = rf._quantised_tensor_candidates(amax)
-    if not ys or rf._rope_structure(ys[0], sourced) is None:
+    ys = rf.quantised_tensor_candidates(amax)
+    if not ys or rope_structure(ys[0], sourced) is None:
         return None
     if symbolic_part([amax, *ys]) is not None:  # rope_fp4 reports it (static_shapes); no probe sees such sizes
         return None
     for y in ys:
-        quant = rf._match_quant(y, amax, ev, sourced)
+        quant = rf.match_quant(y, amax, ev, sourced)
         if quant is not None:
             break
     if quant is None or quant.packed is None or quant.scale is None:
         return None
-    rope, _ = rf._match_rope(y, ev, sourced)
+    rope, _ = match_rope(y, ev, sourced)
     if rope is None:
         return None
-    writes, _ = rf._cache_write(quant, ev, sourced)
+    writes, _ = rf.cache_write(quant, ev, sourced)
     if not writes:
         return None
     xv = tensor_val(rope.x)
@@ -238,15 +250,6 @@ def _literals(region) -> list:
     return out
 
 
-def _close(got, ref) -> bool:
-    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
-        return False
-    if torch.equal(got, ref):
-        return True
-    eps = torch.finfo(ref.dtype).eps
-    return bool(torch.allclose(got.float(), ref.float(), rtol=4 * eps, atol=4 * eps * float(ref.abs().max())))
-
-
 def _match_norm(latent: fx.Node, ev: RegionEvaluator):
     """({u, w, eps, region}, None) when latent = rms_norm(u.to(latent.dtype), w, eps); (None, why) for a
     region with a last-dim mean that computes something else; (None, None) when it is not norm-like."""
@@ -271,17 +274,16 @@ def _match_norm(latent: fx.Node, ev: RegionEvaluator):
     base = torch.randn(shape, generator=gen, dtype=torch.float64)
     wp = (0.5 + torch.rand(shape[-1], generator=gen, dtype=torch.float64)).to(wv.dtype).to(wv.device)
     envs = [{u: (base * s).to(uv.dtype).to(uv.device), w: wp} for s in (1.0, 1e-3)]
-    try:
-        runs = [ev.evaluate([latent], env)[latent] for env in envs]
-    except (RegionNotClosed, RuntimeError):
+    runs = probe_runs(ev, latent, envs)
+    if runs is None:
         return None, None
     lits = _literals(region)
     for eps in lits:
-        if all(_close(got, rms_norm(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)):
+        if all(close_scaled(got, rms_norm(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)):
             return dict(u=u, w=w, eps=float(eps), region=region), None
-    if any(_close(runs[0], rms_norm(envs[0][u].to(lv.dtype), wp, eps)) for eps in lits):
+    if any(close_scaled(runs[0], rms_norm(envs[0][u].to(lv.dtype), wp, eps)) for eps in lits):
         return None, rms_eps_reason(lits, lambda eps: all(
-            _close(got, rms_norm_eps_outside(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)))
+            close_scaled(got, rms_norm_eps_outside(env[u].to(lv.dtype), wp, eps)) for got, env in zip(runs, envs)))
     return None, ("rmsnorm_values", "the region reads a [..., D] tensor and a [D] weight but does not compute "
                   "w * x * rsqrt(mean(x^2) + eps) in FP32 (MODEL.md §2.2)")
 
@@ -313,7 +315,7 @@ def _match_pool(u: fx.Node, ev: RegionEvaluator):
         return None, None
     for perm in itertools.permutations(leaves):
         k, g, pk, pg = perm
-        if _close(got, reference_pair_pool(env[k], env[g], env[pk], env[pg])) and _close(
+        if close_scaled(got, reference_pair_pool(env[k], env[g], env[pk], env[pg])) and close_scaled(
                 got_wide, reference_pair_pool(wide[k], wide[g], wide[pk], wide[pg])):
             return dict(k=k, g=g, prev_k=pk, prev_g=pg, region=region), None
     return None, ("pair_pool_values", "the norm input is computed from four FP32 tensors with exp but is not the "

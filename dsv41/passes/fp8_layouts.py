@@ -61,8 +61,8 @@ import torch
 import torch.fx as fx
 
 from ..ref import formats
-from .base import (RegionEvaluator, RegionNotClosed, agree_where_representable, concrete_shape, dsv41_op, insert_node,
-                   tensor_val, wide_scale_probes)
+from .engine import (RegionEvaluator, RegionNotClosed, agree_where_representable, concrete_shape, dsv41_op, insert_node,
+                     tensor_val, wide_scale_probes)
 
 __all__ = ["Layout", "Unmatched", "BLOCKS", "FP8", "readings", "unmatched", "verify", "fused_call", "pattern"]
 

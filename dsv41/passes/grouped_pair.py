@@ -44,10 +44,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   group_in_order, insert_node, node_label, tensor_val, token_rows)
+from .records import MatchRecord, SourceLocation
+from .engine import (Chain, HorizontalFamily, Role, concrete_shape, insert_node, node_label, register_family,
+                     tensor_val, token_rows)
 
-__all__ = ["GroupedPairFamily"]
+__all__ = ["GroupedPairFamily", "SPEC"]
 
 _PATTERN = "grouped_linear_fp4 x2 (same x, same experts)"
 
@@ -68,41 +69,37 @@ def _weight_key(w) -> tuple:
     return (concrete_shape(v), v.dtype) if v is not None else (None, None)
 
 
-class GroupedPairFamily(FusionFamily):
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "grouped_pair", "two grouped FP4 expert GEMVs of the same activation and experts (MoE w1 / w3) -> one op that "
+    "quantises the activation once", (
+    Chain("pair", "grouped_linear_fp4_pair", "two dsv41::grouped_linear_fp4 with act_quant of one x and one "
+          "indices tensor", (Role("x", "[E, M, K]"), Role("w1 / w3 codes, scales", "[experts, N, K/2], [.., K/32]",
+                                                         "uint8"), Role("ids", "[..]", "int")),
+          "dsv41.kernels.grouped_gemv (the op pair)", (), (), ("act_quant", "operand_order", "weight_shape")),))
+
+
+class GroupedPairFamily(HorizontalFamily):
     """Fuse two `dsv41::grouped_linear_fp4` of one x and one indices tensor, both with act_quant, into
     `dsv41::grouped_linear_fp4_pair` (module docstring)."""
 
-    name = "grouped_pair"
-    summary = ("two grouped FP4 expert GEMVs of the same activation and experts (MoE w1 / w3) -> one op that "
-               "quantises the activation once")
+    spec = SPEC
+    single_op, miss_pattern = "grouped_linear_fp4", _PATTERN
 
-    def run(self, gm: fx.GraphModule) -> PassRecord:
-        """Rewrite every matching pair of `gm` in place; returns the matches and near-misses."""
-        graph = gm.graph
-        single, pair_op = dsv41_op("grouped_linear_fp4"), dsv41_op("grouped_linear_fp4_pair")
-        if single is None or pair_op is None:
-            return PassRecord(self.name, True, note="dsv41::grouped_linear_fp4(_pair) not registered")
-        # Every pair is decided on the graph as it is, then rewritten: a rewrite replaces an output that a later
-        # group may read as its x.
-        order = {n: i for i, n in enumerate(graph.nodes)}
+    def members(self, graph: fx.Graph, single) -> dict:
+        """The grouped GEMVs by (x, indices)."""
         by_inputs: dict = {}
         for n in _grouped_nodes(graph, single):
             x, _, _, idx, _ = _args(n)
             by_inputs.setdefault((x, idx), []).append(n)
-        pairs, why_not = [], {}
-        for nodes in by_inputs.values():
-            found, refused = group_in_order(nodes, lambda a, b: self._mismatch(a, b, order), 2)
-            pairs += found
-            why_not.update(refused)
-        paired = {n for pair in pairs for n in pair}
-        # A near-miss names a GEMV that found a candidate but stays alone (not one that paired later).
-        misses = [NearMiss(self.name, _PATTERN, why[0], why[1], SourceLocation.from_node(n))
-                  for n, why in why_not.items() if n not in paired]
-        matches = [self._fuse(graph, a, b, pair_op) for a, b in pairs]
-        return PassRecord(self.name, True, tuple(matches), tuple(misses))
+        return by_inputs
+
+    def most(self) -> int:
+        """A pair."""
+        return 2
 
     @staticmethod
-    def _mismatch(first: fx.Node, later: fx.Node, order: dict) -> tuple[str, str] | None:
+    def mismatch(first: fx.Node, later: fx.Node, order: dict) -> tuple[str, str] | None:
         """None when `later` can join `first` in a pair, else (check, reason)."""
         _, wa, _, _, qa = _args(first)
         _, wb, _, _, qb = _args(later)
@@ -118,7 +115,9 @@ class GroupedPairFamily(FusionFamily):
                                      "have to wait for them")
         return None
 
-    def _fuse(self, graph: fx.Graph, a: fx.Node, b: fx.Node, pair_op) -> MatchRecord:
+    def fuse(self, graph: fx.Graph, group: list, pair_op) -> MatchRecord:
+        """Replace the pair `group` by one `grouped_linear_fp4_pair` and two getitems; returns the match."""
+        a, b = group
         x, wa, sa, idx, _ = _args(a)
         _, wb, sb, _, _ = _args(b)
         pair = insert_node(graph, a, pair_op, (x, wa, sa, wb, sb, idx, True), like=a)

@@ -59,8 +59,9 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .base import (Finding, FusionFamily, GraphFingerprint, PassRecord, SourceLocation, node_label, restore_graph,
-                   snapshot_graph)
+from .records import Finding, PassRecord, SourceLocation
+from .engine import (FusionFamily, GraphFingerprint, fused_ops, node_label, restore_graph, snapshot_graph,
+                     unvalidated_ops)
 from .c2_compressor import C2CompressorFamily
 from .dispatch import DispatchFamily
 from .engram import EngramFamily
@@ -75,45 +76,34 @@ from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
 
-__all__ = ["FAMILY_ORDER", "FAMILIES", "REWRITE_FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED", "GPU_UNVALIDATED_OPS",
-           "FamilyFailed"]
+__all__ = ["FAMILY_ORDER", "FAMILIES", "REWRITE_FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED",
+           "GPU_UNVALIDATED_OPS", "FamilyFailed"]
 
-#: Registered families by name, in the order they run.
-FAMILIES: dict[str, type[FusionFamily]] = {
-    NormalizeFamily.name: NormalizeFamily,
-    C2CompressorFamily.name: C2CompressorFamily,
-    RopeFp4Family.name: RopeFp4Family,
-    MhcFamily.name: MhcFamily,
-    EngramFamily.name: EngramFamily,
-    MoeFamily.name: MoeFamily,
-    SparseAttentionFamily.name: SparseAttentionFamily,
-    IndexerFamily.name: IndexerFamily,
-    SmallOpsFamily.name: SmallOpsFamily,
-    UpcastLinearFamily.name: UpcastLinearFamily,
-    DispatchFamily.name: DispatchFamily,
-    GroupedPairFamily.name: GroupedPairFamily,
-    SiblingGemvFamily.name: SiblingGemvFamily,
-}
+#: The registry: every family class in the order it runs. Each carries its `FamilySpec` (`spec`: name, summary,
+#: chains as data, engine/chain.py); everything below is read from it.
+FAMILIES: dict[str, type[FusionFamily]] = {cls.spec.name: cls for cls in (
+    NormalizeFamily, C2CompressorFamily, RopeFp4Family, MhcFamily, EngramFamily, MoeFamily, SparseAttentionFamily,
+    IndexerFamily, SmallOpsFamily, UpcastLinearFamily, DispatchFamily, GroupedPairFamily, SiblingGemvFamily)}
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
-#: Families that rewrite the graph into the forms the matchers read without fusing anything: the report lists
-#: their matches as rewrites, apart from the fusions.
-REWRITE_FAMILIES: tuple[str, ...] = ("normalize",)
-#: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU: the
-#: backend leaves them off for graphs on CUDA unless the option `gpu_unvalidated` is set (compiler/options.py).
-#: Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and gave eager's greedy
-#: tokens end to end (tiny, FP32; bench/results/2026-11-30_h200_s6). A new family starts here until it has.
-GPU_UNVALIDATED: tuple[str, ...] = ()
-#: The same per fused op, for an op added to a family that has run on a GPU: on CUDA, a chain that would become one
-#: of these is left unfused (near-miss `gpu_unvalidated`) unless the option `gpu_unvalidated` is set.
-#: A variant of an op is named `op(argument)`, e.g. "mhc_mixes(norm_weight)" for mhc_mixes with the RMS weight.
-#: Empty since 2026-12-06: linear_fp8_scaled and mhc_mixes(norm_weight) passed their GPU tests on an H100
-#: (tests/test_kernels_gpu_fp8_scaled.py, tests/test_kernels_gpu.py; bench/results/2026-12-06_h100_s26). A new op
-#: variant starts here until it has.
-GPU_UNVALIDATED_OPS: tuple[str, ...] = ()
-_FUSED_OPS = ("linear_fp8_block", "linear_fp8_block_multi", "linear_fp4", "linear_fp8_scaled", "c2_norm_rope_fp4_store", "c2_pool_norm_rope_fp4_store", "rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store",
-              "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand", "engram_lookup", "engram_gate",
-              "moe_router", "moe_combine", "grouped_linear_fp4", "grouped_linear_fp4_pair",
-              "indexer_scores", "indexer_candidates", "indexer_topk", "sparse_fp4_attention", "linear_upcast")
+_SPECS = tuple(FAMILIES[name].spec for name in FAMILY_ORDER)
+#: Families that rewrite the graph into the forms the matchers read without fusing anything (`rewrites_only`): the
+#: report lists their matches as rewrites, apart from the fusions.
+REWRITE_FAMILIES: tuple[str, ...] = tuple(spec.name for spec in _SPECS if spec.rewrites_only)
+#: Families whose Triton kernels have been tested only under the interpreter, never compiled for a GPU (a spec with
+#: `gpu_validated=False`): the backend leaves them off for graphs on CUDA unless the option `gpu_unvalidated` is set
+#: (compiler/options.py). Empty since 2026-11-30: `sparse_attention` and `indexer` passed the H200 kernel tests and
+#: gave eager's greedy tokens end to end (tiny, FP32; bench/results/2026-11-30_h200_s6). A new family starts so
+#: until it has.
+GPU_UNVALIDATED: tuple[str, ...] = tuple(spec.name for spec in _SPECS if not spec.gpu_validated)
+#: The same per fused op (a `Chain` with `gpu_validated=False`), for an op added to a family that has run on a GPU:
+#: on CUDA, a chain that would become one of these is left unfused (near-miss `gpu_unvalidated`) unless the option
+#: `gpu_unvalidated` is set. A variant of an op is named `op(argument)`, e.g. "mhc_mixes(norm_weight)" for mhc_mixes
+#: with the RMS weight. Empty since 2026-12-06: linear_fp8_scaled and mhc_mixes(norm_weight) passed their GPU tests
+#: on an H100 (tests/test_kernels_gpu_fp8_scaled.py, tests/test_kernels_gpu.py; bench/results/2026-12-06_h100_s26).
+#: A new op variant starts so until it has.
+GPU_UNVALIDATED_OPS: tuple[str, ...] = unvalidated_ops(_SPECS)
+#: Every dsv41 op a family may emit (the uuid hashes which of them are registered).
+_FUSED_OPS: tuple[str, ...] = fused_ops(_SPECS)
 
 
 @dataclass(frozen=True)
@@ -213,6 +203,11 @@ def _defining_file(parent: str, module: str, name: str, depth: int = 0) -> str |
     return f
 
 
+# Modules in those packages that no compile runs: the family test harness (tests import it, the passes never do),
+# so editing it keeps Inductor's caches.
+_NOT_READ_BY_PASSES = {("passes", "testing.py")}
+
+
 def _source_files(parent: str | None = None) -> list[str]:
     """The sources `uuid()` hashes: every module of dsv41/passes and dsv41/kernels, and every dsv41 module they
     import, followed import by import (function-level imports too). The passes verify their matches against the
@@ -220,7 +215,8 @@ def _source_files(parent: str | None = None) -> list[str]:
     or kernel imports (generate.py, model.py, ...) are not, so editing them keeps Inductor's caches."""
     parent = parent or _PACKAGE_PARENT
     todo = [os.path.join(parent, "dsv41", d, f) for d in _ROOT_PACKAGES
-            for f in sorted(os.listdir(os.path.join(parent, "dsv41", d))) if f.endswith(".py")]
+            for f in sorted(os.listdir(os.path.join(parent, "dsv41", d)))
+            if f.endswith(".py") and (d, f) not in _NOT_READ_BY_PASSES]
     seen: set[str] = set()
     while todo:
         f = todo.pop()

@@ -29,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from ..ref.mhc import HC_MULT
-from .base import RegionNotClosed, concrete_shape, node_label, rms_eps_reason, tensor_val
+from .engine import (RegionNotClosed, chain_back, close_rounded, concrete_shape, is_float, is_shape_value, is_step,
+                     node_label, real_tensors, rms_eps_reason, shape_of, tensor_val)
 
 __all__ = ["NormalisedInput", "normalised_input", "verify_normalised_input"]
 
@@ -42,7 +43,7 @@ _PROBE_SCALES = (1.0, 1e-4)  # |H| ~ 1, then ~1e-4 (mean square 1e-8: an eps of 
 class NormalisedInput:
     """Leaves of a projection input in the "normalise, then project" spelling.
 
-    H: the four-stream tensor [B, T, 4, d] (through views / exact casts, as `_chain_back` finds it), weight: the
+    H: the four-stream tensor [B, T, 4, d] (through views / exact casts, as `chain_back` finds it), weight: the
     RMS weight [4d] or None, nodes: the walked nodes between the input and its leaves (their float literals are
     the eps candidates), refusal: None, or (check, reason) when the input reads one H but also other tensors.
     """
@@ -64,7 +65,6 @@ def normalised_input(x: fx.Node, k: int) -> NormalisedInput | None:
     Errors: none (nodes without tensor metadata are leaves of the "other" kind).
     Source: MODEL.md §2.3 steps 1-3; the spelling described in this module's docstring.
     """
-    from .mhc import _chain_back, _is_float, _is_shape_value, _is_step, _shape  # mhc imports this module
 
     d = k // HC_MULT
     streams, weights, others = [], [], []
@@ -77,17 +77,17 @@ def normalised_input(x: fx.Node, k: int) -> NormalisedInput | None:
         seen[n] = None
         if len(seen) > _WALK_LIMIT:
             return None
-        shape = _shape(n)
+        shape = shape_of(n)
         v = n.meta.get("val")
-        if _is_shape_value(n):
+        if is_shape_value(n):
             continue
-        if shape is not None and _is_float(n) and len(shape) == 4 and shape[2:] == (HC_MULT, d):
+        if shape is not None and is_float(n) and len(shape) == 4 and shape[2:] == (HC_MULT, d):
             streams.append(n)
-        elif shape == (k,) and _is_float(n):
+        elif shape == (k,) and is_float(n):
             weights.append(n)
         elif n.op == "get_attr" and isinstance(v, torch.Tensor) and v.numel() <= _SMALL_CONSTANT:
             continue
-        elif _is_step(n):
+        elif is_step(n):
             todo.extend(n.all_input_nodes)
         else:
             others.append(n)
@@ -104,9 +104,9 @@ def normalised_input(x: fx.Node, k: int) -> NormalisedInput | None:
 
     def source(n, shape):
         """The farthest tensor `n` is a view / exact cast of with the same shape (a parameter, not its upcast)."""
-        return [m for m in _chain_back(n) if _is_float(m) and _shape(m) == shape][-1]
+        return [m for m in chain_back(n) if is_float(m) and shape_of(m) == shape][-1]
 
-    H = source(streams[0], _shape(streams[0]))
+    H = source(streams[0], shape_of(streams[0]))
     weight = source(weights[0], (k,)) if weights else None
     return NormalisedInput(H, weight, nodes)
 
@@ -123,14 +123,13 @@ def verify_normalised_input(ev, x: fx.Node, found: NormalisedInput, lits: list):
     `lits`, else (None, (check, reason)).
 
     Probes: H random (|H| ~ 1) and the same times 1e-4 (pins eps), in H's dtype; w = 0.5 + U(0, 1) in its dtype.
-    The reference is float64, rounded to FP32 once; agreement is `_close_rounded` (a few FP32 ulps). `ev` is the
+    The reference is float64, rounded to FP32 once; agreement is `close_rounded` (a few FP32 ulps). `ev` is the
     family's `RegionEvaluator`; x [rows, 4d] with rows = B * T. Checks: `region_evaluates` (the probes do not
     run), `rms_eps` (right with |H| ~ 1 only: eps not among `lits`), `rms_input` (anything else: another norm,
     a rounding to bf16 before the projection, the weight elsewhere).
     Raises: nothing (probes that do not run are the `region_evaluates` check).
     Source: MODEL.md §2.3 steps 1-3; `torch.nn.functional.rms_norm`.
     """
-    from .mhc import _close_rounded, _real_tensors  # mhc imports this module
 
     H, weight = found.H, found.weight
     hv = tensor_val(H)
@@ -142,7 +141,7 @@ def verify_normalised_input(ev, x: fx.Node, found: NormalisedInput, lits: list):
         w = (0.5 + torch.rand(concrete_shape(wv), generator=gen, dtype=torch.float64)).to(wv.dtype)
     xs = concrete_shape(tensor_val(x))
     probes, runs = [(h * s).to(hv.dtype) for s in _PROBE_SCALES], []
-    with _real_tensors():
+    with real_tensors():
         for hp in probes:
             env = {H: hp.to(hv.device)}
             if weight is not None:
@@ -162,11 +161,11 @@ def verify_normalised_input(ev, x: fx.Node, found: NormalisedInput, lits: list):
             return out.reshape(xs).float() if out.numel() == torch.Size(xs).numel() else None
 
         for eps in lits:
-            if all(_close_rounded(got, want(hp, eps)) for got, hp in zip(runs, probes)):
+            if all(close_rounded(got, want(hp, eps)) for got, hp in zip(runs, probes)):
                 return eps, None
-        if any(_close_rounded(runs[0], want(probes[0], eps)) for eps in lits):
+        if any(close_rounded(runs[0], want(probes[0], eps)) for eps in lits):
             return None, rms_eps_reason(lits, lambda eps: all(
-                _close_rounded(got, want(hp, eps, outside=True)) for got, hp in zip(runs, probes)))
+                close_rounded(got, want(hp, eps, outside=True)) for got, hp in zip(runs, probes)))
     weighted = " * w" if weight is not None else ""
     return None, ("rms_input", f"the projection's input is computed from H {H.name} [B, T, 4, d]"
                   f"{f' and a weight {weight.name} [4d]' if weight is not None else ''} but is not "

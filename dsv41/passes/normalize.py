@@ -35,10 +35,10 @@ import threading
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, eliminate_dead_code, node_label,
-                   tensor_val)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import FusionFamily, eliminate_dead_code, node_label, register_family, tensor_val
 
-__all__ = ["NormalizeFamily", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
+__all__ = ["NormalizeFamily", "SPEC", "EXACT_CASTS", "BATCH1_TAG", "restore_batch1_mm"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -118,7 +118,7 @@ def _build():
                          KeywordArg("dt")), extra_check=same_width, pass_dict=pm)
         def dtype_view_reshape(match: Match, x, mid, shape, dt):
             """view.dtype(reshape(view.dtype(x, a), s), x.dtype) -> reshape(x, s)."""
-            from .base import insert_node
+            from .engine import insert_node
             new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, shape),
                               like=match.output_node())
             _replace(match, new, "dtype_view_reshape")
@@ -143,7 +143,7 @@ def _build():
                 pass_dict=pm)
             def reshape_chain(match: Match, x, s1, s2):
                 """reshape(reshape(x, s1), s2) -> reshape(x, s2)."""
-                from .base import insert_node
+                from .engine import insert_node
                 new = insert_node(match.graph, match.output_node(), aten.reshape.default, (x, s2),
                                   like=match.output_node())
                 _replace(match, new, "reshape_chain")
@@ -191,7 +191,7 @@ def _build():
             extra_check=batch1_operands, pass_dict=pm)
         def batch1_bmm(match: Match, a, b):
             """unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0) -> bmm(a, b), tagged `BATCH1_TAG`."""
-            from .base import insert_node
+            from .engine import insert_node
             new = insert_node(match.graph, match.output_node(), aten.bmm.default, (a, b), like=match.output_node())
             new.meta[BATCH1_TAG] = True
             _replace(match, new, "batch1_bmm", (("bmm", new.name),))
@@ -203,7 +203,7 @@ def restore_batch1_mm(gm: fx.GraphModule) -> set:
     """Give the `batch1_bmm` nodes that no fusion consumed back to Inductor in the form its GPU rewrite chose
     (squeeze -> mm -> unsqueeze, so its mm templates and epilogue fusions still apply); returns the names of the
     restored bmm nodes (their `batch1_bmm` records are then dropped: the graph is as Inductor left it there)."""
-    from .base import insert_node
+    from .engine import insert_node
     done = set()
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target != aten.bmm.default or not n.meta.get(BATCH1_TAG):
@@ -219,11 +219,16 @@ def restore_batch1_mm(gm: fx.GraphModule) -> set:
     return done
 
 
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "normalize", "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases",
+    rewrites_only=True)
+
+
 class NormalizeFamily(FusionFamily):
     """Remove value-preserving detours (see module docstring); each rewrite is one match in the record."""
 
-    name = "normalize"
-    summary = "remove no-op dtype-view / cast round trips, reshape chains, contiguous clones, aliases"
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Remove the value-preserving detours of `gm` in place; returns the record of what was rewritten."""

@@ -31,9 +31,7 @@ write is left to Inductor, and the match record says why (`detail["cache_write"]
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,12 +40,14 @@ import torch
 import torch.fx as fx
 
 from ..ref import formats
-from ..ref.rope import apply_rope
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, RegionEvaluator, RegionNotClosed, SourceLocation,
-                   concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label,
-                   same_shape, size_args, sourced_nodes, static_refusal, tensor_val, token_rows)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (Chain, FusionFamily, GraphScan, RegionEvaluator, RegionNotClosed, Role, concrete_shape, dsv41_op,
+                     eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, keep_removed, node_label,
+                     register_family, same_shape, size_args, static_refusal, tensor_val, token_rows)
+from .rope_match import Rope, match_rope, order_key, rope_structure
 
-__all__ = ["RopeFp4Family", "QUANT_RULES"]
+__all__ = ["RopeFp4Family", "QUANT_RULES", "SPEC", "Quant", "is_block_amax", "quantised_tensor_candidates",
+           "match_quant", "cache_write"]
 
 aten = torch.ops.aten
 #: rule name -> (scale block, E4M3 scales?, quantise fn, fake-quant fn) of formats.py.
@@ -55,17 +55,32 @@ QUANT_RULES = {
     "e4m3_1x16": (16, True, formats.quantize_fp4_e4m3_1x16, formats.fake_quant_fp4_e4m3_1x16),
     "ue8m0_1x32": (32, False, formats.quantize_fp4_ue8m0_1x32, formats.fake_quant_fp4_ue8m0_1x32),
 }
-_ROPE_OPS = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default,
-             aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+#: What each RoPE -> FP4 chain looks for (`dsv41 report --patterns`).
+SPEC = register_family(
+    "rope_fp4", "interleaved RoPE on the last R channels -> FP4 E2M1 quant (E4M3 1x16 / UE8M0 1x32) "
+    "[-> cache write]", tuple(
+    Chain(name, name, "amax over a last dim of 16 / 32 (a block quantiser) of a tensor y computed by RoPE-like ops "
+          "from one x and a cos / sin pair (or complex freqs)",
+          (Role("x", "[.., D]"), Role("cos / sin", "[.., R/2]", "fp32 (or complex64 freqs)")) + extra,
+          "dsv41.ref.rope:apply_rope + dsv41.ref.formats:quantize_fp4_*", ("rule (e4m3_1x16 / ue8m0_1x32)",
+                                                                              "rope_dim", "layout"),
+          ("random x and angles; quantiser probes of every block edge case",),
+          ("static_shapes", "fp4_quantiser", "rope_channels", "rope_direction", "rope_layout", "rope_trig_dtype",
+           "rope_values", "op_registered") + checks)
+    for name, extra, checks in (
+        ("rope_fp4_quant", (), ("output_dtype", "dynamic_reshape")),
+        ("rope_fp4_fake_quant", (), ("output_dtype", "dynamic_reshape")),
+        ("rope_fp4_quant_store", (Role("codes_cache / scale_cache", "[B, Rows, bytes]", "uint8"),
+                                  Role("rows", "[B, T]", "int64")), ()))))
 _WRITE_OPS = {aten.index_put.default, aten.index_put_.default, aten.index_copy.default, aten.index_copy_.default,
               aten.scatter.src, aten.scatter_.src, aten.copy_.default}
 _UNARY_TO_Y = {aten.abs.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
 _CLOSURE_LIMIT = 800
-_ROPE_LIMIT = 300
-
-
 @dataclass
-class _Quant:
+class Quant:
+    """A verified FP4 quantiser: its rule, its outputs (packed codes, scales, or the fake-quantised values) and
+    the nodes computed from y alone."""
+
     rule: str
     packed: fx.Node | None
     scale: fx.Node | None
@@ -73,36 +88,24 @@ class _Quant:
     closure: list
 
 
-@dataclass
-class _Rope:
-    x: fx.Node
-    cos: fx.Node          # aligned (broadcastable to x's leading dims) real cos, or the complex freqs node
-    sin: fx.Node | None   # None when `cos` is complex freqs_cis
-    rope_dim: int
-    region: list
-
-
 class RopeFp4Family(FusionFamily):
     """Fuse RoPE -> FP4 quantisation (-> cache write) into the `dsv41::rope_fp4_*` ops (see module docstring)."""
 
-    name = "rope_fp4"
-    summary = "interleaved RoPE on the last R channels -> FP4 E2M1 quant (E4M3 1x16 / UE8M0 1x32) [-> cache write]"
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Replace every verified RoPE -> FP4 quantisation chain (and its cache write) with the fused op."""
-        graph = gm.graph
-        start = set(graph.nodes)
-        ev = RegionEvaluator(gm)
-        sourced = sourced_nodes(graph)
+        scan = GraphScan(gm)
+        graph, ev, sourced = scan.graph, scan.ev, scan.sourced
         matches: list[MatchRecord] = []
         misses: list[NearMiss] = []
         done: set = set()
-        for amax in [n for n in graph.nodes if _is_block_amax(n)]:
+        for amax in [n for n in graph.nodes if is_block_amax(n)]:
             if amax in done:
                 continue
-            ys = _quantised_tensor_candidates(amax)
+            ys = quantised_tensor_candidates(amax)
             # Structure first (cheap): only a tensor computed from one x and a cos/sin pair is worth probing.
-            if not ys or _rope_structure(ys[0], sourced) is None:
+            if not ys or rope_structure(ys[0], sourced) is None:
                 continue
             refused = static_refusal(self.name, "rope -> fp4 quant", [amax, *ys], SourceLocation.from_node(ys[0]),
                                      "dsv41::rope_fp4_*")
@@ -111,11 +114,11 @@ class RopeFp4Family(FusionFamily):
                 continue
             quant, y = None, ys[0]
             for cand in ys:
-                quant = _match_quant(cand, amax, ev, sourced)
+                quant = match_quant(cand, amax, ev, sourced)
                 if quant is not None:
                     y = cand
                     break
-            rope, why = _match_rope(y, ev, sourced)
+            rope, why = match_rope(y, ev, sourced)
             loc = SourceLocation.from_node(y)
             if quant is None:
                 if rope is not None:
@@ -141,26 +144,26 @@ class RopeFp4Family(FusionFamily):
         from torch._inductor.pattern_matcher import stable_topological_sort
         stable_topological_sort(graph)
         eliminate_dead_code(graph)
-        removed = {n.name for n in start - set(graph.nodes)}
-        matches = [_keep_removed(m, removed) for m in matches]
+        removed = scan.removed_names()
+        matches = [keep_removed(m, removed) for m in matches]
         missing = [op for op in ("rope_fp4_quant", "rope_fp4_fake_quant", "rope_fp4_quant_store")
                    if dsv41_op(op) is None]
         note = f"ops not registered: {', '.join(missing)}" if missing else ""
         return PassRecord(self.name, True, tuple(matches), tuple(misses), (), note)
 
     # -------------------------------------------------------------------------------------------- rewrite
-    def _fuse(self, gm, y, rope: _Rope, quant: _Quant, ev: RegionEvaluator, sourced: set):
+    def _fuse(self, gm, y, rope: Rope, quant: Quant, ev: RegionEvaluator, sourced: set):
         graph = gm.graph
         blk, e4m3, _, _ = QUANT_RULES[quant.rule]
         loc = SourceLocation.from_node(y)
         pattern = f"rope -> fp4 quant ({quant.rule})"
         outputs = [n for n in (quant.packed, quant.scale, quant.fake) if n is not None]
-        first = min(outputs, key=_position(graph))
+        first = min(outputs, key=order_key(graph))
         use_fake = quant.fake is not None and not _used_outside(quant.packed, quant.closure) \
             and not _used_outside(quant.scale, quant.closure)
         store, store_why = (None, "")
         if not use_fake:
-            store, store_why = _cache_write(quant, ev, sourced)
+            store, store_why = cache_write(quant, ev, sourced)
         op_name = "rope_fp4_fake_quant" if use_fake else ("rope_fp4_quant_store" if store else "rope_fp4_quant")
         op = dsv41_op(op_name)
         if op is None:
@@ -230,7 +233,7 @@ class RopeFp4Family(FusionFamily):
         return rec, None
 
     @staticmethod
-    def _bytes(rope: _Rope, quant: _Quant, blk: int, fake: bool, store: bool):
+    def _bytes(rope: Rope, quant: Quant, blk: int, fake: bool, store: bool):
         xv = tensor_val(rope.x)
         e = xv.element_size()
         d = concrete_shape(xv)[-1]
@@ -248,7 +251,7 @@ class RopeFp4Family(FusionFamily):
         return str(sympy.expand(before)), str(sympy.expand(after)), tuple(sorted(subs.items()))
 
 
-def _output_mismatch(x: fx.Node, quant: _Quant, blk: int, fake: bool):
+def _output_mismatch(x: fx.Node, quant: Quant, blk: int, fake: bool):
     """(check, reason) when the op's outputs cannot stand in for the matched nodes (dtype, or a reshape that
     would need symbolic sizes); None when they can. Checked before the graph is touched."""
     xv = tensor_val(x)
@@ -270,28 +273,7 @@ def _output_mismatch(x: fx.Node, quant: _Quant, blk: int, fake: bool):
 
 
 # ------------------------------------------------------------------------------------------------ structure
-_ORDERS: "weakref.WeakKeyDictionary[fx.Graph, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _position(graph: fx.Graph):
-    """Sort key: a node's index in the graph (the map is rebuilt when the graph changed size or a node
-    inserted since is met)."""
-    cached = _ORDERS.get(graph)
-    if cached is None or cached[0] != len(graph.nodes):
-        cached = (len(graph.nodes), {n: i for i, n in enumerate(graph.nodes)})
-        _ORDERS[graph] = cached
-    order = cached[1]
-
-    def key(n):
-        if n not in order:
-            _ORDERS.pop(graph, None)
-            return _position(graph)(n)
-        return order[n]
-
-    return key
-
-
-def _is_block_amax(n: fx.Node) -> bool:
+def is_block_amax(n: fx.Node) -> bool:
     """`amax(t, [-1])` over a last dim of 16 or 32: the block absmax every FP4/FP8 block quantiser takes."""
     if n.op != "call_function" or n.target != aten.amax.default:
         return False
@@ -302,7 +284,7 @@ def _is_block_amax(n: fx.Node) -> bool:
     return concrete_shape(src)[-1] in (16, 32)
 
 
-def _quantised_tensor_candidates(amax: fx.Node) -> list:
+def quantised_tensor_candidates(amax: fx.Node) -> list:
     """Tensors the block quantiser may be quantising, farthest first: walk back from the amax through abs,
     casts and views to the first op that is none of those (that op's output is the farthest candidate)."""
     chain = []
@@ -334,7 +316,7 @@ def _forward_closure(y: fx.Node, sourced: set) -> list:
             inset.add(u)
             closure.append(u)
             queue.extend(u.users)
-    pos = _position(y.graph)
+    pos = order_key(y.graph)
     return sorted(closure, key=pos)
 
 
@@ -367,7 +349,7 @@ def _equal_flat(a, ref) -> bool:
             and torch.equal(a.reshape(-1), ref.reshape(-1)))
 
 
-def _match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) -> _Quant | None:
+def match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) -> Quant | None:
     """Which FP4 rule (if any) the nodes computed from y implement, and which nodes hold its outputs.
 
     Outputs are searched only among the nodes that depend on the block `amax` (a quantiser's results all
@@ -413,7 +395,7 @@ def _match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) -
         if (packed is not None and scale is not None) or fake is not None:
             if packed is None or scale is None:
                 packed = scale = None
-            return _Quant(rule, packed, scale, fake, closure)
+            return Quant(rule, packed, scale, fake, closure)
     return None
 
 
@@ -441,205 +423,6 @@ def _used_outside(node: fx.Node | None, closure: list) -> bool:
         return False
     inside = set(closure)
     return any(u not in inside for u in node.users)
-
-
-# ------------------------------------------------------------------------------------------------ RoPE
-def _is_rope_op(n: fx.Node) -> bool:
-    return n.op == "call_function" and (is_view_op(n) or n.target in _ROPE_OPS)
-
-
-def _rope_walk(y: fx.Node, sourced: set):
-    """Walk back from y through RoPE-like ops. Returns (region, xs, leaves) or None if too large: `xs` are
-    the reached tensors with y's shape and dtype, `leaves` every other tensor the region reads."""
-    yv = tensor_val(y)
-    yshape = concrete_shape(yv)
-    region: set = set()
-    xs: list = []
-    leaves: list = []
-    stack = [y]
-    while stack:
-        n = stack.pop()
-        if n in region:
-            continue
-        region.add(n)
-        if len(region) > _ROPE_LIMIT:
-            return None
-        for a in n.all_input_nodes:
-            av = tensor_val(a)
-            if av is None or a in region or a in xs or a in leaves or a not in sourced:
-                continue
-            if concrete_shape(av) == yshape and av.dtype == yv.dtype:
-                xs.append(a)
-            elif _is_rope_op(a):
-                stack.append(a)
-            else:
-                leaves.append(a)
-    return region, xs, leaves
-
-
-def _trig_operands(order: list, x: fx.Node, leaves: list) -> dict:
-    """For each trig leaf, the node the RoPE arithmetic reads it through: the last node computed from that
-    leaf alone (e.g. `cos[:, :, None, :]`, or `cat((cos, cos), -1)` in the rotate-half spelling) that feeds
-    a node depending on x. None for a leaf read in two different forms."""
-    region = set(order)
-    deps: dict = {x: frozenset({x})}
-    deps.update({lf: frozenset({lf}) for lf in leaves})
-    for n in order:
-        deps[n] = frozenset().union(*(deps[a] for a in n.all_input_nodes if a in deps))
-    out = {}
-    for lf in leaves:
-        ops = [n for n in [lf] + order if deps.get(n) == frozenset({lf})
-               and any(u in region and x in deps.get(u, ()) for u in n.users)]
-        same = len({(o.target, repr(o.args[1:]), concrete_shape(tensor_val(o))) for o in ops}) == 1
-        out[lf] = ops[0] if ops and same else None
-    return out
-
-
-def _rope_layouts(x, c, s):
-    """Reference outputs of the RoPE variants a region may implement: ((check, reason or None), reference).
-
-    `c`, `s` are the aligned trig tensors; their last dim is R/2 (one angle per pair) or, for the
-    Hugging Face rotate-half spelling, R (angles duplicated over the two halves)."""
-    d = x.shape[-1]
-    w = c.shape[-1]
-
-    def split(r, first):
-        return (x[..., :r], x[..., r:]) if first else (x[..., -r:], x[..., :-r])
-
-    def join(rot, rest, first):
-        return torch.cat((rot, rest) if first else (rest, rot), -1)
-
-    def interleaved(first: bool, sin):
-        r = 2 * w
-        pe, rest = split(r, first)
-        pf = pe.float().unflatten(-1, (r // 2, 2))
-        a, b = pf[..., 0], pf[..., 1]
-        rot = torch.stack((a * c - b * sin, a * sin + b * c), dim=-1).flatten(-2).to(x.dtype)
-        return join(rot, rest, first)
-
-    def rotate_half(first: bool, full: bool):
-        # full: the Hugging Face spelling pe * cos + rotate_half(pe) * sin with cos/sin of width R.
-        r = w if full else 2 * w
-        pe, rest = split(r, first)
-        pf = pe.float()
-        a, b = pf[..., : r // 2], pf[..., r // 2:]
-        if full:
-            rot = pf * c + torch.cat((-b, a), -1) * s
-        else:
-            rot = torch.cat((a * c - b * s, b * c + a * s), -1)
-        return join(rot.to(x.dtype), rest, first)
-
-    if 2 * w <= d:
-        r = 2 * w
-        yield ("ok", None), apply_rope(x, c, s)
-        yield ("rope_channels", f"RoPE rotates the FIRST {r} of {d} channels; the rope_fp4 ops rotate the last R "
-               "channels (MODEL.md §2.2)"), interleaved(True, s)
-        yield ("rope_direction", "RoPE rotates by the negative angle (inverse rotation); the rope_fp4 ops rotate "
-               "by +angle"), interleaved(False, -s)
-    for full in (False, True):
-        r = w if full else 2 * w
-        if r > d or r % 2:
-            continue
-        yield ("rope_layout", f"rotate-half RoPE (channel i paired with i+{r // 2}) on the last {r} channels; the "
-               "rope_fp4 ops rotate interleaved pairs (2i, 2i+1), and regrouping channels would change which values "
-               "share an FP4 scale block"), rotate_half(False, full)
-        yield ("rope_layout", f"rotate-half RoPE on the FIRST {r} of {d} channels; the rope_fp4 ops rotate "
-               "interleaved pairs of the last R channels"), rotate_half(True, full)
-
-
-def _broadcasts(shape: tuple, target: tuple) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
-def _rope_close(got, ref) -> bool:
-    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
-        return False
-    if torch.equal(got, ref):
-        return True
-    eps = torch.finfo(ref.dtype).eps
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    return bool(torch.allclose(got.float(), ref.float(), rtol=4 * eps, atol=4 * eps * scale))
-
-
-def _rope_structure(y: fx.Node, sourced: set):
-    """(region, x, trig leaves) when y is computed by RoPE-like ops from exactly one tensor x of y's shape
-    and dtype plus either two float tensors of one shape (cos, sin) or one complex tensor (freqs_cis)."""
-    walked = _rope_walk(y, sourced)
-    if walked is None:
-        return None
-    region, xs, leaves = walked
-    if len(xs) != 1:
-        return None
-    vals = [tensor_val(lf) for lf in leaves]
-    if len(leaves) == 1 and vals[0].is_complex():
-        return region, xs[0], leaves
-    if (len(leaves) == 2 and all(v.is_floating_point() for v in vals) and same_shape(vals[0].shape, vals[1].shape)
-            and vals[0].dtype == vals[1].dtype):
-        return region, xs[0], leaves
-    return None
-
-
-def _match_rope(y: fx.Node, ev: RegionEvaluator, sourced: set):
-    """(`_Rope`, None) when y = interleaved RoPE of one tensor on its last R channels; else (None, why) with
-    why = (check, reason) for a recognised look-alike, or None when y is not RoPE-like at all."""
-    found_structure = _rope_structure(y, sourced)
-    if found_structure is None:
-        return None, None
-    region, x, leaves = found_structure
-    xv = tensor_val(x)
-    order = sorted(region, key=_position(y.graph))
-    operands = _trig_operands(order, x, leaves)
-    trig = [(lf, operands[lf]) for lf in leaves]
-    if any(a is None for _, a in trig):
-        return None, None
-    cplx = len(trig) == 1
-    gen = torch.Generator().manual_seed(3)
-    dev = xv.device
-    env = {x: torch.randn(concrete_shape(xv), generator=gen).to(xv.dtype).to(dev)}
-    for lf, _ in trig:
-        v = tensor_val(lf)
-        ang = torch.rand(concrete_shape(v), generator=gen, dtype=torch.float64) * 6.283
-        if v.is_complex():
-            env[lf] = torch.polar(torch.ones_like(ang), ang).to(v.dtype).to(dev)
-        else:
-            env[lf] = (torch.rand(concrete_shape(v), generator=gen, dtype=torch.float64) * 2 - 1).to(v.dtype).to(dev)
-    try:
-        vals = ev.evaluate(order + [a for _, a in trig], env)
-    except RegionNotClosed:
-        return None, None
-    got = vals[y]
-    lead = tuple(concrete_shape(xv)[:-1])
-    if cplx:
-        f = vals[trig[0][1]]
-        assignments = [(trig[0][1], None, f.real.float(), f.imag.float())]
-    else:
-        (_, a1), (_, a2) = trig
-        assignments = [(a1, a2, vals[a1].float(), vals[a2].float()), (a2, a1, vals[a2].float(), vals[a1].float())]
-    found = None
-    d = int(concrete_shape(xv)[-1])
-    for cnode, snode, c, s in assignments:
-        if c.shape != s.shape or int(c.shape[-1]) > d:
-            continue
-        w = int(c.shape[-1])
-        if not _broadcasts(tuple(c.shape), lead + (w,)):
-            continue
-        for (check, reason), ref in _rope_layouts(env[x], c, s):
-            if _rope_close(got, ref):
-                if reason is None:
-                    dt = tensor_val(cnode).dtype
-                    if dt not in (torch.float32, torch.complex64):
-                        return None, ("rope_trig_dtype", f"cos/sin are {dt}; the rope_fp4 ops take float32 cos/sin "
-                                      "(or complex64 freqs_cis)")
-                    return _Rope(x, cnode, snode, 2 * w, order), None
-                found = found or (check, reason)
-                break
-    if found is not None:
-        return None, found
-    return None, ("rope_values", "the region reads x and two broadcast trigonometric tensors but matches no known "
-                  "RoPE layout (interleaved / rotate-half, last / first R channels)")
 
 
 # ------------------------------------------------------------------------------------------------ cache write
@@ -695,7 +478,7 @@ def _write_of(node: fx.Node | None, closure: set, ev: RegionEvaluator, sourced: 
     return w, None
 
 
-def _cache_write(quant: _Quant, ev: RegionEvaluator, sourced: set):
+def cache_write(quant: Quant, ev: RegionEvaluator, sourced: set):
     """Both index_put writes (codes, scales) when they can be fused into rope_fp4_quant_store, else (None, why)."""
     closure = set(quant.closure)
     wp, why_p = _write_of(quant.packed, closure, ev, sourced)
@@ -710,6 +493,3 @@ def _cache_write(quant: _Quant, ev: RegionEvaluator, sourced: set):
     return (wp, ws), ""
 
 
-def _keep_removed(m: MatchRecord, removed: set) -> MatchRecord:
-    keep = [(a, b) for a, b in zip(m.nodes_replaced, m.ops_replaced) if a in removed]
-    return dataclasses.replace(m, nodes_replaced=tuple(a for a, _ in keep), ops_replaced=tuple(b for _, b in keep))

@@ -46,10 +46,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape, dsv41_op,
-                   group_in_order, insert_node, node_label, tensor_val, token_rows)
+from .records import MatchRecord, SourceLocation
+from .engine import (Chain, HorizontalFamily, Role, concrete_shape, insert_node, node_label, register_family,
+                     tensor_val, token_rows)
 
-__all__ = ["SiblingGemvFamily"]
+__all__ = ["SiblingGemvFamily", "SPEC"]
 
 _PATTERN = "linear_fp8_block x{n} (same x)"
 
@@ -71,48 +72,38 @@ def _args(node: fx.Node):
     return tuple(list(node.args) + [node.kwargs[k] for k in names[len(node.args):]])
 
 
-class SiblingGemvFamily(FusionFamily):
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "sibling_gemv", "block-FP8 GEMVs of the same activation (q / kv down-projections, gate / up) -> one op, one "
+    "launch at decode", (
+    Chain("siblings", "linear_fp8_block_multi", "2 to MAX_SIBLINGS dsv41::linear_fp8_block of one x node",
+          (Role("x", "[M, K]"), Role("codes, scales (each)", "[N_i, K], [N_i/32, K/32]", "uint8")),
+          "dsv41.kernels (the op group)", (), (), ("act_quant", "operand_order", "tma_weight")),))
+
+
+class SiblingGemvFamily(HorizontalFamily):
     """Fuse 2 to `gemv_multi.MAX_SIBLINGS` `dsv41::linear_fp8_block` of one x node into
     `dsv41::linear_fp8_block_multi` (module docstring)."""
 
-    name = "sibling_gemv"
-    summary = ("block-FP8 GEMVs of the same activation (q / kv down-projections, gate / up) -> one op, one launch "
-               "at decode")
+    spec = SPEC
+    single_op, miss_pattern = "linear_fp8_block", _PATTERN.format(n="N")
 
-    def run(self, gm: fx.GraphModule) -> PassRecord:
-        """Rewrite every matching group of `gm` in place; returns the matches and near-misses."""
-        from dsv41.kernels.gemv_multi import MAX_SIBLINGS
-        graph = gm.graph
-        single, multi = dsv41_op("linear_fp8_block"), dsv41_op("linear_fp8_block_multi")
-        if single is None or multi is None:
-            return PassRecord(self.name, True, note="dsv41::linear_fp8_block(_multi) not registered")
-        order = {n: i for i, n in enumerate(graph.nodes)}
+    def members(self, graph: fx.Graph, single) -> dict:
+        """The block-FP8 GEMVs by activation (`_x_key`)."""
         by_x: dict = {}
         for n in graph.nodes:
             if n.op == "call_function" and n.target == single:
                 by_x.setdefault(_x_key(_args(n)[0]), []).append(n)
-        groups, why_not = [], {}
-        for nodes in by_x.values():
-            if len(nodes) < 2:
-                continue
-            fits = []
-            for n in nodes:
-                big = self._too_big(n)
-                if big is None:
-                    fits.append(n)
-                else:
-                    why_not[n] = big
-            found, refused = group_in_order(fits, lambda a, b: self._mismatch(a, b, order), MAX_SIBLINGS)
-            groups += found
-            why_not.update(refused)
-        grouped = {n for g in groups for n in g}
-        misses = [NearMiss(self.name, _PATTERN.format(n="N"), why[0], why[1], SourceLocation.from_node(n))
-                  for n, why in why_not.items() if n not in grouped]
-        matches = [self._fuse(graph, g, multi) for g in groups]
-        return PassRecord(self.name, True, tuple(matches), tuple(misses))
+        return by_x
+
+    def most(self) -> int:
+        """`gemv_multi.MAX_SIBLINGS`."""
+        from dsv41.kernels.gemv_multi import MAX_SIBLINGS
+        return MAX_SIBLINGS
 
     @staticmethod
-    def _too_big(node: fx.Node) -> tuple[str, str] | None:
+    def admit(node: fx.Node) -> tuple[str, str] | None:
+        """None, or (`tma_weight`, reason) for a weight that runs faster alone on the TMA GEMV."""
         from dsv41.kernels.quant_gemv import TMA_MIN_WEIGHT_BYTES_M1
         x, weight, _, aq = _args(node)
         w = tensor_val(weight)
@@ -130,7 +121,7 @@ class SiblingGemvFamily(FusionFamily):
         return None
 
     @staticmethod
-    def _mismatch(first: fx.Node, later: fx.Node, order: dict) -> tuple[str, str] | None:
+    def mismatch(first: fx.Node, later: fx.Node, order: dict) -> tuple[str, str] | None:
         """None when `later` can join the group that `first` starts, else (check, reason)."""
         qa, qb = _args(first)[3], _args(later)[3]
         if qa != qb:
@@ -143,7 +134,8 @@ class SiblingGemvFamily(FusionFamily):
                                      "have to wait for them")
         return None
 
-    def _fuse(self, graph: fx.Graph, group: list[fx.Node], multi) -> MatchRecord:
+    def fuse(self, graph: fx.Graph, group: list[fx.Node], multi) -> MatchRecord:
+        """Replace `group` by one `linear_fp8_block_multi` and a getitem per member; returns the match."""
         first = group[0]
         x, _, _, aq = _args(first)
         ws = [_args(n)[1] for n in group]

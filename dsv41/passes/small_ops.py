@@ -46,10 +46,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .base import (FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, is_dataflow_op, is_view_op,
-                   node_label, tensor_val)
+from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import FusionFamily, is_dataflow_op, is_view_op, node_label, register_family, tensor_val
 
-__all__ = ["SmallOpsFamily", "mutated_inputs", "is_index_input", "step_nodes"]
+__all__ = ["SmallOpsFamily", "SPEC", "mutated_inputs", "is_index_input", "step_nodes", "view_base"]
 
 _aten = torch.ops.aten
 _INDEX_DTYPES = (torch.int32, torch.int64, torch.bool)
@@ -68,8 +68,9 @@ def _op_name(node: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _view_base(node: fx.Node) -> fx.Node:
-    # A mutation through a view writes its base: follow view ops back to the tensor that owns the storage.
+def view_base(node: fx.Node) -> fx.Node:
+    """The tensor that owns `node`'s storage: `node` followed back through view ops (at most 64)."""
+    # A mutation through a view writes its base, so the base is what a mutation check must look at.
     seen = 0
     while is_view_op(node) and node.args and isinstance(node.args[0], fx.Node) and seen < 64:
         node, seen = node.args[0], seen + 1
@@ -92,7 +93,7 @@ def mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
         if isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable:
             continue
         for a in n.all_input_nodes:
-            base = _view_base(a)
+            base = view_base(a)
             if base.op == "placeholder":
                 out.add(base)
     return out
@@ -213,11 +214,15 @@ def _first_literal_difference(a: fx.Node, b: fx.Node, canon: dict, depth: int = 
     return None
 
 
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "small_ops", "compute per-step index and mask math (ring slot, visibility, positions) once and share it")
+
+
 class SmallOpsFamily(FusionFamily):
     """Share per-step index / mask math across layers (see module docstring); one match per shared region."""
 
-    name = "small_ops"
-    summary = "compute per-step index and mask math (ring slot, visibility, positions) once and share it"
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Merge duplicate step nodes of `gm.graph` into their first instance; record regions and near-misses.
@@ -267,13 +272,13 @@ class SmallOpsFamily(FusionFamily):
                 continue
             # A pure op that only a mutated input keeps out of the step set: report a repeat, never merge it.
             if (n.op == "call_function" and is_dataflow_op(n) and n.all_input_nodes
-                    and any(_view_base(a) in mutated for a in n.all_input_nodes)
-                    and all(a in step or a in placeholders or a.op == "get_attr" or _view_base(a) in mutated
+                    and any(view_base(a) in mutated for a in n.all_input_nodes)
+                    and all(a in step or a in placeholders or a.op == "get_attr" or view_base(a) in mutated
                             for a in n.all_input_nodes)):
                 k = _key(n, canon)
                 other = blocked_table.setdefault(k, n)
                 if other is not n:
-                    bufs = sorted({_view_base(a).name for a in n.all_input_nodes if _view_base(a) in mutated})
+                    bufs = sorted({view_base(a).name for a in n.all_input_nodes if view_base(a) in mutated})
                     miss("mutated_input", n, other,
                          f"{node_label(n)} repeats {_where(other)} exactly but reads {', '.join(bufs)}, a graph "
                          f"input the graph writes in place: reads of mutated buffers are never shared")

@@ -25,7 +25,7 @@ FP32 matmul multiplies (sums in another FP32 order, as any two GEMMs differ; the
 Only weights that are graph inputs the graph never writes (parameters and buffers, or views of them) are fused:
 the kernel requests its weight tile before waiting on the previous kernel (PDL), which is only safe for memory no
 kernel of the step writes. A computed or written half-precision weight is left unfused (near-miss
-`weight_source`). An FP32 weight must moreover be one the compile marks static (`base.static_inputs`: a parameter,
+`weight_source`). An FP32 weight must moreover be one the compile marks static (`engine.static_inputs`: a parameter,
 buffer or module tensor, not an activation input such as a regional graph's input from the previous region; None
 in training graphs and subgraphs, then no FP32 match); any other FP32 matmul is an ordinary product of
 activations, left to Inductor unrecorded. What neither check sees: a module tensor written by an EARLIER graph
@@ -53,12 +53,12 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .base import (BATCH, LENGTH, FusionFamily, MatchRecord, NearMiss, PassRecord, SourceLocation, concrete_shape,
-                   dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, static_inputs, tensor_val,
-                   token_rows)
-from .small_ops import _view_base, mutated_inputs
+from .records import BATCH, LENGTH, MatchRecord, NearMiss, PassRecord, SourceLocation
+from .engine import (Chain, FusionFamily, Role, concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op,
+                     node_label, register_family, static_inputs, tensor_val, token_rows)
+from .small_ops import mutated_inputs, view_base
 
-__all__ = ["UpcastLinearFamily"]
+__all__ = ["UpcastLinearFamily", "SPEC"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -144,13 +144,20 @@ def _token_leading(x: fx.Node) -> tuple:
     return (m,)
 
 
+#: The family as data (`dsv41 report --patterns`).
+SPEC = register_family(
+    "upcast_linear", "FP32 matmul by an upcast bf16/fp16 weight, or by an FP32 weight at M = 1 -> GEMV reading the "
+    "weight once in its stored width", (
+    Chain("upcast", "linear_upcast", "mm / addmm of an FP32 x by permute(convert(W half)) (or an FP32 static W at "
+          "M = 1)", (Role("x", "[M, K]", "fp32"), Role("W", "[N, K]", "bf16 / fp16 / fp32")),
+          "exact widening (no probe)", (), (), ("activation_dtype", "weight_source", "weight_transform")),))
+
+
 class UpcastLinearFamily(FusionFamily):
     """Fuse `mm(x_f32, upcast(W_half)^T)`, and `mm(x_f32, W_f32^T)` at M = 1, into `dsv41::linear_upcast`
     (module docstring)."""
 
-    name = "upcast_linear"
-    summary = ("FP32 matmul by an upcast bf16/fp16 weight, or by an FP32 weight at M = 1 -> GEMV reading the "
-               "weight once in its stored width")
+    spec = SPEC
 
     def run(self, gm: fx.GraphModule) -> PassRecord:
         """Rewrite every matching matmul of `gm` in place; returns the matches and near-misses."""
@@ -176,7 +183,7 @@ class UpcastLinearFamily(FusionFamily):
                 if why is not None:
                     misses.append(NearMiss(self.name, _PATTERN, "weight_transform", why, loc))
                 continue
-            base = _view_base(found[0])
+            base = view_base(found[0])
             if tensor_val(found[0]).dtype == torch.float32:
                 # No upcast: a stored FP32 weight (a parameter or buffer the graph does not write) at M = 1;
                 # anything else is an ordinary FP32 matmul, left to Inductor unrecorded.
