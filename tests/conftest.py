@@ -58,3 +58,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def zoo_after(compiled_zoo):
+    """The one graph of the module's `compiled_zoo` (a `(results, graphs)` pair whose graphs come from
+    `dsv41.passes.testing.capture_graphs`) as dsv41's families left it: a torch.fx.GraphModule. Each pass-test module
+    that uses it defines its own module-scoped `compiled_zoo`."""
+    (gm,) = compiled_zoo[1]
+    return gm

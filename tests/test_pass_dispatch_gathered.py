@@ -194,12 +194,6 @@ def zoo(compiled_zoo):
     return compiled_zoo[0]
 
 
-@pytest.fixture(scope="module")
-def zoo_after(compiled_zoo):
-    """The zoo's graph as dsv41's families left it (torch.fx.GraphModule)."""
-    (gm,) = compiled_zoo[1]
-    return gm
-
 
 def _dispatch(report):
     return report.to_dict()["families"]["dispatch"]

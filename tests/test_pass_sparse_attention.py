@@ -191,12 +191,6 @@ def zoo(compiled_zoo):
     return compiled_zoo[0]
 
 
-@pytest.fixture(scope="module")
-def zoo_after(compiled_zoo):
-    """The zoo's graph as dsv41's families left it (torch.fx.GraphModule)."""
-    (gm,) = compiled_zoo[1]
-    return gm
-
 
 def _records(report, family="sparse_attention"):
     return [r for g in report.graphs for r in g.records if r.family == family]
