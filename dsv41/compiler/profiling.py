@@ -112,6 +112,7 @@ def _count_cpu(events) -> int:
             children.setdefault(id(parent), []).append(e)
 
     def subtree_computes(e) -> bool:
+        """Whether profiler event `e` or any event nested under it is a computing (non-annotation) op."""
         stack = [e]
         while stack:
             x = stack.pop()
@@ -186,6 +187,7 @@ def count_step_kernels(gm: Callable, compiled: Callable, example_inputs: Sequenc
         mutated = {i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)}
 
     def fresh():
+        """The example inputs, with the ones the graph writes in place cloned so every run starts alike."""
         return [t.clone() if i in mutated else t for i, t in enumerate(example_inputs)]
 
     from torch.profiler import ProfilerActivity, record_function
@@ -195,6 +197,7 @@ def count_step_kernels(gm: Callable, compiled: Callable, example_inputs: Sequenc
     cuda_rng = torch.cuda.get_rng_state_all() if device == "cuda" else None
 
     def measure(fn) -> int:
+        """Kernels one profiled run of `fn` launches, after one unprofiled warm-up run."""
         fn(*fresh())  # warm-up: lazy initialisation and autotuning are not part of a step
         args = fresh()
         if device == "cuda":

@@ -221,6 +221,7 @@ class Budget:
         unit, p_lab, b_lab = (1e9, "B", "GB") if self.total_params >= 1e9 else (1e6, "M", "MB")
 
         def g(x: float) -> str:
+            """`x` bytes in the table's unit, right-aligned to 11 columns."""
             return f"{x / unit:11.4f}"
 
         head = (f"{'component':<24}{'params':>11}{'stored':>11}{'decode':>11}{'decode':>11}"

@@ -278,11 +278,13 @@ def _verify_gate(ev, end: fx.Node, cut: dict, region: list):
         return None, ("region_evaluates", "the gate region could not be evaluated on probe tensors")
 
     def args(env):
+        """The reference's arguments from one probe run's environment (a plain weight gets unit k weights)."""
         if "weight" in env:
             return env["H"], env["keys"], env["value"], env["weight"], torch.ones_like(env["weight"])
         return env["H"], env["keys"], env["value"], env["q_weight"], env["k_weight"]
 
     def matches(fn) -> bool:
+        """Whether reference `fn` reproduces the region's output on every probe run (rounded compare)."""
         return all(close_rounded(g, fn(*args(env))) for g, env in zip(got, runs))
 
     for eps in lits:

@@ -167,6 +167,8 @@ def _diagnose_router(runs, probes, st, temps, scales, epss):
     consts = list(itertools.product(temps, scales, epss))
 
     def follows(**rule):
+        """Whether router variant `rule` gives the region's weights and ids on every probe for some (temperature,
+        scale, eps) of the candidates."""
         for temp, scale, eps in consts:
             if all(torch.equal(gi, v[1]) and close(gw, v[0], **_ROUTER_TOL)
                    for (gw, gi), (_, (x, w, b)) in zip(runs, probes)
@@ -175,6 +177,7 @@ def _diagnose_router(runs, probes, st, temps, scales, epss):
         return False
 
     def selects(**rule):
+        """Whether router variant `rule` selects the region's expert ids on every probe at some temperature."""
         return any(all(torch.equal(gi, _variant(x, w, b, st.k, t, 1.0, 0.0, **rule)[1])
                        for (_, gi), (_, (x, w, b)) in zip(runs, probes)) for t in temps)
 

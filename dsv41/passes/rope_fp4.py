@@ -376,6 +376,7 @@ def match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) ->
         refs = [(qfn(p), ffn(p), p) for p in probes]
 
         def find(pick):
+            """The first output node whose probe values equal the reference part `pick` selects, or None."""
             for n in outputs:
                 ok = True
                 for vals, ((pq, sq), fq, p) in zip(runs, refs):

@@ -135,6 +135,8 @@ def _key(node: fx.Node, canon: dict[fx.Node, fx.Node], wild: set[fx.Node] = froz
     """Hashable structural key of `node`: target + arguments with nodes mapped to their canonical instance.
     Nodes in `wild` become a placeholder mark; with `wild_literals` every literal becomes a mark too."""
     def conv(a):
+        """An argument as a hashable key: `wild` nodes as ("input",), other nodes by their canonical instance,
+        containers element-wise, literals as themselves (or one mark with `wild_literals`)."""
         if isinstance(a, fx.Node):
             if a in wild:
                 return ("input",)
@@ -193,6 +195,7 @@ def _first_literal_difference(a: fx.Node, b: fx.Node, canon: dict, depth: int = 
         return None
 
     def flat(x):
+        """Every leaf of a nested list / tuple argument, in order."""
         if isinstance(x, (list, tuple)):
             for y in x:
                 yield from flat(y)
@@ -240,6 +243,7 @@ class SmallOpsFamily(FusionFamily):
         missed: set[tuple[str, Any]] = set()
 
         def miss(check: str, node: fx.Node, first: fx.Node, reason: str) -> None:
+            """Record near-miss `check` at `node` once per group (keyed by the group's first node)."""
             tag = (check, id(first))
             if tag in missed:
                 return
@@ -300,6 +304,7 @@ class SmallOpsFamily(FusionFamily):
         parent = {n: n for n in dups}
 
         def find(x):
+            """Union-find root of `x`, halving the path on the way."""
             while parent[x] is not x:
                 parent[x] = parent[parent[x]]
                 x = parent[x]
@@ -339,6 +344,8 @@ class SmallOpsFamily(FusionFamily):
         sizes: dict[fx.Node, int] = {}
         for n in kept:
             def conv(a):
+                """An argument as a hashable key: nodes by the shape id already given to their canonical instance
+                (nodes without one by identity), containers element-wise."""
                 if isinstance(a, fx.Node):
                     c = canon.get(a, a)
                     return shape_id.get(c, ("input", id(c)))
