@@ -3,6 +3,8 @@ chains run the engine's loop: finders -> op checks -> rewrite -> dead-code elimi
 
 from __future__ import annotations
 
+import abc
+
 import torch.fx as fx
 
 from ..records import NearMiss, PassRecord, SourceLocation
@@ -13,7 +15,7 @@ from .loop import finish_graph, import_kernels, ops_or_note, pass_record, record
 __all__ = ["FusionFamily", "ChainFamily", "HorizontalFamily"]
 
 
-class FusionFamily:
+class FusionFamily(abc.ABC):
     """Base class of a pass family: `name`, a one-line `summary`, and `run(gm) -> PassRecord`.
 
     `run` rewrites `gm.graph` in place (post-grad ATen IR, functional except for the trailing input
@@ -34,9 +36,9 @@ class FusionFamily:
         if cls.__dict__.get("spec") is not None:
             cls.name, cls.summary = cls.spec.name, cls.spec.summary
 
-    def run(self, gm: fx.GraphModule) -> PassRecord:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def run(self, gm: fx.GraphModule) -> PassRecord:
         """Rewrite `gm` in place and return what was matched, skipped and why (abstract: each family implements it)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
 
 class ChainFamily(FusionFamily):
@@ -62,17 +64,17 @@ class ChainFamily(FusionFamily):
     first_only: bool = True
     count_created: bool = False
 
-    def finders(self) -> tuple:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def finders(self) -> tuple:
         """The finder functions, in the order they run (abstract)."""
-        raise NotImplementedError
 
-    def rewrite(self, graph: fx.Graph, site, op, replaced: dict) -> dict:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def rewrite(self, graph: fx.Graph, site, op, replaced: dict) -> dict:
         """Insert `op` for `site` and hand it the users of what it replaces; returns {old node: new node} (abstract)."""
-        raise NotImplementedError
 
-    def traffic(self, site, gone: list) -> tuple:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def traffic(self, site, gone: list) -> tuple:
         """(bytes before, bytes after, {"B": b, "L": l}) of one match (abstract)."""
-        raise NotImplementedError
 
     def cleanup(self) -> None:
         """Drop per-run caches (called after the finders, also when one raised)."""
@@ -110,21 +112,21 @@ class HorizontalFamily(FusionFamily):
     single_op: str = ""
     miss_pattern: str = ""
 
-    def members(self, graph: fx.Graph, single) -> dict:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def members(self, graph: fx.Graph, single) -> dict:
         """{key: nodes calling `single` that share the key}, in graph order (abstract)."""
-        raise NotImplementedError
 
-    def most(self) -> int:  # pragma: no cover - interface
+    @abc.abstractmethod
+    def most(self) -> int:
         """Members per group at the most (abstract)."""
-        raise NotImplementedError
 
-    def mismatch(self, first: fx.Node, later: fx.Node, order: dict):  # pragma: no cover - interface
+    @abc.abstractmethod
+    def mismatch(self, first: fx.Node, later: fx.Node, order: dict):
         """None when `later` can join the group `first` starts, else (check, reason) (abstract)."""
-        raise NotImplementedError
 
-    def fuse(self, graph: fx.Graph, group: list, merged):  # pragma: no cover - interface
+    @abc.abstractmethod
+    def fuse(self, graph: fx.Graph, group: list, merged):
         """Replace `group` by one call of `merged`; returns the `MatchRecord` (abstract)."""
-        raise NotImplementedError
 
     def admit(self, node: fx.Node):
         """None when `node` may join a group, else (check, reason)."""
