@@ -9,6 +9,8 @@ Importing this package registers every op under the `dsv41::` namespace:
   sibling_gemv target.
 - `dsv41::rope_fp4_quant`, `dsv41::rope_fp4_fake_quant`, `dsv41::rope_fp4_quant_store` (rope_fp4.py).
 - `dsv41::c2_norm_rope_fp4_store`, `dsv41::c2_pool_norm_rope_fp4_store` (c2_compressor.py): compressor bank write.
+- `dsv41::linear_half`, `linear_half_multi`, `linear_half_silu_mul` (half_gemv.py): bf16 / fp16 GEMV at M <= 8
+  with sibling weights, SwiGLU or residual in the same launch, the half_gemv target.
 - `dsv41::linear_upcast` (upcast_gemv.py): FP32 GEMV reading a bf16 / fp16 weight once, the upcast_linear target.
 - `dsv41::grouped_linear_fp4` (grouped_gemv.py): FP4 GEMV over the gathered routed experts of decode (dispatch target).
   Its default kernel with FP8-quantised activations (act_quant, from `WORDS_MIN_CODES_ACT_QUANT` codes per call; the
@@ -32,8 +34,8 @@ call launches (shapes only, on meta tensors) for the compiler's static launch co
 `set_pdl(True)` turns on Programmatic Dependent Launch for the CUDA launches.
 """
 
-from . import (c2_compressor, engram, gemv_multi, gemv_scaled, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4,
+from . import (c2_compressor, engram, gemv_multi, half_gemv, gemv_scaled, grouped_gemv, indexer, mhc, moe, quant_gemv, rope_fp4,
                sparse_attention, streams, upcast_gemv)
 from ._common import pdl_enabled, prepare_device, set_pdl
 
-__all__ = ["c2_compressor", "engram", "gemv_multi", "gemv_scaled", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]
+__all__ = ["c2_compressor", "engram", "gemv_multi", "half_gemv", "gemv_scaled", "grouped_gemv", "indexer", "mhc", "moe", "quant_gemv", "rope_fp4", "sparse_attention", "streams", "upcast_gemv", "set_pdl", "pdl_enabled", "prepare_device"]

@@ -1,0 +1,415 @@
+"""Half-precision GEMV for decode and verify (M <= 8): a bf16 / fp16 weight read once at its stored width, with the
+sibling, SwiGLU and residual work of a Llama-style block folded into the same launch: the `half_gemv` fusion target.
+
+Why. At batch 1 every projection of a bf16 decoder (Llama, Qwen, Mistral shapes) is a GEMV that reads its weight
+once; the step's time is those reads plus one launch ramp and tail per kernel. Inductor runs each projection as
+its own cuBLAS call and the ops around it (the SwiGLU's silu and product, the residual adds) as separate Triton
+kernels. These ops take a whole neighbourhood in one launch:
+
+    dsv41::linear_half(x, weight, residual)        y = x @ W^T (+ residual)                  o_proj, down_proj
+    dsv41::linear_half_multi(x, weights)           [x @ W_i^T for up to 4 W_i] in one grid   q / k / v
+    dsv41::linear_half_silu_mul(x, w_gate, w_up)   silu(x @ Wg^T) * (x @ Wu^T)               gate / up
+
+    x         bf16 / fp16 [..., K] (the weights' dtype)
+    weight    bf16 / fp16 [N, K]; w_gate and w_up the same [N, K]
+    residual  x's dtype [..., N], or None
+    y         x's dtype [..., N]
+
+On CPU each op runs its reference (`reference_linear_half`, ...: the eager spelling). On CUDA, M =
+prod(x.shape[:-1]) <= `MAX_TRITON_M` runs the Triton kernel; a larger M (prefill) runs the reference, i.e. cuBLAS.
+
+Numerics: the products of a half-precision x and weight are exact in FP32 and summed in FP32 (as cuBLAS sums
+them, in another order). Each result is rounded to x's dtype where eager rounds it: the projection's output once;
+then `residual + y` rounded again; for the SwiGLU, gate and up rounded, silu(gate) = gate / (1 + exp(-gate))
+computed in FP32 (ATen's formula) and rounded, and the product rounded. So the op differs from eager only by the
+FP32 summation order of each dot product (a rounding of x's dtype at most).
+
+Kernel. Program (n tile, K split, m tile) loads K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles, widens them
+and multiplies them with up to BLOCK_M rows of x (FMA units: at M <= 8 the weight read, not the arithmetic, is the
+cost). The K splits of one output tile combine through `_common.split_k_counters` (the last program to arrive
+sums the FP32 partials in split order: deterministic). Several weights of one x take consecutive ranges of the
+grid (`pick_operand`). The SwiGLU program reads the gate and the up tile of the same rows and merges both
+partials through one counter, so one program holds both sums for the epilogue. Under PDL the program asks L2 for
+its whole weight range (`prefetch_l2_rows`) and loads its first tile before `gdc_wait` (weights never come from
+the previous kernel; x and the residual may), and triggers its dependents after its K loop. Tile sizes follow
+`upcast_gemv.upcast_plan` (16 KiB of weight loads per tile); they have not been swept on a GPU for these ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (check_same_device, check_tensor, prefetch_l2_rows, register_cuda, require_launchable,
+                      round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
+from .gemv_tiles import pick_operand
+
+__all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
+           "reference_linear_half_multi", "reference_linear_half_silu_mul", "triton_linear_half",
+           "triton_linear_half_multi", "triton_linear_half_silu_mul", "half_plan", "MAX_TRITON_M", "MAX_WEIGHTS",
+           "HALF_DTYPES"]
+
+#: Largest M the CUDA implementation sends to the Triton kernel (decode, speculative verify); above it cuBLAS.
+MAX_TRITON_M = 8
+#: Weights one `linear_half_multi` launch reads (q / k / v and one more).
+MAX_WEIGHTS = 4
+#: The dtypes of x and the weights.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check(x, weights, residual=None) -> int:
+    """Validate the arguments of every op here; return K. Errors name the argument at fault."""
+    check_tensor("x", x, dtypes=HALF_DTYPES, min_ndim=1)
+    k = x.shape[-1]
+    for i, w in enumerate(weights):
+        name = "weight" if len(weights) == 1 else f"weights[{i}]"
+        check_tensor(name, w, dtypes=HALF_DTYPES, ndim=2)
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} is {w.dtype} but x is {x.dtype}: the op multiplies one half-precision dtype")
+        if w.shape[1] != k:
+            raise ValueError(f"x.shape[-1] = {k} does not match {name} {tuple(w.shape)} (expected K = {w.shape[1]})")
+        check_same_device(x=x, weight=w)
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,))
+        want = (*x.shape[:-1], weights[0].shape[0])
+        if tuple(residual.shape) != want:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match the output {want}")
+        check_same_device(x=x, residual=residual)
+    return k
+
+
+def reference_linear_half(x: torch.Tensor, weight: torch.Tensor,
+                          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::linear_half`: `F.linear(x, weight)`, plus `residual` when given (`residual + y`).
+
+    Args: x bf16 / fp16 [..., K]; weight the same dtype [N, K]; residual x's dtype [..., N] or None.
+    Returns: x's dtype [..., N].
+    Raises: TypeError for a dtype other than bf16 / fp16 or mixed dtypes, ValueError for a K or residual shape
+    mismatch or a wrong rank (each names the argument).
+    Source: the eager spellings `self.wo(y)` and `h + self.w2(...)` (gpt-fast, transformers' LlamaMLP).
+    """
+    _check(x, [weight], residual)
+    y = F.linear(x, weight)
+    return y if residual is None else residual + y
+
+
+def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain-PyTorch `dsv41::linear_half_multi`: `[F.linear(x, W) for W in weights]`.
+
+    Args: x bf16 / fp16 [..., K]; weights 1 to `MAX_WEIGHTS` tensors of x's dtype [N_i, K].
+    Returns: list of x's dtype [..., N_i].
+    Raises: ValueError for no weights or more than `MAX_WEIGHTS`, and as `reference_linear_half`.
+    """
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
+    _check(x, list(weights))
+    return [F.linear(x, w) for w in weights]
+
+
+def reference_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::linear_half_silu_mul`: `F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)`.
+
+    Args: x bf16 / fp16 [..., K]; w_gate, w_up x's dtype [N, K].
+    Returns: x's dtype [..., N].
+    Raises: as `reference_linear_half`, and ValueError when the two weights differ in shape.
+    Source: SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"), spelled `F.silu(w1(x)) * w3(x)` by gpt-fast
+    and `act_fn(gate_proj(x)) * up_proj(x)` by transformers.
+    """
+    _check(x, [w_gate, w_up])
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have one shape")
+    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+
+
+@triton.jit
+def _weight_tile(w_ptr, offs_n, n_ok, kk, k_ok, stride_wn):
+    # [BLOCK_N, BLOCK_K] of W (zero where masked), widened to FP32.
+    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                   mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + x[m, kk] . w[n, kk] for the program's x rows below M.
+    for mm in tl.static_range(BLOCK_M):
+        m = pid_m * BLOCK_M + mm
+        # Row validity as a vector: the interpreter mis-types scalar-bool & block-bool.
+        m_ok = (kk * 0 + m) < M
+        xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=k_ok & m_ok, other=0.0).to(tl.float32)
+        acc += tl.where((offs_m == m)[:, None], tl.sum(w * xv[None, :], axis=1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _half_gemv_kernel(
+    x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, r_ptr, part_ptr, cnt_ptr,
+    M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm,
+    COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Grid (tiles of every weight, K splits, m tiles). COUNT weights of one x (not PAIR): programs [0, P1) compute
+    # weight 0, [P1, P2) weight 1, ...; unused slots repeat weight 0 and are never picked. PAIR: w0 is the gate and
+    # w1 the up weight of the same rows; the program computes both and stores silu(gate) * up into y0.
+    pid_g = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    if COUNT > 1 and not PAIR:
+        p1 = tl.cdiv(N0, BLOCK_N)
+        p2 = p1 + tl.cdiv(N1, BLOCK_N)
+        p3 = p2 + tl.cdiv(N2, BLOCK_N)
+        c1 = pid_g >= p1
+        c2 = pid_g >= p2
+        c3 = pid_g >= p3
+        w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
+        y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
+        N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
+        stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
+        pid_n = pid_g - pick_operand(c1, c2, c3, 0, p1, p2, p3, COUNT)
+        col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
+    else:
+        w_ptr = w0
+        y_ptr = y0
+        N = N0
+        stride_wn = sw0
+        pid_n = pid_g
+        col0 = pid_g * 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_lo = pid_k * (K_ITERS * BLOCK_K)
+    if USE_PDL and L2_PREFETCH:
+        # The program's whole weight range into L2 now: the reads overlap the previous kernel's tail.
+        span = (tl.minimum(K - k_lo, K_ITERS * BLOCK_K) * 2).to(tl.int32)
+        prefetch_l2_rows(w_ptr + offs_n.to(tl.int64) * stride_wn + k_lo, span, n_ok)
+        if PAIR:
+            prefetch_l2_rows(w1 + offs_n.to(tl.int64) * stride_wn + k_lo, span, n_ok)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(K_ITERS):
+        kk = k_lo + it * BLOCK_K + offs_k
+        k_ok = kk < K
+        w = _weight_tile(w_ptr, offs_n, n_ok, kk, k_ok, stride_wn)
+        if PAIR:
+            wu = _weight_tile(w1, offs_n, n_ok, kk, k_ok, stride_wn)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # x (and the residual) may come from the previous kernel
+        acc = _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M)
+        if PAIR:
+            acc_up = _row_products(x_ptr, wu, acc_up, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    DT: tl.constexpr = y0.dtype.element_ty
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tile = pid_m * tl.num_programs(0) + pid_g
+    if PAIR:
+        if SPLIT_K == 1:
+            gate = acc
+            up = acc_up
+            store = mask
+        else:
+            # Both partials through one counter, so the program that sums them holds gate and up together.
+            p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(p_ptrs + pid_k.to(tl.int64) * (2 * M * N), acc, mask=mask)
+            tl.store(p_ptrs + pid_k.to(tl.int64) * (2 * M * N) + M * N, acc_up, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            gate = tl.zeros_like(acc)
+            up = tl.zeros_like(acc)
+            if arrived == SPLIT_K - 1:
+                sp = tl.arange(0, SPLIT_POW2)
+                sp_off = sp[:, None, None].to(tl.int64) * (2 * M * N)
+                sp_ok = (sp < SPLIT_K)[:, None, None] & mask[None, :, :]
+                gate = tl.sum(tl.load(p_ptrs[None, :, :] + sp_off, mask=sp_ok, other=0.0, cache_modifier=".cg"), 0)
+                up = tl.sum(tl.load(p_ptrs[None, :, :] + sp_off + M * N, mask=sp_ok, other=0.0,
+                                    cache_modifier=".cg"), 0)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+            store = mask & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
+        g = round_to(gate, DT)
+        s = round_to(g / (1.0 + tl.exp(-g)), DT)
+        total = round_to(s * round_to(up, DT), DT)
+    else:
+        if SPLIT_K == 1:
+            total = acc
+            store = mask
+        else:
+            # Weight i's partials: its own [SPLIT_K, M, N_i] region of the workspace.
+            p_ptrs = part_ptr + col0.to(tl.int64) * (SPLIT_K * M) + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            total, arrived = split_k_merge_2d(acc, p_ptrs, M * N, mask, cnt_ptr, tile, pid_k, SPLIT_K, SPLIT_POW2)
+            store = mask & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
+        total = round_to(total, DT)
+        if RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=store, other=0.0)
+            total = round_to(total + r.to(tl.float32), DT)
+    tl.store(y_ptrs, total.to(DT), mask=store)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised result/workspace allocation; a seam the tests replace to poison outputs with NaN."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def half_plan(m: int, n: int, k: int, *, pair: bool = False, block_n: int | None = None,
+              block_k: int | None = None, k_iters: int | None = None, num_warps: int | None = None) -> dict:
+    """Launch parameters for x [m, k] and weights of `n` rows in all (their summed N; per weight for `pair`).
+
+    `upcast_gemv.upcast_plan` for a 2-byte weight (BLOCK_K 64: a [BLOCK_N, 64] tile is 16 KiB at BLOCK_N 128);
+    a `pair` program reads two tiles, so its BLOCK_N is halved (the plan of 2 n rows). Explicit arguments override
+    the heuristic. Returns the dict of `quant_gemv.gemv_plan` (BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K,
+    SPLIT_POW2, num_warps, grid).
+    Raises: ValueError as `upcast_plan` (block_n not a power of two, block_k not a power-of-two multiple of 32,
+    k_iters < 1).
+    """
+    from .upcast_gemv import upcast_plan
+    plan = upcast_plan(m, 2 * n if pair else n, k, weight_bytes=2, block_n=block_n, block_k=block_k,
+                       k_iters=k_iters, num_warps=num_warps)
+    if pair and block_n is None:
+        plan = upcast_plan(m, n, k, weight_bytes=2, block_n=max(plan["BLOCK_N"] // 2, 1), block_k=block_k,
+                           k_iters=k_iters, num_warps=num_warps)
+    return plan
+
+
+def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict) -> list:
+    """Run the kernel for `weights` of one x (`pair`: the SwiGLU of weights[0], weights[1]); the outputs."""
+    k = x.shape[-1]
+    require_launchable(_half_gemv_kernel, x.device, "triton_linear_half")
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)  # not reshape(-1, k): that is ambiguous for K = 0
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    # A copy made here is written by the kernel just before ours, which reads weights before its PDL wait: that
+    # launch goes without PDL.
+    copied = any(w.stride(-1) != 1 for w in weights)
+    weights = [w.contiguous() for w in weights]
+    m = x2.shape[0]
+    widths = [weights[0].shape[0]] if pair else [w.shape[0] for w in weights]
+    ys = [_empty((m, n), x.dtype, x.device) for n in widths]
+    if m == 0 or sum(widths) == 0:
+        return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
+    if k == 0:
+        zero = [y.zero_() for y in ys]
+        if pair:  # silu(0) * 0
+            return [zero[0].reshape(*lead, widths[0])]
+        if residual is not None:
+            zero[0].copy_(residual.reshape(m, widths[0]))
+        return [y.reshape(*lead, n) for y, n in zip(zero, widths)]
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(m, widths[0])
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+            copied = True
+    plan = half_plan(m, sum(widths), k, pair=pair, **overrides)
+    bn = plan["BLOCK_N"]
+    n_tiles = sum(-(-n // bn) for n in widths)
+    grid = (n_tiles, plan["SPLIT_K"], plan["grid"][2])
+    split_k = plan["SPLIT_K"]
+    part, cnt = split_k_workspace(_empty, x.device, split_k, ((2 if pair else 1) * m, sum(widths)),
+                                  n_tiles * grid[2])
+    pdl = use_pdl_for(_half_gemv_kernel, x.device) and not copied
+    # cp.async.bulk.prefetch wants 16-byte aligned rows: every row start and the program's K offset.
+    aligned = all(w.data_ptr() % 16 == 0 and (w.stride(0) * 2) % 16 == 0 for w in weights)
+    pad = MAX_WEIGHTS - len(weights)
+    ws = weights + [weights[0]] * pad
+    yy = ys + [ys[0]] * (MAX_WEIGHTS - len(ys))
+    nn = (widths + [0] * MAX_WEIGHTS)[:MAX_WEIGHTS] if not pair else [widths[0], widths[0], 0, 0]
+    extra = {"launch_pdl": True} if pdl else {}
+    _half_gemv_kernel[grid](
+        x2, *ws, *yy, r2 if r2 is not None else x2, part, cnt, m, k, *nn, *(w.stride(0) for w in ws),
+        x2.stride(0), r2.stride(0) if r2 is not None else 0,
+        COUNT=len(weights), PAIR=pair, RESIDUAL=r2 is not None, SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"],
+        K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
+        L2_PREFETCH=aligned, USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+    return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
+
+
+def triton_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                       **overrides) -> torch.Tensor:
+    """`reference_linear_half` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1); any M (rows tiled
+    by up to 8). `overrides` (block_n, block_k, k_iters, num_warps) replace the `half_plan` heuristic.
+    Raises: as `reference_linear_half`, and RuntimeError when the kernel cannot run on the device."""
+    _check(x, [weight], residual)
+    return _launch(x, [weight], residual, False, overrides)[0]
+
+
+def triton_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], **overrides) -> list[torch.Tensor]:
+    """`reference_linear_half_multi` in one launch on the Triton kernel; as `triton_linear_half` otherwise."""
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
+    _check(x, list(weights))
+    return _launch(x, list(weights), None, False, overrides)
+
+
+def triton_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                                **overrides) -> torch.Tensor:
+    """`reference_linear_half_silu_mul` in one launch on the Triton kernel; as `triton_linear_half` otherwise."""
+    _check(x, [w_gate, w_up])
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have one shape")
+    return _launch(x, [w_gate, w_up], None, True, overrides)[0]
+
+
+def _small_m(x: torch.Tensor) -> bool:
+    return x.numel() // max(x.shape[-1], 1) <= MAX_TRITON_M
+
+
+@torch.library.custom_op("dsv41::linear_half", mutates_args=(), device_types="cpu")
+def linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`y = x @ weight.T (+ residual)` reading the bf16 / fp16 weight once; see `reference_linear_half`."""
+    return reference_linear_half(x, weight, residual)
+
+
+@register_cuda(linear_half, "dsv41::linear_half")
+def _linear_half_cuda(x, weight, residual=None):
+    if _small_m(x):
+        return triton_linear_half(x, weight, residual)
+    return reference_linear_half(x, weight, residual)
+
+
+@linear_half.register_fake
+def _linear_half_fake(x, weight, residual=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("dsv41::linear_half_multi", mutates_args=(), device_types="cpu")
+def linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`[x @ W.T for W in weights]` in one launch at decode; see `reference_linear_half_multi`."""
+    return reference_linear_half_multi(x, weights)
+
+
+@register_cuda(linear_half_multi, "dsv41::linear_half_multi")
+def _linear_half_multi_cuda(x, weights):
+    if _small_m(x):
+        return triton_linear_half_multi(x, weights)
+    return reference_linear_half_multi(x, weights)
+
+
+@linear_half_multi.register_fake
+def _linear_half_multi_fake(x, weights):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op("dsv41::linear_half_silu_mul", mutates_args=(), device_types="cpu")
+def linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """`silu(x @ w_gate.T) * (x @ w_up.T)` in one launch at decode; see `reference_linear_half_silu_mul`."""
+    return reference_linear_half_silu_mul(x, w_gate, w_up)
+
+
+@register_cuda(linear_half_silu_mul, "dsv41::linear_half_silu_mul")
+def _linear_half_silu_mul_cuda(x, w_gate, w_up):
+    if _small_m(x):
+        return triton_linear_half_silu_mul(x, w_gate, w_up)
+    return reference_linear_half_silu_mul(x, w_gate, w_up)
+
+
+@linear_half_silu_mul.register_fake
+def _linear_half_silu_mul_fake(x, w_gate, w_up):
+    return x.new_empty((*x.shape[:-1], w_gate.shape[0]))
