@@ -72,6 +72,7 @@ from .moe import MoeFamily
 from .normalize import NormalizeFamily, restore_batch1_mm
 from .rope_fp4 import RopeFp4Family
 from .sibling_gemv import SiblingGemvFamily
+from .half_gemv import HalfGemvFamily
 from .small_ops import SmallOpsFamily
 from .upcast_linear import UpcastLinearFamily
 from .sparse_attention import SparseAttentionFamily
@@ -83,7 +84,8 @@ __all__ = ["FAMILY_ORDER", "FAMILIES", "REWRITE_FAMILIES", "PassManager", "Graph
 #: chains as data, engine/chain.py); everything below is read from it.
 FAMILIES: dict[str, type[FusionFamily]] = {cls.spec.name: cls for cls in (
     NormalizeFamily, C2CompressorFamily, RopeFp4Family, MhcFamily, EngramFamily, MoeFamily, SparseAttentionFamily,
-    IndexerFamily, SmallOpsFamily, UpcastLinearFamily, DispatchFamily, GroupedPairFamily, SiblingGemvFamily)}
+    IndexerFamily, SmallOpsFamily, UpcastLinearFamily, DispatchFamily, GroupedPairFamily, SiblingGemvFamily,
+    HalfGemvFamily)}
 FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
 _SPECS = tuple(FAMILIES[name].spec for name in FAMILY_ORDER)
 #: Families that rewrite the graph into the forms the matchers read without fusing anything (`rewrites_only`): the
