@@ -51,10 +51,28 @@ def _within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: st
     assert bool((excess <= 0).all()), f"{what}: max excess {excess.max().item():.3e} over the bound"
 
 
-def check_linear(y, x, w, residual=None):
+def rms_oracle(x, nw, eps, mode):
+    """(x RMS-normalised as `mode` rounds it, per-element slack): rstd in float64, the spelling's roundings to x's
+    dtype; the kernel's FP32 statistic may move each rounding by an ulp (two for the twice-rounded mode)."""
+    dt = x.dtype
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == 1:
+        xn = _round(_round(xd * rstd, dt) * nw.double(), dt)
+    elif mode == 2:
+        xn = _round(xd * rstd * nw.double(), dt)
+    else:
+        xn = _round(xd * rstd, dt)
+    return xn.to(dt), 2 * _ulp(xn, dt)
+
+
+def check_linear(y, x, w, residual=None, slack=None):
+    """`slack` [..., K]: per-element uncertainty of x (an RMSNorm prologue's roundings), weighted by |W|."""
     dt = x.dtype
     exact, mag = _dot(x, w)
     sum_err = mag * 2.0 ** -20
+    if slack is not None:
+        sum_err = sum_err + slack.reshape(-1, x.shape[-1]) @ w.double().abs().T
     want = _round(exact, dt)
     bound = sum_err + _ulp(exact, dt)
     if residual is not None:
@@ -64,10 +82,13 @@ def check_linear(y, x, w, residual=None):
     _within(y, want, bound, "linear_half")
 
 
-def check_swiglu(y, x, wg, wu):
+def check_swiglu(y, x, wg, wu, slack=None):
     dt = x.dtype
     g, gmag = _dot(x, wg)
     u, umag = _dot(x, wu)
+    if slack is not None:
+        gmag = gmag + 2.0 ** 20 * (slack.reshape(-1, x.shape[-1]) @ wg.double().abs().T)
+        umag = umag + 2.0 ** 20 * (slack.reshape(-1, x.shape[-1]) @ wu.double().abs().T)
     g_r, u_r = _round(g, dt), _round(u, dt)
     s = _round(g_r * torch.sigmoid(g_r), dt)
     want = _round(s * u_r, dt)
@@ -167,6 +188,31 @@ def test_strided_inputs_are_read_as_values(nan_outputs):
     check_linear(hg.triton_linear_half(x, w, r), x, w, r)
 
 
+NORMS = [(1, 1e-5), (2, 1e-6), (3, 1e-5)]
+
+
+@interpreted
+@pytest.mark.parametrize("mode, eps", NORMS)
+@pytest.mark.parametrize("op", ["single", "multi", "swiglu"])
+def test_rmsnorm_prologue_of_every_op(op, mode, eps, nan_outputs):
+    """x arrives un-normalised, at magnitudes where eps matters for one row; the op normalises it as the spelling
+    rounds it."""
+    gen, x, ws = _data((3,), [24, 40], 160, torch.bfloat16, 17 * mode)
+    x[1] *= 1e-3  # mean(x^2) ~ 4e-6: the eps moves rstd
+    nw = (1 + torch.randn(160, generator=gen) * 0.1).bfloat16() if mode != 3 else None
+    xn, slack = rms_oracle(x, nw, eps, mode)
+    over = dict(block_k=32, k_iters=2)
+    if op == "single":
+        r = torch.randn(3, 24, generator=gen).bfloat16()
+        check_linear(hg.triton_linear_half(x, ws[0], r, nw, eps, mode, **over), xn, ws[0], r, slack)
+    elif op == "multi":
+        for y, w in zip(hg.triton_linear_half_multi(x, ws, nw, eps, mode, **over), ws):
+            check_linear(y, xn, w, slack=slack)
+    else:
+        wu = (torch.randn(24, 160, generator=gen) / 13).bfloat16()
+        check_swiglu(hg.triton_linear_half_silu_mul(x, ws[0], wu, nw, eps, mode, **over), xn, ws[0], wu, slack)
+
+
 def test_cpu_ops_are_the_eager_spellings():
     """On CPU each op is bit-identical to what eager runs for its spelling."""
     F = torch.nn.functional
@@ -179,6 +225,12 @@ def test_cpu_ops_are_the_eager_spellings():
     assert torch.equal(torch.ops.dsv41.linear_half_silu_mul(x, w1, w2), F.silu(F.linear(x, w1)) * F.linear(x, w2))
     for a, b in zip(torch.ops.dsv41.linear_half_multi(x, [w1, w2, w3]), (F.linear(x, w) for w in (w1, w2, w3))):
         assert torch.equal(a, b)
+    nw = torch.randn(48, generator=gen).bfloat16()
+    xf = x.float()
+    gpt_fast = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * nw
+    assert torch.equal(torch.ops.dsv41.linear_half(x, w1, None, nw, 1e-5, 1), F.linear(gpt_fast, w1))
+    assert torch.equal(torch.ops.dsv41.linear_half(x, w1, None, nw, 1e-6, 2),
+                       F.linear(F.rms_norm(x, (48,), nw, 1e-6), w1))
 
 
 @pytest.mark.parametrize("call, kind, words", [
@@ -193,6 +245,12 @@ def test_cpu_ops_are_the_eager_spellings():
      "1 to 4"),
     (lambda: hg.reference_linear_half_silu_mul(torch.randn(2, 8).half(), torch.randn(3, 8).half(),
                                                torch.randn(4, 8).half()), ValueError, "one shape"),
+    (lambda: hg.reference_linear_half(torch.randn(2, 8).half(), torch.randn(3, 8).half(), None, None, 1e-5, 4),
+     ValueError, "norm_mode=4"),
+    (lambda: hg.reference_linear_half(torch.randn(2, 8).half(), torch.randn(3, 8).half(), None,
+                                      torch.ones(7).half(), 1e-5, 1), ValueError, "K = 8"),
+    (lambda: hg.reference_linear_half(torch.randn(2, 8).half(), torch.randn(3, 8).half(), None,
+                                      torch.ones(8).half(), 1e-5, 3), ValueError, "takes no norm_weight"),
 ])
 def test_bad_arguments_are_named(call, kind, words):
     with pytest.raises(kind, match=words):

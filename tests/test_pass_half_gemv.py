@@ -72,6 +72,59 @@ class PaperSpelling(nn.Module):
         return (u * (g * torch.sigmoid(g))) @ self.W_down.T
 
 
+class NormedProjections(nn.Module):
+    """An RMSNorm in front of q/k/v and of gate/up, in one of four spellings; the fused ops compute it themselves."""
+
+    def __init__(self, spelling, d=64, eps=1e-5):
+        super().__init__()
+        self.spelling, self.eps = spelling, eps
+        self.nw1 = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.nw2 = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.q, self.k, self.v = nn.Linear(d, d, bias=False), nn.Linear(d, 16, bias=False), nn.Linear(d, 16, bias=False)
+        self.gate, self.up = nn.Linear(d, 96, bias=False), nn.Linear(d, 96, bias=False)
+
+    def norm(self, x, w):
+        if self.spelling == "gpt-fast":
+            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * w
+        if self.spelling == "hf":
+            h = x.to(torch.float32)
+            var = h.pow(2).mean(-1, keepdim=True)
+            return w * (h * torch.rsqrt(var + self.eps)).to(x.dtype)
+        if self.spelling == "F.rms_norm":
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        if self.spelling == "eps-outside-sqrt":  # not an RMSNorm the ops compute: stays with Inductor
+            h = x.float()
+            return (h / (h.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)).type_as(x) * w
+        raise ValueError(self.spelling)
+
+    def forward(self, x):
+        h = self.norm(x, self.nw1)
+        mixed = self.q(h) + (self.k(h) * self.v(h)).repeat(1, 1, 4)
+        x = x + mixed
+        h2 = self.norm(x, self.nw2)
+        return F.silu(self.gate(h2)) * self.up(h2)
+
+
+@pytest.mark.parametrize("spelling, prologue", [("gpt-fast", True), ("hf", True), ("F.rms_norm", True),
+                                                ("eps-outside-sqrt", False)])
+def test_rmsnorm_in_front_becomes_the_prologue(spelling, prologue):
+    torch.manual_seed(3)
+    mod = NormedProjections(spelling).to(torch.bfloat16).eval()
+    x = _x(64) * 0.01  # small rows: a wrong eps would show
+    gm, rec = run_family("half_gemv", mod, (x,))
+    counts = ops_after(gm)
+    assert counts["dsv41.linear_half_multi"] == 1 and counts["dsv41.linear_half_silu_mul"] == 1
+    assert (counts["aten.rsqrt"] + counts["aten.sqrt"] == 0) is prologue
+    normed = [n for n in gm.graph.nodes if str(n.target).startswith("dsv41.linear_half") and n.args[-1] != 0]
+    assert len(normed) == (3 if prologue else 0)  # q (whose add became its residual), k + v, gate + up
+    if prologue:
+        assert all(n.args[-2] == pytest.approx(1e-5, rel=1e-6) for n in normed)
+    with torch.no_grad():
+        want = mod(x).double()
+        got = torch.compile(mod, backend="dsv41")(x).double()
+    assert (got - want).abs().max().item() <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+
+
 class GeluLookAlike(nn.Module):
     """GeGLU, not SwiGLU: the product must not become linear_half_silu_mul."""
 

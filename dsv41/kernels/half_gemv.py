@@ -10,6 +10,10 @@ kernels. These ops take a whole neighbourhood in one launch:
     dsv41::linear_half_multi(x, weights)           [x @ W_i^T for up to 4 W_i] in one grid   q / k / v
     dsv41::linear_half_silu_mul(x, w_gate, w_up)   silu(x @ Wg^T) * (x @ Wu^T)               gate / up
 
+each with an optional RMSNorm prologue (`norm_weight, eps, norm_mode`: x is normalised by the op, as the spelling
+`NORM_MODES[norm_mode]` rounds it; every program computes the row statistic over all of x itself, which costs an
+L2 read of x per program and saves the norm's launch and the normalised copy's write and read).
+
     x         bf16 / fp16 [..., K] (the weights' dtype)
     weight    bf16 / fp16 [N, K]; w_gate and w_up the same [N, K]
     residual  x's dtype [..., N], or None
@@ -51,8 +55,8 @@ from .gemv_tiles import pick_operand
 
 __all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
            "reference_linear_half_multi", "reference_linear_half_silu_mul", "triton_linear_half",
-           "triton_linear_half_multi", "triton_linear_half_silu_mul", "half_plan", "MAX_TRITON_M", "MAX_WEIGHTS",
-           "HALF_DTYPES"]
+           "triton_linear_half_multi", "triton_linear_half_silu_mul", "half_plan", "rms_norm_reference", "NORM_MODES",
+           "MAX_TRITON_M", "MAX_WEIGHTS", "HALF_DTYPES"]
 
 #: Largest M the CUDA implementation sends to the Triton kernel (decode, speculative verify); above it cuBLAS.
 MAX_TRITON_M = 8
@@ -60,6 +64,48 @@ MAX_TRITON_M = 8
 MAX_WEIGHTS = 4
 #: The dtypes of x and the weights.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+#: RMSNorm prologue spellings (`rms_norm_reference`), by the `norm_mode` argument of the ops.
+NORM_MODES = {0: "none", 1: "(x * rstd) rounded, times weight, rounded (gpt-fast, transformers)",
+              2: "x * rstd * weight rounded once (torch.nn.functional.rms_norm)", 3: "(x * rstd) rounded, no weight"}
+
+
+def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mode: int) -> torch.Tensor:
+    """RMSNorm of x's last dim as each spelling of `NORM_MODES` rounds it: rstd = rsqrt(mean(x.float()^2) + eps);
+    mode 1 `(x.float() * rstd).to(x.dtype) * weight`, 2 `(x.float() * rstd * weight.float()).to(x.dtype)`, 3
+    `(x.float() * rstd).to(x.dtype)`. x bf16 / fp16 [..., K]; weight x's dtype [K] (modes 1, 2) or None (3).
+    Returns x's dtype [..., K]. Raises ValueError for another mode. Source: Zhang & Sennrich 2019 (RMSNorm)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == 1:
+        return (xf * rstd).to(x.dtype) * weight
+    if mode == 2:
+        return (xf * rstd * weight.float()).to(x.dtype)
+    if mode == 3:
+        return (xf * rstd).to(x.dtype)
+    raise ValueError(f"norm_mode={mode} is not an RMSNorm spelling (1, 2 or 3)")
+
+
+def _check_norm(x, norm_weight, eps, norm_mode) -> None:
+    """Validate the RMSNorm prologue arguments (`NORM_MODES`)."""
+    if norm_mode not in NORM_MODES:
+        raise ValueError(f"norm_mode={norm_mode} must be one of {sorted(NORM_MODES)} ({NORM_MODES})")
+    if norm_mode in (1, 2):
+        check_tensor("norm_weight", norm_weight, dtypes=(x.dtype,), ndim=1)
+        if norm_weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"norm_weight {tuple(norm_weight.shape)} does not match K = {x.shape[-1]}")
+        check_same_device(x=x, norm_weight=norm_weight)
+    elif norm_weight is not None:
+        raise ValueError(f"norm_mode={norm_mode} takes no norm_weight")
+    if norm_mode and not (isinstance(eps, float) and eps >= 0.0):
+        raise ValueError(f"eps={eps!r} must be a float >= 0")
+
+
+def _normed(x, norm_weight, eps, norm_mode):
+    """x, or its RMSNorm when norm_mode is set (the references' prologue)."""
+    _check_norm(x, norm_weight, eps, norm_mode)
+    return x if norm_mode == 0 else rms_norm_reference(x, norm_weight, eps, norm_mode)
 
 
 def _check(x, weights, residual=None) -> int:
@@ -83,23 +129,29 @@ def _check(x, weights, residual=None) -> int:
     return k
 
 
-def reference_linear_half(x: torch.Tensor, weight: torch.Tensor,
-                          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::linear_half`: `F.linear(x, weight)`, plus `residual` when given (`residual + y`).
+def reference_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                          norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+                          norm_mode: int = 0) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::linear_half`: `F.linear(x, weight)`, plus `residual` when given (`residual + y`); with
+    `norm_mode` (`NORM_MODES`) x is first RMS-normalised (`rms_norm_reference(x, norm_weight, eps, norm_mode)`).
 
-    Args: x bf16 / fp16 [..., K]; weight the same dtype [N, K]; residual x's dtype [..., N] or None.
+    Args: x bf16 / fp16 [..., K]; weight the same dtype [N, K]; residual x's dtype [..., N] or None; norm_weight
+    x's dtype [K] (norm modes 1, 2) or None; eps float >= 0; norm_mode 0 (no norm) to 3.
     Returns: x's dtype [..., N].
     Raises: TypeError for a dtype other than bf16 / fp16 or mixed dtypes, ValueError for a K or residual shape
     mismatch or a wrong rank (each names the argument).
     Source: the eager spellings `self.wo(y)` and `h + self.w2(...)` (gpt-fast, transformers' LlamaMLP).
     """
     _check(x, [weight], residual)
-    y = F.linear(x, weight)
+    y = F.linear(_normed(x, norm_weight, eps, norm_mode), weight)
     return y if residual is None else residual + y
 
 
-def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Plain-PyTorch `dsv41::linear_half_multi`: `[F.linear(x, W) for W in weights]`.
+def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor],
+                                norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+                                norm_mode: int = 0) -> list[torch.Tensor]:
+    """Plain-PyTorch `dsv41::linear_half_multi`: `[F.linear(x, W) for W in weights]` (x RMS-normalised first with
+    `norm_mode`, as `reference_linear_half`).
 
     Args: x bf16 / fp16 [..., K]; weights 1 to `MAX_WEIGHTS` tensors of x's dtype [N_i, K].
     Returns: list of x's dtype [..., N_i].
@@ -108,11 +160,15 @@ def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor]) ->
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
     _check(x, list(weights))
-    return [F.linear(x, w) for w in weights]
+    xn = _normed(x, norm_weight, eps, norm_mode)
+    return [F.linear(xn, w) for w in weights]
 
 
-def reference_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::linear_half_silu_mul`: `F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)`.
+def reference_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                                   norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+                                   norm_mode: int = 0) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::linear_half_silu_mul`: `F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)` (x
+    RMS-normalised first with `norm_mode`, as `reference_linear_half`).
 
     Args: x bf16 / fp16 [..., K]; w_gate, w_up x's dtype [N, K].
     Returns: x's dtype [..., N].
@@ -123,7 +179,8 @@ def reference_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: 
     _check(x, [w_gate, w_up])
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have one shape")
-    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    xn = _normed(x, norm_weight, eps, norm_mode)
+    return F.silu(F.linear(xn, w_gate)) * F.linear(xn, w_up)
 
 
 @triton.jit
@@ -134,22 +191,47 @@ def _weight_tile(w_ptr, offs_n, n_ok, kk, k_ok, stride_wn):
 
 
 @triton.jit
-def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] + x[m, kk] . w[n, kk] for the program's x rows below M.
+def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, rstd, BLOCK_M: tl.constexpr,
+                  NORM: tl.constexpr, DT: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + xn[m, kk] . w[n, kk] for the program's x rows below M; xn is x, or x RMS-normalised
+    # with the row statistics `rstd` [BLOCK_M] rounded as the eager spelling (NORM, `rms_norm_reference`).
+    if NORM == 1 or NORM == 2:
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     for mm in tl.static_range(BLOCK_M):
         m = pid_m * BLOCK_M + mm
         # Row validity as a vector: the interpreter mis-types scalar-bool & block-bool.
         m_ok = (kk * 0 + m) < M
         xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=k_ok & m_ok, other=0.0).to(tl.float32)
+        if NORM != 0:
+            r = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+            if NORM == 1:
+                xv = round_to(round_to(xv * r, DT) * nw, DT)
+            elif NORM == 2:
+                xv = round_to(xv * r * nw, DT)
+            else:
+                xv = round_to(xv * r, DT)
         acc += tl.where((offs_m == m)[:, None], tl.sum(w * xv[None, :], axis=1)[None, :], 0.0)
     return acc
 
 
 @triton.jit
+def _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    # rsqrt(mean(x^2) + eps) of each x row offs_m ([BLOCK_M] FP32; 1 for rows past M), summed in FP32.
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([offs_m.shape[0], BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                     mask=(offs_m < M)[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+        ss += xt * xt
+    return 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
 def _half_gemv_kernel(
-    x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, r_ptr, part_ptr, cnt_ptr,
-    M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm,
-    COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, r_ptr, nw_ptr, part_ptr, cnt_ptr,
+    M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm, eps,
+    COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr,
     SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -190,8 +272,15 @@ def _half_gemv_kernel(
         prefetch_l2_rows(w_ptr + offs_n.to(tl.int64) * stride_wn + k_lo, span, n_ok)
         if PAIR:
             prefetch_l2_rows(w1 + offs_n.to(tl.int64) * stride_wn + k_lo, span, n_ok)
+    DT: tl.constexpr = y0.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM != 0:
+        # x's statistics need all of x, which the wait guards; the weights are already on their way to L2 (above).
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        rstd = _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K)
     for it in range(K_ITERS):
         kk = k_lo + it * BLOCK_K + offs_k
         k_ok = kk < K
@@ -200,13 +289,13 @@ def _half_gemv_kernel(
             wu = _weight_tile(w1, offs_n, n_ok, kk, k_ok, stride_wn)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x (and the residual) may come from the previous kernel
-        acc = _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M)
+        acc = _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, rstd, BLOCK_M, NORM, DT)
         if PAIR:
-            acc_up = _row_products(x_ptr, wu, acc_up, offs_m, kk, k_ok, pid_m, M, stride_xm, BLOCK_M)
+            acc_up = _row_products(x_ptr, wu, acc_up, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, rstd, BLOCK_M,
+                                   NORM, DT)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    DT: tl.constexpr = y0.dtype.element_ty
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tile = pid_m * tl.num_programs(0) + pid_g
@@ -277,8 +366,10 @@ def half_plan(m: int, n: int, k: int, *, pair: bool = False, block_n: int | None
     return plan
 
 
-def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict) -> list:
-    """Run the kernel for `weights` of one x (`pair`: the SwiGLU of weights[0], weights[1]); the outputs."""
+def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict, norm=(None, 0.0, 0)) -> list:
+    """Run the kernel for `weights` of one x (`pair`: the SwiGLU of weights[0], weights[1]; `norm` = (norm_weight,
+    eps, norm_mode), checked by the caller); the outputs."""
+    nw, eps, mode = norm
     k = x.shape[-1]
     require_launchable(_half_gemv_kernel, x.device, "triton_linear_half")
     lead = x.shape[:-1]
@@ -294,7 +385,7 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
     ys = [_empty((m, n), x.dtype, x.device) for n in widths]
     if m == 0 or sum(widths) == 0:
         return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
-    if k == 0:
+    if k == 0:  # (an RMSNorm of nothing is nothing: the sums stay empty)
         zero = [y.zero_() for y in ys]
         if pair:  # silu(0) * 0
             return [zero[0].reshape(*lead, widths[0])]
@@ -322,39 +413,49 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
     yy = ys + [ys[0]] * (MAX_WEIGHTS - len(ys))
     nn = (widths + [0] * MAX_WEIGHTS)[:MAX_WEIGHTS] if not pair else [widths[0], widths[0], 0, 0]
     extra = {"launch_pdl": True} if pdl else {}
+    if nw is not None and nw.stride(0) != 1:
+        nw = nw.contiguous()
+        pdl, extra = False, {}
     _half_gemv_kernel[grid](
-        x2, *ws, *yy, r2 if r2 is not None else x2, part, cnt, m, k, *nn, *(w.stride(0) for w in ws),
-        x2.stride(0), r2.stride(0) if r2 is not None else 0,
-        COUNT=len(weights), PAIR=pair, RESIDUAL=r2 is not None, SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"],
+        x2, *ws, *yy, r2 if r2 is not None else x2, nw if nw is not None else x2, part, cnt, m, k, *nn,
+        *(w.stride(0) for w in ws), x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
+        COUNT=len(weights), PAIR=pair, RESIDUAL=r2 is not None, NORM=mode, SPLIT_K=split_k,
+        SPLIT_POW2=plan["SPLIT_POW2"],
         K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
         L2_PREFETCH=aligned, USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
 
 
 def triton_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                       norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
                        **overrides) -> torch.Tensor:
     """`reference_linear_half` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1); any M (rows tiled
     by up to 8). `overrides` (block_n, block_k, k_iters, num_warps) replace the `half_plan` heuristic.
     Raises: as `reference_linear_half`, and RuntimeError when the kernel cannot run on the device."""
     _check(x, [weight], residual)
-    return _launch(x, [weight], residual, False, overrides)[0]
+    _check_norm(x, norm_weight, eps, norm_mode)
+    return _launch(x, [weight], residual, False, overrides, (norm_weight, eps, norm_mode))[0]
 
 
-def triton_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], **overrides) -> list[torch.Tensor]:
+def triton_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
+                             eps: float = 0.0, norm_mode: int = 0, **overrides) -> list[torch.Tensor]:
     """`reference_linear_half_multi` in one launch on the Triton kernel; as `triton_linear_half` otherwise."""
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
     _check(x, list(weights))
-    return _launch(x, list(weights), None, False, overrides)
+    _check_norm(x, norm_weight, eps, norm_mode)
+    return _launch(x, list(weights), None, False, overrides, (norm_weight, eps, norm_mode))
 
 
 def triton_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                                norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
                                 **overrides) -> torch.Tensor:
     """`reference_linear_half_silu_mul` in one launch on the Triton kernel; as `triton_linear_half` otherwise."""
     _check(x, [w_gate, w_up])
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have one shape")
-    return _launch(x, [w_gate, w_up], None, True, overrides)[0]
+    _check_norm(x, norm_weight, eps, norm_mode)
+    return _launch(x, [w_gate, w_up], None, True, overrides, (norm_weight, eps, norm_mode))[0]
 
 
 def _small_m(x: torch.Tensor) -> bool:
@@ -362,54 +463,56 @@ def _small_m(x: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("dsv41::linear_half", mutates_args=(), device_types="cpu")
-def linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`y = x @ weight.T (+ residual)` reading the bf16 / fp16 weight once; see `reference_linear_half`."""
-    return reference_linear_half(x, weight, residual)
+def linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0) -> torch.Tensor:
+    """`y = rmsnorm?(x) @ weight.T (+ residual)` reading the bf16 / fp16 weight once; see `reference_linear_half`."""
+    return reference_linear_half(x, weight, residual, norm_weight, eps, norm_mode)
 
 
 @register_cuda(linear_half, "dsv41::linear_half")
-def _linear_half_cuda(x, weight, residual=None):
-    if _small_m(x):
-        return triton_linear_half(x, weight, residual)
-    return reference_linear_half(x, weight, residual)
+def _linear_half_cuda(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0):
+    fn = triton_linear_half if _small_m(x) else reference_linear_half
+    return fn(x, weight, residual, norm_weight, eps, norm_mode)
 
 
 @linear_half.register_fake
-def _linear_half_fake(x, weight, residual=None):
+def _linear_half_fake(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("dsv41::linear_half_multi", mutates_args=(), device_types="cpu")
-def linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`[x @ W.T for W in weights]` in one launch at decode; see `reference_linear_half_multi`."""
-    return reference_linear_half_multi(x, weights)
+def linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
+                      eps: float = 0.0, norm_mode: int = 0) -> list[torch.Tensor]:
+    """`[rmsnorm?(x) @ W.T for W in weights]` in one launch at decode; see `reference_linear_half_multi`."""
+    return reference_linear_half_multi(x, weights, norm_weight, eps, norm_mode)
 
 
 @register_cuda(linear_half_multi, "dsv41::linear_half_multi")
-def _linear_half_multi_cuda(x, weights):
-    if _small_m(x):
-        return triton_linear_half_multi(x, weights)
-    return reference_linear_half_multi(x, weights)
+def _linear_half_multi_cuda(x, weights, norm_weight=None, eps=0.0, norm_mode=0):
+    fn = triton_linear_half_multi if _small_m(x) else reference_linear_half_multi
+    return fn(x, weights, norm_weight, eps, norm_mode)
 
 
 @linear_half_multi.register_fake
-def _linear_half_multi_fake(x, weights):
+def _linear_half_multi_fake(x, weights, norm_weight=None, eps=0.0, norm_mode=0):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
 @torch.library.custom_op("dsv41::linear_half_silu_mul", mutates_args=(), device_types="cpu")
-def linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """`silu(x @ w_gate.T) * (x @ w_up.T)` in one launch at decode; see `reference_linear_half_silu_mul`."""
-    return reference_linear_half_silu_mul(x, w_gate, w_up)
+def linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                         norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+                         norm_mode: int = 0) -> torch.Tensor:
+    """`silu(rmsnorm?(x) @ w_gate.T) * (rmsnorm?(x) @ w_up.T)` in one launch at decode; see
+    `reference_linear_half_silu_mul`."""
+    return reference_linear_half_silu_mul(x, w_gate, w_up, norm_weight, eps, norm_mode)
 
 
 @register_cuda(linear_half_silu_mul, "dsv41::linear_half_silu_mul")
-def _linear_half_silu_mul_cuda(x, w_gate, w_up):
-    if _small_m(x):
-        return triton_linear_half_silu_mul(x, w_gate, w_up)
-    return reference_linear_half_silu_mul(x, w_gate, w_up)
+def _linear_half_silu_mul_cuda(x, w_gate, w_up, norm_weight=None, eps=0.0, norm_mode=0):
+    fn = triton_linear_half_silu_mul if _small_m(x) else reference_linear_half_silu_mul
+    return fn(x, w_gate, w_up, norm_weight, eps, norm_mode)
 
 
 @linear_half_silu_mul.register_fake
-def _linear_half_silu_mul_fake(x, w_gate, w_up):
+def _linear_half_silu_mul_fake(x, w_gate, w_up, norm_weight=None, eps=0.0, norm_mode=0):
     return x.new_empty((*x.shape[:-1], w_gate.shape[0]))

@@ -43,14 +43,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
-from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, collect_region, concrete_shape,
-                     dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label,
-                     register_family, static_inputs, tensor_val, token_rows)
+from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, close_rounded, collect_region,
+                     concrete_shape, dsv41_op, eliminate_dead_code, eps_candidates, insert_node, is_dataflow_op,
+                     is_view_op, node_label, register_family, static_inputs, tensor_val, token_rows)
 from .small_ops import mutated_inputs, view_base
 
 __all__ = ["HalfGemvFamily", "SPEC"]
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 _HALF = (torch.bfloat16, torch.float16)
 _TRANSPOSES = (aten.permute.default, aten.t.default)
 #: Largest M taken (`half_gemv.MAX_TRITON_M`, repeated here so the finder needs no kernel import).
@@ -59,6 +60,8 @@ _MAX_M = 8
 _MAX_SIBLINGS = 4
 #: The ops the family emits (one kernel).
 _OPS = ("linear_half", "linear_half_multi", "linear_half_silu_mul")
+#: Nodes above a matmul's x that the RMSNorm finder searches for the mean of squares.
+_NORM_REACH = 8
 #: Nodes between a gate matmul and the SwiGLU product that the finder walks at the most.
 _SWIGLU_REACH = 16
 
@@ -114,10 +117,12 @@ def _through_views(node: fx.Node) -> fx.Node:
 
 
 class _Cand:
-    """A half-precision matmul the family may take: the mm node, its x and W, and the facts the chains need."""
+    """A half-precision matmul the family may take: the mm node, its x and W, and the facts the chains need
+    (`norm`: (h, norm weight or None, eps, mode) when x is an RMSNorm of h the op can compute itself)."""
 
     def __init__(self, mm: fx.Node, x: fx.Node, w: fx.Node):
         self.mm, self.x, self.w = mm, x, w
+        self.norm = None
         self.m, self.k = (int(d) for d in concrete_shape(tensor_val(x)))
         self.n = int(concrete_shape(tensor_val(w))[0])
         self.dtype = tensor_val(x).dtype
@@ -144,6 +149,13 @@ class HalfGemvFamily(FusionFamily):
             cands = []
         if cands:
             ev = RegionEvaluator(gm)
+            stored = static_inputs(graph)
+            norms: dict = {}
+            for c in cands:
+                key = _x_key(c.x)
+                if key not in norms:
+                    norms[key] = _rms_prologue(c, ev, stored)
+                c.norm = norms[key]
             taken: set = set()
             for gate, up, end, region in self._swiglus(cands, ev):
                 if gate.mm in taken or up.mm in taken:
@@ -271,7 +283,8 @@ class HalfGemvFamily(FusionFamily):
 
     # ---------------------------------------------------------------------------------------------- rewriting
     def _fuse_swiglu(self, graph, gate: _Cand, up: _Cand, end: fx.Node, region: list) -> MatchRecord:
-        y = insert_node(graph, end, dsv41_op("linear_half_silu_mul"), (gate.x, gate.w, up.w), like=gate.mm)
+        x, norm = _x_args(graph, gate, end)
+        y = insert_node(graph, end, dsv41_op("linear_half_silu_mul"), (x, gate.w, up.w, *norm), like=gate.mm)
         out = insert_node(graph, end, aten.reshape.default, (y, list(tensor_val(end).shape)), like=end)
         end.replace_all_uses_with(out)
         nodes = [gate.mm, up.mm] + list(region)
@@ -281,11 +294,12 @@ class HalfGemvFamily(FusionFamily):
         before = 2 * gate.n * gate.k * e + 2 * rows * gate.k * e + (2 + 2 * inner) * rows * gate.n * e
         after = 2 * gate.n * gate.k * e + rows * gate.k * e + rows * gate.n * e
         return self._record("swiglu", "dsv41::linear_half_silu_mul", gate.mm, nodes, before, after, subs,
-                            (("N", gate.n), ("K", gate.k), ("launches_saved", 2)))
+                            (("N", gate.n), ("K", gate.k), ("launches_saved", 2), *_norm_detail(gate)))
 
     def _fuse_residual(self, graph, c: _Cand, add: fx.Node, r: fx.Node) -> MatchRecord:
         r2 = insert_node(graph, add, aten.reshape.default, (r, [c.m, c.n]), like=add)
-        y = insert_node(graph, add, dsv41_op("linear_half"), (c.x, c.w, r2), like=c.mm)
+        x, norm = _x_args(graph, c, add)
+        y = insert_node(graph, add, dsv41_op("linear_half"), (x, c.w, r2, *norm), like=c.mm)
         out = insert_node(graph, add, aten.reshape.default, (y, list(tensor_val(add).shape)), like=add)
         add.replace_all_uses_with(out)
         e = c.dtype.itemsize
@@ -293,11 +307,12 @@ class HalfGemvFamily(FusionFamily):
         before = c.n * c.k * e + rows * c.k * e + 4 * rows * c.n * e
         after = c.n * c.k * e + rows * c.k * e + 2 * rows * c.n * e
         return self._record("residual", "dsv41::linear_half", c.mm, [c.mm, add], before, after, subs,
-                            (("N", c.n), ("K", c.k), ("launches_saved", 1)))
+                            (("N", c.n), ("K", c.k), ("launches_saved", 1), *_norm_detail(c)))
 
     def _fuse_siblings(self, graph, group: list) -> MatchRecord:
         first = group[0]
-        multi = insert_node(graph, first.mm, dsv41_op("linear_half_multi"), (first.x, [c.w for c in group]),
+        x, norm = _x_args(graph, first, first.mm)
+        multi = insert_node(graph, first.mm, dsv41_op("linear_half_multi"), (x, [c.w for c in group], *norm),
                             like=first.mm)
         for i, c in enumerate(group):
             y = insert_node(graph, first.mm, operator.getitem, (multi, i), like=c.mm)
@@ -310,21 +325,120 @@ class HalfGemvFamily(FusionFamily):
         after = weights + rows * first.k * e + outs
         return self._record("siblings", "dsv41::linear_half_multi", first.mm, [c.mm for c in group], before, after,
                             subs, (("N", tuple(c.n for c in group)), ("K", first.k),
-                                   ("launches_saved", len(group) - 1)))
+                                   ("launches_saved", len(group) - 1), *_norm_detail(first)))
 
     def _fuse_single(self, graph, c: _Cand) -> MatchRecord:
-        y = insert_node(graph, c.mm, dsv41_op("linear_half"), (c.x, c.w, None), like=c.mm)
+        x, norm = _x_args(graph, c, c.mm)
+        y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm), like=c.mm)
         c.mm.replace_all_uses_with(y)
         e = c.dtype.itemsize
         rows, subs = _rows(c)
         total = c.n * c.k * e + rows * c.k * e + rows * c.n * e
         return self._record("linear", "dsv41::linear_half", c.mm, [c.mm], total, total, subs,
-                            (("N", c.n), ("K", c.k), ("launches_saved", 0)))
+                            (("N", c.n), ("K", c.k), ("launches_saved", 0), *_norm_detail(c)))
 
     def _record(self, chain, op, anchor, nodes, before, after, subs, detail) -> MatchRecord:
         return MatchRecord(self.name, f"{chain}({tensor_val(anchor).dtype})", op, SourceLocation.from_node(anchor),
                            tuple(n.name for n in nodes), tuple(node_label(n) for n in nodes),
                            str(sympy.expand(before)), str(sympy.expand(after)), tuple(sorted(subs.items())), detail)
+
+
+def _x_args(graph: fx.Graph, c: _Cand, before: fx.Node):
+    """(x operand, norm arguments) of a fused op for `c`: x itself and (None, 0.0, 0), or the RMSNorm's input h as
+    [M, K] and (norm weight, eps, mode) when the op computes the norm (`_rms_prologue`)."""
+    if c.norm is None:
+        return c.x, (None, 0.0, 0)
+    h, nw, eps, mode = c.norm
+    h2 = insert_node(graph, before, aten.reshape.default, (h, [c.m, c.k]), like=c.mm)
+    return h2, (nw, eps, mode)
+
+
+def _norm_detail(c: _Cand) -> tuple:
+    """The record's detail entries of the RMSNorm prologue (none without one)."""
+    if c.norm is None:
+        return ()
+    return (("rms_norm_eps", c.norm[2]), ("rms_norm_mode", c.norm[3]), ("launches_saved_norm", 1))
+
+
+def _producer(x: fx.Node) -> fx.Node:
+    while isinstance(x, fx.Node) and x.op == "call_function" and is_view_op(x) and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
+
+
+def _strip_casts(n):
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target == prims.convert_element_type.default:
+        n = n.args[0]
+    return n
+
+
+def _rms_prologue(c: _Cand, ev: RegionEvaluator, stored):
+    """(h, norm weight node or None, eps, mode) when the matmul's x is an RMSNorm of a tensor h that the fused op
+    can compute in its prologue (`half_gemv.NORM_MODES`), else None.
+
+    Structure: a mean over the last dim of h^2 (pow 2 or h * h, after casts) within _NORM_REACH nodes above x; the
+    region from h to x reads nothing else but at most one stored 1-D [K] weight of x's dtype. Semantics: on probe
+    rows at ordinary and at small magnitudes (where eps moves the statistic) the region equals one spelling for
+    one of its literals as eps: exactly first, else within one rounding."""
+    xp = _producer(c.x)
+    mean, frontier, seen = None, [xp], set()
+    for _ in range(_NORM_REACH):
+        nxt = []
+        for n in frontier:
+            if n.op == "call_function" and n.target == aten.mean.dim and n.args[0] is not None:
+                dims = list(n.args[1]) if len(n.args) > 1 else []
+                keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+                if keep and dims in ([-1], [len(concrete_shape(tensor_val(n)) or ()) - 1]):
+                    mean = n
+            for a in n.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    nxt.append(a)
+        frontier = nxt
+        if mean is not None:
+            break
+    if mean is None:
+        return None
+    sq = mean.args[0]
+    if not isinstance(sq, fx.Node) or sq.op != "call_function":
+        return None
+    if sq.target == aten.pow.Tensor_Scalar and sq.args[1] == 2:
+        h = _strip_casts(sq.args[0])
+    elif sq.target == aten.mul.Tensor and sq.args[0] is sq.args[1]:
+        h = _strip_casts(sq.args[0])
+    else:
+        return None
+    hv = tensor_val(h) if isinstance(h, fx.Node) else None
+    xv = tensor_val(xp)
+    if hv is None or xv is None or hv.dtype != c.dtype or tuple(hv.shape) != tuple(xv.shape):
+        return None
+    region = collect_region([xp], [h])
+    leaves = [n for n in region if n.op in ("placeholder", "get_attr")]
+    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)))
+                                  for n in region):
+        return None
+    nw = leaves[0] if leaves else None
+    if nw is not None:
+        nv = tensor_val(nw)
+        static = nw.op == "get_attr" or stored is None or nw in stored
+        if nv is None or nv.dtype != c.dtype or tuple(nv.shape) != (c.k,) or not static:
+            return None
+    from dsv41.kernels.half_gemv import rms_norm_reference  # public name of the kernel layer
+    gen = torch.Generator().manual_seed(1)
+    shape = tuple(hv.shape)
+    hp = [(torch.randn(shape, generator=gen, dtype=torch.float64) * s).to(c.dtype) for s in (1.0, 3e-3)]
+    wp = (1 + 0.2 * torch.randn(c.k, generator=gen, dtype=torch.float64)).to(c.dtype) if nw is not None else None
+    try:
+        outs = [ev.evaluate([xp], {h: p, **({nw: wp} if nw is not None else {})})[xp] for p in hp]
+    except Exception:  # not closed over h and the weight, or an op the probes cannot run: no prologue
+        return None
+    modes = (1, 2) if nw is not None else (3,)
+    for same in (torch.equal, close_rounded):
+        for eps in eps_candidates(region):
+            for mode in modes:
+                if all(same(o, rms_norm_reference(p, wp, eps, mode)) for o, p in zip(outs, hp)):
+                    return h, nw, float(eps), mode
+    return None
 
 
 def _forward(start: fx.Node, limit: int) -> set:
