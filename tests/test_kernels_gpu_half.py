@@ -76,3 +76,17 @@ def test_fp16_and_cuda_graph_replay_with_pdl():
     torch.cuda.synchronize()
     R.check_swiglu(h.cpu(), xg.cpu(), wg, wu)
     R.check_linear(out.cpu(), h.cpu(), wdt.cpu(), r.cpu())
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_rmsnorm_prologue_at_llama_shapes(mode):
+    kernels.set_pdl(True)
+    x, (wq, wk, wg, wu) = _data([2048, 512, 8192, 8192], 2048, 1, torch.bfloat16, 9)
+    nw = (1 + 0.1 * torch.randn(2048, generator=torch.Generator().manual_seed(2))).bfloat16()
+    xn, slack = R.rms_oracle(x, nw, 1e-5, mode)
+    xg, nwg = x.to(DEV), nw.to(DEV)
+    ys = hg.triton_linear_half_multi(xg, [wq.to(DEV), wk.to(DEV)], nwg, 1e-5, mode)
+    for y, w in zip(ys, (wq, wk)):
+        R.check_linear(y.cpu(), xn, w, slack=slack)
+    R.check_swiglu(hg.triton_linear_half_silu_mul(xg, wg.to(DEV), wu.to(DEV), nwg, 1e-5, mode).cpu(), xn, wg, wu,
+                   slack)
