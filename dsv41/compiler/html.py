@@ -37,6 +37,8 @@ import json
 import os
 import re
 from collections import Counter
+
+from .report_schema import check_schema
 from .units import human_bytes
 
 __all__ = ["render_html", "write_html", "read_png"]
@@ -539,12 +541,14 @@ def render_html(report_dict: dict, bench: dict | None = None, png_path: str | No
             `dsv41.plots.benchmark_png` (left out, with a note, if matplotlib is missing).
     Raises:
         TypeError: report_dict is not a dict, or bench is neither a dict nor None.
+        ReportSchemaError (a ValueError): report_dict is of a newer `schema_version` than this dsv41 reads.
         FileNotFoundError / ValueError: png_path is missing or not a PNG.
     """
     if not isinstance(report_dict, dict):
         raise TypeError(f"report_dict must be FusionReport.to_dict() (a dict), got {type(report_dict).__name__}")
     if bench is not None and not isinstance(bench, dict):
         raise TypeError(f"bench must be a benchmark result dict or None, got {type(bench).__name__}")
+    check_schema(report_dict)
     png = read_png(png_path) if png_path is not None else None
     plot_note = ""
     if png is None and bench is not None and bench.get("backends"):

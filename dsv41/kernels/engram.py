@@ -1,4 +1,5 @@
-"""Engram lookup (hash -> bucket rows -> FP8 gather -> dequantise) and gate kernels (ARCHITECTURE.md, row "Engram").
+"""Engram lookup (hash -> bucket rows -> FP8 gather -> dequantise) and gate kernels (the pass family that emits
+them: `dsv41 report --patterns engram`).
 
 At an Engram layer the eager model (dsv41/model/engram.py, MODEL.md §2.10) runs two chains of small ops; each
 becomes one op here:

@@ -1,5 +1,5 @@
-"""CSA2 lightning-indexer kernels: index scores, two-level candidate blocks, top-k selection (ARCHITECTURE.md
-pattern table, row "indexer"; MODEL.md §2.7; eager code dsv41/model/csa.py `Indexer.scores`, `candidate_mask`,
+"""CSA2 lightning-indexer kernels: index scores, two-level candidate blocks, top-k selection (`dsv41 report
+--patterns indexer`; MODEL.md §2.7; eager code dsv41/model/csa.py `Indexer.scores`, `candidate_mask`,
 `select_topk`).
 
 Three ops replace the indexer's eager chains. None of them materialises a [B, T, N] mask: selections travel as

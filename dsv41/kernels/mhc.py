@@ -1,4 +1,4 @@
-"""mHC coefficient, collapse + RMSNorm and expand kernels (ARCHITECTURE.md pattern table, row "mHC").
+"""mHC coefficient, collapse + RMSNorm and expand kernels (`dsv41 report --patterns mhc`).
 
 Around every sublayer the eager model (dsv41/ref/mhc.py, MODEL.md §2.3) runs three chains of small ops on the
 four-stream residual H [B, T, 4, d]; each becomes one op here:

@@ -1,4 +1,4 @@
-"""MoE router and MoE tail kernels (ARCHITECTURE.md pattern table, row "MoE"; MODEL.md §2.9).
+"""MoE router and MoE tail kernels (pass family: `dsv41 report --patterns moe`; MODEL.md §2.9).
 
 Two ops, each one Triton launch on CUDA and the model's own math on CPU:
 

@@ -1,4 +1,4 @@
-"""Quantised-weight GEMV for decode (M <= 8): the `dispatch` fusion target (ARCHITECTURE.md, pattern table).
+"""Quantised-weight GEMV for decode (M <= 8): the `dispatch` fusion target (`dsv41 report --patterns dispatch`).
 
 The model's fallback path (dsv41/model/linear.py) computes
 `F.linear(fake_quant_fp8_1x32(x), dequantize(weight, scale))`: it materialises the dequantised weight in

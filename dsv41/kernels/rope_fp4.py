@@ -1,4 +1,4 @@
-"""RoPE + FP4 E2M1 quantisation in one pass (ARCHITECTURE.md pattern table, "RoPE + FP4 quant").
+"""RoPE + FP4 E2M1 quantisation in one pass (`dsv41 report --patterns rope_fp4`).
 
 The model rotates a latent (`dsv41.ref.rope.apply_rope`: interleaved pairs on the LAST R channels,
 rotation in FP32, result cast back to x.dtype) and immediately quantises it to FP4 (MODEL.md §2.1):

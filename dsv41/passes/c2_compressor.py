@@ -73,7 +73,11 @@ SPEC = register_family(
           ("eps", "rule", "rope_dim"), ("random u at magnitudes 1 and 1e-3 (pins eps)",),
           ("rmsnorm_inputs", "rmsnorm_values", "rms_eps", "pair_pool_values", "pending_state", "static_shapes",
            "op_registered"))
-    for op, pooled in (("c2_norm_rope_fp4_store", False), ("c2_pool_norm_rope_fp4_store", True))))
+    for op, pooled in (("c2_norm_rope_fp4_store", False), ("c2_pool_norm_rope_fp4_store", True))),
+    # order: after normalize, which gives later families one form of each chain; before rope_fp4, which would
+    # take the compressor's RoPE -> FP4 chains
+    after=("normalize",), before=("rope_fp4",),
+)
 
 
 class C2CompressorFamily(FusionFamily):

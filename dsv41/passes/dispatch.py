@@ -1,6 +1,6 @@
 """`dispatch` family: dequantize(weight) -> matmul becomes one fused low-precision linear op.
 
-Chain matched (ARCHITECTURE.md "Fusion patterns", row "dispatch"; MODEL.md §2.1 block layouts):
+Chain matched (`SPEC` below, `dsv41 report --patterns dispatch`; MODEL.md §2.1 block layouts):
 
     y = F.linear(fake_quant_fp8_1x32(x) or x, dequantize(W, S))      # eager, e.g. dsv41/model/linear.py
 
@@ -108,7 +108,12 @@ SPEC = register_family(
                          Role("scale", "[experts, N, K/32]", "uint8"), Role("ids", "[..]", "int")),
           "dsv41.ref.formats:dequantize_fp4_1x32", ("act_quant", "layout"),
           ("probe codes and activations end to end in float64",), _WEIGHT_CHECKS),
-))
+),
+    # order: after the families that fuse chains around matmuls, because it also audits what stays on a slow
+    # path (a new such family declares before="dispatch")
+    after=("c2_compressor", "rope_fp4", "mhc", "engram", "moe", "sparse_attention", "indexer", "small_ops",
+           "upcast_linear"),
+)
 
 
 class DispatchFamily(FusionFamily):

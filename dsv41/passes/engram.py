@@ -1,6 +1,6 @@
 """`engram` family: the two Engram chains of an Engram layer become `dsv41::engram_lookup` / `dsv41::engram_gate`.
 
-Chains matched (ARCHITECTURE.md "Fusion patterns", row "Engram"; MODEL.md §2.10; eager code dsv41/model/engram.py):
+Chains matched (`SPEC` below, `dsv41 report --patterns engram`; MODEL.md §2.10; eager code dsv41/model/engram.py):
 
     lookup  h_k = XOR_{s<=k} u_s * m_s (int64); ids[j] = remainder(h_k, primes[j]) + offsets[j];
             rows = dequantize_fp8_1x32(weight[ids], scale[ids])         (the input of the `wkv` projection)
@@ -93,7 +93,11 @@ SPEC = register_family(
           ("random streams", "a dot below the 1e-6 floor", "streams scaled to each eps literal's RMS"),
           ("static_shapes", "gate_signed_sqrt", "gate_floor", "rms_eps", "gate_values", "region_evaluates",
            "intermediate_escapes", "op_registered")),
-))
+),
+    # order: after mhc: the place it has always run (no dependency between the two is known;
+    # tests/test_chain_specs.py pins the order)
+    after=("mhc",),
+)
 
 
 def _eps_literals(nodes) -> list[float]:

@@ -76,7 +76,10 @@ SPEC = register_family(
     Chain("pair", "grouped_linear_fp4_pair", "two dsv41::grouped_linear_fp4 with act_quant of one x and one "
           "indices tensor", (Role("x", "[E, M, K]"), Role("w1 / w3 codes, scales", "[experts, N, K/2], [.., K/32]",
                                                          "uint8"), Role("ids", "[..]", "int")),
-          "dsv41.kernels.grouped_gemv (the op pair)", (), (), ("act_quant", "operand_order", "weight_shape")),))
+          "dsv41.kernels.grouped_gemv (the op pair)", (), (), ("act_quant", "operand_order", "weight_shape")),),
+    # order: after dispatch, which makes the grouped GEMVs it pairs
+    after=("dispatch",),
+)
 
 
 class GroupedPairFamily(HorizontalFamily):

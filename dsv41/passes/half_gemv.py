@@ -85,7 +85,11 @@ SPEC = register_family(
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half (structure only)", (), (), ("weight_source", "bias"),
               gpu_validated=False),
-    ), gpu_validated=False)
+    ), gpu_validated=False,
+    # order: after the quantised-weight families (a dequantised weight is theirs: here it is a computed weight,
+    # a near-miss) and after sibling_gemv, so no family sees this one's ops
+    after=("dispatch", "sibling_gemv"),
+)
 
 
 def _transposed(rhs) -> fx.Node | None:

@@ -1,6 +1,6 @@
 """`indexer` family: the CSA2 lightning indexer's score, candidate-pool and top-k chains become dsv41::indexer_* ops.
 
-Chains matched (ARCHITECTURE.md "Fusion patterns", row "indexer"; MODEL.md §2.7; eager code dsv41/model/csa.py):
+Chains matched (`SPEC` below, `dsv41 report --patterns indexer`; MODEL.md §2.7; eager code dsv41/model/csa.py):
 
     scores      dequantize_fp4_ue8m0_1x32(key codes, scales) -> q . k (matmul) -> ReLU -> * w -> sum over heads
                 -> where(row < n_visible, ., -inf)
@@ -86,7 +86,11 @@ SPEC = register_family(
           (Role("scores", "[B, T, S]", "fp32"),), "dsv41.ref.indexer:indexer_topk", ("k", "offset"),
           ("-inf holes, exact ties, sparse rows, an all -inf row",),
           ("static_k", "static_shapes", "tie_rule", "topk_values", "pool_mask")),
-))
+),
+    # order: after rope_fp4, whose fused index query it reads; before small_ops, which would share the
+    # visibility / n_visible math its regions contain, and dispatch, which rewrites the matmuls around it
+    after=("rope_fp4",), before=("small_ops", "dispatch"),
+)
 
 
 @dataclass

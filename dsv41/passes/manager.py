@@ -1,30 +1,11 @@
 """The dsv41 pass manager: runs the fusion families in a fixed order on Inductor's post-grad graph.
 
-Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and the priority ladder of "Fusion patterns"):
-
-    1. normalize      remove value-preserving detours first, so later families see one form of each chain
-    2. c2_compressor  [pair pooling ->] RMSNorm -> RoPE -> FP4 -> bank / index-key row write (before rope_fp4:
-                      it takes the compressor's chains; rope_fp4 keeps the other RoPE -> FP4 chains)
-    3. rope_fp4       RoPE -> FP4 quantisation (-> cache write)
-    4. mhc            mHC coefficients (projection + Sinkhorn), collapse + RMSNorm, expand + residual
-    5. engram         Engram n-gram hash -> FP8 row gather -> dequantise (wkv input); per-stream gate + residual
-    6. moe            MoE router (GEMV -> sqrt-softplus -> biased top-k -> weights); tail (expert sum + shared
-                      [-> all-reduce])
-    7. sparse_attention  gather FP4 bank rows -> dequantize -> attention over [FP8 window ; bank] with sink ->
-                      inverse RoPE (before indexer, so the attention chain is matched intact from the indices it
-                      reads; before small_ops, which would share its visibility-mask math, and dispatch)
-    8. indexer        CSA2 indexer: FP4 index scores, candidate blocks, top-k + epilogue (after rope_fp4, whose fused
-                      index query it reads; before small_ops, which would share the visibility / n_visible math
-                      the indexer's regions contain, and before dispatch, which rewrites the matmuls around it)
-    9. small_ops      per-step index / mask math repeated by every layer (ring slot, visibility), computed once
-   10. upcast_linear  FP32 matmul by an upcast bf16 / fp16 weight -> GEMV reading the weight once (after moe and
-                      mhc, whose router gate and projection have the same spelling inside their chains)
-   11. dispatch       dequantize -> matmul (plain and gathered experts); runs after the others because it also
-                      audits what stays on a slow path
-   12. grouped_pair   two grouped FP4 expert GEMVs of one activation and one expert selection (MoE w1 / w3) -> one
-                      op that quantises the activation once (after dispatch, which makes the grouped GEMVs)
-   13. sibling_gemv   2-4 block-FP8 GEMVs of one activation (q / kv down-projections, gate / up) -> one op, one
-                      launch at decode (after dispatch, which makes the GEMVs; last, so no family sees its op)
+Order (`FAMILY_ORDER`, ARCHITECTURE.md "Pipeline stages" 2 and "Fusion patterns"): the registry (registry.py)
+finds every family module of this package and sorts the families by the `after` / `before` their declarations
+(`SPEC = register_family(...)`) name, ties by name; each declaration says why in a comment. `normalize` runs first,
+so later families see one form of each chain; `dispatch` after the families that fuse chains around matmuls,
+since it also audits what stays on a slow path; the GEMV-grouping families last. `dsv41 report --patterns` prints
+every family in this order with what its chains look for.
 
 A family can fail; the compile cannot. Each family runs on the graph as the previous one left it; if it raises,
 the graph is put back as it was before that family ran (not half rewritten), the other families go on, and the
@@ -62,31 +43,18 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .records import Finding, PassRecord, SourceLocation
 from .engine import (FusionFamily, GraphFingerprint, fused_ops, node_label, restore_graph, snapshot_graph,
                      unvalidated_ops)
-from .c2_compressor import C2CompressorFamily
-from .dispatch import DispatchFamily
-from .engram import EngramFamily
-from .grouped_pair import GroupedPairFamily
-from .indexer import IndexerFamily
-from .mhc import MhcFamily
-from .moe import MoeFamily
-from .normalize import NormalizeFamily, restore_batch1_mm
-from .rope_fp4 import RopeFp4Family
-from .sibling_gemv import SiblingGemvFamily
-from .half_gemv import HalfGemvFamily
-from .small_ops import SmallOpsFamily
-from .upcast_linear import UpcastLinearFamily
-from .sparse_attention import SparseAttentionFamily
+from .normalize import restore_batch1_mm
+from .registry import discover, family_order
 
 __all__ = ["FAMILY_ORDER", "FAMILIES", "REWRITE_FAMILIES", "PassManager", "GraphPassResult", "GPU_UNVALIDATED",
            "GPU_UNVALIDATED_OPS", "FamilyFailed"]
 
-#: The registry: every family class in the order it runs. Each carries its `FamilySpec` (`spec`: name, summary,
-#: chains as data, engine/chain.py); everything below is read from it.
-FAMILIES: dict[str, type[FusionFamily]] = {cls.spec.name: cls for cls in (
-    NormalizeFamily, C2CompressorFamily, RopeFp4Family, MhcFamily, EngramFamily, MoeFamily, SparseAttentionFamily,
-    IndexerFamily, SmallOpsFamily, UpcastLinearFamily, DispatchFamily, GroupedPairFamily, SiblingGemvFamily,
-    HalfGemvFamily)}
-FAMILY_ORDER: tuple[str, ...] = tuple(FAMILIES)
+#: The registry: every family class of dsv41/passes/ (registry.discover), in the order it runs
+#: (registry.family_order of the declarations' after / before). Each carries its `FamilySpec` (`spec`: name,
+#: summary, chains as data, place in the order; engine/chain.py); everything below is read from it.
+_FOUND = discover()
+FAMILY_ORDER: tuple[str, ...] = family_order(cls.spec for cls in _FOUND.values())
+FAMILIES: dict[str, type[FusionFamily]] = {name: _FOUND[name] for name in FAMILY_ORDER}
 _SPECS = tuple(FAMILIES[name].spec for name in FAMILY_ORDER)
 #: Families that rewrite the graph into the forms the matchers read without fusing anything (`rewrites_only`): the
 #: report lists their matches as rewrites, apart from the fusions.

@@ -1,6 +1,6 @@
 """`mhc` family: the three mHC chains around every sublayer become one `dsv41::mhc_*` op each.
 
-Chains matched (ARCHITECTURE.md "Fusion patterns", row "mHC"; MODEL.md §2.3; eager code dsv41/model/mhc.py):
+Chains matched (`SPEC` below, `dsv41 report --patterns mhc`; MODEL.md §2.3; eager code dsv41/model/mhc.py):
 
     coefficients  z = flatten(H).float(); r = rsqrt(mean(z^2) + norm_eps); m = (z @ fn^T) * r;
                   pre = sigmoid(..) + hc_eps; post = 2 sigmoid(..); comb = Sinkhorn(iters) of m[8:24]
@@ -99,7 +99,11 @@ SPEC = register_family(
           "dsv41.ref.mhc:mhc_collapse + dsv41.ref.norm:rms_norm", ("eps",),
           ("random H at magnitudes 1 and 1e-4 (pins eps)",),
           ("rms_eps", "collapse_rmsnorm_values", "static_shapes", "op_registered")),
-))
+),
+    # order: after rope_fp4: the place it has always run (no dependency between the two is known;
+    # tests/test_chain_specs.py pins the order)
+    after=("rope_fp4",),
+)
 
 
 def _eps_literals(nodes) -> list[float]:

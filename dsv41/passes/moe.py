@@ -1,6 +1,6 @@
 """`moe` family: the MoE router and the MoE tail become one `dsv41::moe_*` op each.
 
-Chains matched (ARCHITECTURE.md "Fusion patterns", row "MoE"; MODEL.md §2.9; eager code dsv41/model/moe.py):
+Chains matched (`SPEC` below, `dsv41 report --patterns moe`; MODEL.md §2.9; eager code dsv41/model/moe.py):
 
     router  l = (x_fp32 @ W^T) / gate_temp; s = sqrt(softplus(l)); ids = topk(s + bias, k).indices;
             w = s.gather(ids); w = w / (w.sum(-1) + eps) * route_scale
@@ -91,7 +91,11 @@ SPEC = register_family(
                                                      Role("w", "[.., k] (optional)")),
           "dsv41.kernels.moe:reference_moe_combine", (), ("random y, shared at magnitudes 1 and 1000",),
           ("moe_combine_mean", "moe_combine_values", "static_shapes", "op_registered")),
-))
+),
+    # order: after engram: the place it has always run (no dependency between the two is known;
+    # tests/test_chain_specs.py pins the order)
+    after=("engram",),
+)
 
 
 def _reference():

@@ -1,6 +1,6 @@
 """`rope_fp4` family: RoPE followed by FP4 quantisation becomes one op (one pass over the latent).
 
-Chains matched (ARCHITECTURE.md "Fusion patterns", row "RoPE + FP4 quant"; MODEL.md §2.1, §2.2, §2.8):
+Chains matched (`SPEC` below, `dsv41 report --patterns rope_fp4`; MODEL.md §2.1, §2.2, §2.8):
 
     quantize_fp4_e4m3_1x16(apply_rope(x, cos, sin))      -> dsv41::rope_fp4_quant(x, cos, sin, 16, True)
     quantize_fp4_ue8m0_1x32(apply_rope(x, cos, sin))     -> dsv41::rope_fp4_quant(x, cos, sin, 32, False)

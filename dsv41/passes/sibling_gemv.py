@@ -78,7 +78,10 @@ SPEC = register_family(
     "launch at decode", (
     Chain("siblings", "linear_fp8_block_multi", "2 to MAX_SIBLINGS dsv41::linear_fp8_block of one x node",
           (Role("x", "[M, K]"), Role("codes, scales (each)", "[N_i, K], [N_i/32, K/32]", "uint8")),
-          "dsv41.kernels (the op group)", (), (), ("act_quant", "operand_order", "tma_weight")),))
+          "dsv41.kernels (the op group)", (), (), ("act_quant", "operand_order", "tma_weight")),),
+    # order: after dispatch, which makes the GEMVs; last, so no family sees its op
+    after=("dispatch", "grouped_pair"),
+)
 
 
 class SiblingGemvFamily(HorizontalFamily):

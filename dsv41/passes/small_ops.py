@@ -5,7 +5,7 @@ positions and slot (`Attention._ring_positions`, `_write_ring`: `remainder(p, W)
 the window (`ok = kpos >= 0 & kpos <= q & kpos > q - W`), the batch-row index `arange(B)[:, None]`, the
 visible bank rows (`csa.visible_rows`) and the casts of the positions that feed the RoPE angles. Eager code
 recomputes them per layer; the post-grad graph keeps one copy per layer (Inductor has no cross-layer CSE),
-each becoming its own loop or kernel prologue. (ARCHITECTURE.md "Fusion patterns": shared indices.)
+each becoming its own loop or kernel prologue. (`dsv41 report --patterns small_ops`.)
 
 What this pass does — a structural common-subexpression elimination restricted to STEP REGIONS:
 

@@ -1,6 +1,6 @@
 """`sparse_attention` family: one attention site over [FP8 window ; selected FP4 bank rows] becomes one op.
 
-Chain matched (ARCHITECTURE.md "Fusion patterns", row "sparse FP4 attention"; MODEL.md §2.4 steps 3-6; eager code
+Chain matched (`SPEC` below, `dsv41 report --patterns sparse_attention`; MODEL.md §2.4 steps 3-6; eager code
 dsv41/model/attention.py `Attention.forward`):
 
     keys  = cat_i(dequantize_fp8_1x32(codes_i, scales_i))              # window ring + the step's new rows
@@ -75,7 +75,11 @@ SPEC = register_family(
           ("random FP8 window, FP4 bank on every E4M3 scale byte",),
           ("static_shapes", "bank_format", "attention_sink", "inverse_rope", "intermediate_used", "window_layout",
            "attention_values", "op_registered")),
-))
+),
+    # order: before indexer, so the attention chain is matched intact from the indices it reads; before
+    # small_ops, which would share its visibility-mask math, and dispatch, which rewrites the matmuls around it
+    after=("normalize",), before=("indexer", "small_ops", "dispatch"),
+)
 
 
 class SparseAttentionFamily(FusionFamily):

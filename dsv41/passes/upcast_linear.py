@@ -150,7 +150,10 @@ SPEC = register_family(
     "weight once in its stored width", (
     Chain("upcast", "linear_upcast", "mm / addmm of an FP32 x by permute(convert(W half)) (or an FP32 static W at "
           "M = 1)", (Role("x", "[M, K]", "fp32"), Role("W", "[N, K]", "bf16 / fp16 / fp32")),
-          "exact widening (no probe)", (), (), ("activation_dtype", "weight_source", "weight_transform")),))
+          "exact widening (no probe)", (), (), ("activation_dtype", "weight_source", "weight_transform")),),
+    # order: after mhc and moe, whose projection and router gate have the same spelling inside their chains
+    after=("mhc", "moe"),
+)
 
 
 class UpcastLinearFamily(FusionFamily):

@@ -9,7 +9,7 @@ last R channels" from "on the first R", an exponent bias of 127 from 100, or a 3
 one; evaluating the region settles exactly those constants (`literals` lists the candidates), whichever way eager
 code spelled the math. A check that fails becomes a `NearMiss` naming it. `loop` runs finders, op checks, rewrites,
 dead-code elimination, toposort and records; `traffic` is the default byte rule; `chain` holds the declarations a
-family's chains are described by, and the registry the pass manager reads (its `FAMILIES`).
+family's chains are described by, which the registry (passes/registry.py) reads.
 
 Modules: graph (node facts, op classes), symbolic (run-time sizes), evaluate (probe evaluation), region (growth and
 cut search), literals, tolerance, casts, edit (inserting nodes, undo), traffic (bytes), loop (the chain loop),

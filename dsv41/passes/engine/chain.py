@@ -2,10 +2,11 @@
 
 A family declares itself (`FamilySpec`: name, summary, chains) and its chains (`Chain`): the anchor each starts
 from, the roles of the fused op's inputs with their shapes, the reference function the region is compared with, the
-constants the probes discover, the probes, and the checks (near-miss ids) a look-alike can fail. The pass manager's
-registry (manager.py `FAMILIES`: the family classes in pass order, each with its `spec`) is the one list
-`FAMILY_ORDER`, the fused-op list of `PassManager.uuid()` and the GPU gate are read from, and `dsv41 report
---patterns` prints (`describe_families`).
+constants the probes discover, the probes, and the checks (near-miss ids) a look-alike can fail, and its place in
+the pass order (`after` / `before`: the families it must run after / before). The registry (passes/registry.py,
+re-exported as manager.py `FAMILIES`: the family classes found in dsv41/passes/, in pass order, each with its
+`spec`) is the one list `FAMILY_ORDER`, the fused-op list of `PassManager.uuid()` and the GPU gate are read from,
+and `dsv41 report --patterns` prints (`describe_families`).
 """
 
 from __future__ import annotations
@@ -69,31 +70,45 @@ class Chain:
 class FamilySpec:
     """One family as data: its `name` (the pass manager's key and the report's), a one-line `summary`, its `chains`,
     `rewrites_only` (it normalises the graph for the others and fuses nothing: the report lists its matches as
-    rewrites) and `gpu_validated` (False: its kernels have not yet run on a GPU, so on CUDA it stays off unless the
-    option `gpu_unvalidated` is set)."""
+    rewrites), `gpu_validated` (False: its kernels have not yet run on a GPU, so on CUDA it stays off unless the
+    option `gpu_unvalidated` is set), and its place in the pass order: `after` / `before`, the names of the families
+    it must run after / before (passes/registry.py sorts the families by these; where they leave a choice, by
+    name)."""
 
     name: str
     summary: str
     chains: tuple[Chain, ...] = ()
     rewrites_only: bool = False
     gpu_validated: bool = True
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        """The family's summary and every chain it declares (`Chain.describe`)."""
+        """The family's summary, its order constraints and every chain it declares (`Chain.describe`)."""
         body = "\n".join(c.describe() for c in self.chains) if self.chains else (
             "(no chain with a fused op: it rewrites the graph in place, see the family module)")
-        return f"[{self.name}] {self.summary}\n{body}"
+        order = "; ".join(f"{word} {', '.join(names)}" for word, names in (("after", self.after),
+                                                                           ("before", self.before)) if names)
+        return f"[{self.name}] {self.summary}\n" + (f"    runs {order}\n" if order else "") + body
 
 
-def register_family(name: str, summary: str, chains=(), rewrites_only: bool = False,
-                    gpu_validated: bool = True) -> FamilySpec:
-    """The `FamilySpec` of family `name` (a family module's `SPEC`; its class sets `spec = SPEC`, and the pass
-    manager's `FAMILIES` lists the classes). Raises ValueError for two chains of the family with the same name."""
+def register_family(name: str, summary: str, chains=(), rewrites_only: bool = False, gpu_validated: bool = True,
+                    after=(), before=()) -> FamilySpec:
+    """The `FamilySpec` of family `name` (a family module's `SPEC`; its class sets `spec = SPEC`, and the registry,
+    passes/registry.py, finds the class by walking dsv41/passes/).
+
+    Args: `after` / `before`: names of the families this one must run after / before (a str is one name); the
+    registry checks that each names a family and that the constraints have no cycle.
+    Raises: ValueError for two chains of the family with the same name, or `name` in its own `after` / `before`."""
     chains = tuple(chains)
     names = [c.name for c in chains]
     if len(set(names)) != len(names):
         raise ValueError(f"family {name!r} declares a chain name twice: {names}")
-    return FamilySpec(name, summary, chains, rewrites_only, gpu_validated)
+    after = (after,) if isinstance(after, str) else tuple(after)
+    before = (before,) if isinstance(before, str) else tuple(before)
+    if name in after or name in before:
+        raise ValueError(f"family {name!r} names itself in its order (after={after}, before={before})")
+    return FamilySpec(name, summary, chains, rewrites_only, gpu_validated, after, before)
 
 
 def fused_ops(specs) -> tuple[str, ...]:
