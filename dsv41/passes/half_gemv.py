@@ -14,6 +14,10 @@ transformers' Llama, Qwen and Mistral blocks lower to them):
     3. siblings   2 to 4 remaining mm of one x (q / k / v)            -> dsv41::linear_half_multi(x, [W_i])
     4. the rest   each remaining mm                                   -> dsv41::linear_half(x, W)
 
+    and in front of any of them, when x is an RMSNorm of h (gpt-fast's, transformers', torch's F.rms_norm spelling;
+    eps and spelling settled on probes): the op takes h and computes the norm in its prologue (norm_weight, eps,
+    norm_mode), so the norm's launch and the normalised copy go.
+
 Why. Inductor runs each projection of a bf16 decoder as its own cuBLAS call and the SwiGLU and residual adds as
 separate Triton kernels: a Llama-3.2-1B-shaped step was 311 kernels, at 49 % of its copy roofline on an H100
 (issue [generic]). Each fused op is one launch that reads its weights once at their stored width, before its PDL
@@ -65,25 +69,32 @@ _NORM_REACH = 8
 #: Nodes between a gate matmul and the SwiGLU product that the finder walks at the most.
 _SWIGLU_REACH = 16
 
+#: What every chain discovers about an RMSNorm in front of x (the op's prologue), and how.
+_NORM_CONSTANTS = ("RMSNorm prologue: eps among the region's literals", "RMSNorm spelling (half_gemv.NORM_MODES)")
+_NORM_PROBES = ("RMSNorm: rows at scales 1 and 3e-3 (where eps moves the statistic), exact first, else one rounding")
+
 SPEC = register_family(
     "half_gemv", "bf16 / fp16 projections at M <= 8 -> GEMVs reading each weight once, with SwiGLU, residual add and "
     "sibling projections in the same launch", (
         Chain("swiglu", "linear_half_silu_mul", "silu(mm(x, Wg^T)) * mm(x, Wu^T) in any spelling",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("Wg, Wu", "[N, K]", "x's dtype")),
-              "dsv41.kernels.half_gemv:reference_linear_half_silu_mul", ("which matmul is the gate",),
-              ("two seeds of standard-normal g, u at scales 1 and 6, compared within one rounding of x's dtype",),
+              "dsv41.kernels.half_gemv:reference_linear_half_silu_mul", ("which matmul is the gate", *_NORM_CONSTANTS),
+              ("standard-normal g, u at scales 1 and 6, within three roundings of x's dtype", _NORM_PROBES),
               ("weight_source",), gpu_validated=False),
         Chain("residual", "linear_half", "r + mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype"), Role("r", "[M, N]", "x's dtype")),
-              "dsv41.kernels.half_gemv:reference_linear_half (structure only: an add of one shape and dtype)", (), (),
+              "dsv41.kernels.half_gemv:reference_linear_half (structure only: an add of one shape and dtype)",
+              _NORM_CONSTANTS, (_NORM_PROBES,),
               ("weight_source",), gpu_validated=False),
         Chain("siblings", "linear_half_multi", "2 to 4 mm(x, W_i^T) of one x",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W_i", "[N_i, K]", "x's dtype")),
-              "dsv41.kernels.half_gemv:reference_linear_half_multi (structure only)", (), (), ("weight_source",),
+              "dsv41.kernels.half_gemv:reference_linear_half_multi (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
+              ("weight_source",),
               gpu_validated=False),
         Chain("linear", "linear_half", "mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype")),
-              "dsv41.kernels.half_gemv:reference_linear_half (structure only)", (), (), ("weight_source", "bias"),
+              "dsv41.kernels.half_gemv:reference_linear_half (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
+              ("weight_source", "bias"),
               gpu_validated=False),
     ), gpu_validated=False,
     # order: after the quantised-weight families (a dequantised weight is theirs: here it is a computed weight,
