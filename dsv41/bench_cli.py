@@ -1,5 +1,8 @@
 """`dsv41 bench`: the benchmark's command line (arguments, checks, outputs); the protocol is `dsv41.bench`.
 
+This module does not import `dsv41.bench`: `dsv41.bench.main` hands its `run_benchmark` to `main` here, so the
+command and the protocol form no import circle (`tests/test_layers.py`).
+
 Arguments are checked before anything is built (`dsv41.usage`, `dsv41.bench_plan.check_request`): a bad one is
 one line, `dsv41 bench: error: ...`, exit status 2. Files the user does not name go into the output folder
 (`-o/--out`, default `out/`); every written path is printed.
@@ -11,17 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from typing import Callable
 
 __all__ = ["main", "console_main", "parser"]
+
+#: The first line of `--help` (the first line of `dsv41.bench`'s docstring).
+DESCRIPTION = "The decode benchmark of BENCHMARK.md: backends side by side in one process, alternated run by run."
 
 
 def parser():
     """The `dsv41 bench` argument parser (one-line errors, `dsv41.usage.OneLineParser`)."""
-    from .bench import __doc__ as bench_doc
     from .usage import OneLineParser, int_at_least, positive_float
 
-    p = OneLineParser(prog="dsv41 bench", description=bench_doc.split("\n")[0])
+    p = OneLineParser(prog="dsv41 bench", description=DESCRIPTION)
     p.add_argument("--preset", choices=("tiny", "small", "h200"), default=None,
                    help="default: small on a GPU, tiny on CPU")
     p.add_argument("--backends", default="all",
@@ -95,8 +100,8 @@ def check_args(a) -> None:
 
     Raises: UsageError naming the flag (`dsv41.usage`, `dsv41.bench_plan.check_request`).
     """
-    from . import bench as B
     from .bench_plan import check_request
+    from .bench_rows import ablation_families, expand_backends, parse_row_new_tokens
     from .usage import UsageError, check_options, resolve_device
 
     if a.tp is not None and a.tp < 1:
@@ -112,12 +117,12 @@ def check_args(a) -> None:
     a.new_tokens = a.new_tokens if a.new_tokens is not None else (1024 if cuda else 8)
     a.contexts_list = _contexts(a.contexts)
     try:
-        B.expand_backends(a.backends, B.ablation_families()[0])
+        expand_backends(a.backends, ablation_families()[0])
     except ValueError as e:
         raise UsageError(f"argument --backends: {e}") from None
     a.options = check_options(a.option) or None
     try:
-        a.row_new_tokens_map = B.parse_row_new_tokens(a.row_new_tokens)
+        a.row_new_tokens_map = parse_row_new_tokens(a.row_new_tokens)
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_request(a.preset, a.backends, a.prompt_len, a.new_tokens, a.repeats, weight_mode=a.weight_mode,
@@ -127,31 +132,33 @@ def check_args(a) -> None:
                   row_new_tokens=a.row_new_tokens_map)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, run_benchmark: Callable[..., dict]) -> int:
     """Parse and check `dsv41 bench` arguments, run the benchmark, write and print the results; returns the exit
-    status (0). Raises: UsageError for a bad argument (before anything is built; `console_main` prints it as one
-    line with status 2); argparse's own errors exit with status 2 after one line."""
+    status (0). `run_benchmark` is the protocol (`dsv41.bench.run_benchmark`, which `dsv41.bench.main` passes).
+    Raises: UsageError for a bad argument (before anything is built; `console_main` prints it as one line with
+    status 2); argparse's own errors exit with status 2 after one line."""
     a = parser().parse_args(argv)
     check_args(a)
+    a.run_benchmark = run_benchmark
     if a.tp is not None:
         from .launch import launch_ranks
         return launch_ranks(_bench_from_args, a.tp, a, device=a.device)
     return _bench_from_args(a)
 
 
-def console_main(argv=None) -> int:
+def console_main(argv=None, *, run_benchmark: Callable[..., dict]) -> int:
     """`main` for a console: a UsageError is one line on stderr (`dsv41 bench: error: ...`) and status 2."""
     from .usage import UsageError, usage_error
     try:
-        return main(argv)
+        return main(argv, run_benchmark=run_benchmark)
     except UsageError as e:
         return usage_error("dsv41 bench", e)
 
 
 def _bench_from_args(a) -> int:
-    """Run the benchmark for checked CLI arguments `a` (`check_args`); under TP (an initialised group) only rank 0
-    writes and prints."""
-    from . import bench as B
+    """Run the benchmark for checked CLI arguments `a` (`check_args`, plus `a.run_benchmark`); under TP (an
+    initialised group) only rank 0 writes and prints."""
+    from .bench_table import print_context_table, print_table
     from .outputs import output_path, shown
 
     tp, rank = None, 0
@@ -170,7 +177,7 @@ def _bench_from_args(a) -> int:
                 json.dump(r, f, indent=1, default=str)
             os.replace(tmp, a.json)
 
-    res = B.run_benchmark(a.preset, a.backends, a.prompt_len, a.new_tokens, a.repeats, a.weight_mode, a.device,
+    res = a.run_benchmark(a.preset, a.backends, a.prompt_len, a.new_tokens, a.repeats, a.weight_mode, a.device,
                           options=a.options, dtype=a.dtype, warm_compile=a.warm_compile, speculative=a.speculative,
                           contexts=a.contexts_list, context_tokens=a.context_tokens, tp=tp, regional=a.regional,
                           shared_cache=a.shared_cache, precompile=a.precompile, cache_dir=a.cache_dir,
@@ -204,10 +211,8 @@ def _bench_from_args(a) -> int:
             from .compiler.html import write_html
             write_html(report, a.html, bench=res, png_path=png)
             wrote(a.html)
-    B.print_context_table(res, console)
-    B.print_table(res, console)
+    print_context_table(res, console)
+    print_table(res, console)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(console_main())
