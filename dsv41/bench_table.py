@@ -12,6 +12,11 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _workload(res: dict) -> str:
+    """What a result ran: `<preset> (<weight mode>)` of a V4.1 run, `<model> (<dtype>)` of a `--model` run."""
+    return f"{res['model']} ({res['dtype']})" if res.get("model") else f"{res['preset']} ({res['weight_mode']})"
+
+
 def print_table(res: dict, console=None) -> None:
     """Print the roofline line and then the result table (the table comes last, so a log's tail shows it)."""
     from rich.console import Console
@@ -28,7 +33,7 @@ def print_table(res: dict, console=None) -> None:
                       f"{res['copy_bandwidth_tb_s']:.2f} TB/s copy bandwidth = {res['roofline_tok_s']:.1f} tok/s "
                       f"(context {res['decode_context']})")
     t = Table(title_justify="left",
-              title=f"decode benchmark: {res['preset']} ({res['weight_mode']}), prompt {res['prompt_len']}, "
+              title=f"decode benchmark: {_workload(res)}, prompt {res['prompt_len']}, "
                     f"{res['new_tokens']} new tokens, {res['repeats']} runs, {res.get('gpu') or 'cpu'}")
     for col in ("backend", "decode tok/s med [min, max]", "prefill tok/s", "kernels/step", "roofline",
                 "compile s cold / warm", "peak GB", "= eager", "max rel logit err", "logit err vs fp32", "note"):
