@@ -73,8 +73,12 @@ the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold co
 `kernels_static_minus_profiler` (null on CPU). With `--speculative E` (DSpark, simulated acceptance) the top level
 has `speculative` {simulated_acceptance, block_size} (else null) and every row `mean_acceptance` and
 `mean_natural_acceptance`.
-"""
 
+Where the rest lives (the names this module had before the split, and `run_llama_benchmark`, import from here
+too): `bench_protocol` (the measurement rules and
+`DEFINITIONS`), `bench_context` (the context sweep), `bench_reports` (the rows' fusion reports and step
+breakdowns), `bench_table` (the printed tables), `bench_llama` (`--model`), `bench_cli` (the command line).
+"""
 
 from __future__ import annotations
 
@@ -101,6 +105,7 @@ from .bench_protocol import empty_row as _empty_row
 from .bench_protocol import fail_text as _fail
 from .bench_protocol import tensorrt_import_error as _tensorrt_import_error
 from .bench_protocol import use_cache_dir as _use_cache_dir
+from .bench_llama import run_llama_benchmark  # noqa: F401
 from .bench_reports import ORIGINS as _ORIGINS
 from .bench_reports import PROFILE_STEPS  # noqa: F401
 from .bench_reports import REPORTS as _REPORTS
@@ -123,7 +128,8 @@ __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternati
            "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
            "run_benchmark", "print_table", "main", "DSPARK", "DSPARK_ACCEPTANCE", "base_backend", "row_speculation",
            "tensor_digest", "identical_rows", "bench_model", "cache_positions", "parse_row_new_tokens", "make_runner",
-           "timed_run", "console_main", "DEFINITIONS", "decode_from_context", "print_context_table"]
+           "timed_run", "console_main", "DEFINITIONS", "decode_from_context", "print_context_table",
+           "run_llama_benchmark"]
 
 
 # ------------------------------------------------------------------------------------------ the run
