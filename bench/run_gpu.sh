@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -176,6 +176,14 @@ for s in $sections; do
         --repeats ${REPEATS:-5} --backends ${BACKENDS:-eager,inductor,inductor-cudagraphs,dsv41,torch_tensorrt} $warmflag \
         ${EAGER_NEW_TOKENS:+--eager-new-tokens $EAGER_NEW_TOKENS} "${rowtok[@]}" $regional $pre \
         ${BENCH_OPTIONS:-} --json "$OUTDIR/backends_${PRESET:-small}${TAG:-}.json" --png 2>&1 | tail -40 ;;
+    llama)
+      # A third party's model (tests/zoo/llama_gptfast.py, gpt-fast style): eager, inductor, inductor-cudagraphs and
+      # dsv41 rows of Llama-3.2-1B and Llama-3.1-8B shapes, random bf16 weights (BENCHMARK.md "Llama rows"). Each
+      # run prints its table last; 8B decodes fewer tokens (its eager row is the slow one).
+      timeout ${LLAMA_TIMEOUT:-540} python3 -m dsv41.bench --model llama-1b --prompt-len 512 --new-tokens 256 --repeats 3 \
+        $warmflag ${BENCH_OPTIONS:-} --json "$OUTDIR/llama_1b.json" 2>&1 | tail -${LLAMA_TAIL:-20}
+      timeout ${LLAMA_TIMEOUT:-540} python3 -m dsv41.bench --model llama-8b --prompt-len 512 --new-tokens ${LLAMA_8B_NEW_TOKENS:-128} \
+        --repeats 3 $warmflag ${BENCH_OPTIONS:-} --json "$OUTDIR/llama_8b.json" 2>&1 | tail -${LLAMA_TAIL:-20} ;;
   esac
 done
 python3 bench/summarize.py "$OUTDIR"

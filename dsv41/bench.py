@@ -73,16 +73,18 @@ the `dsv41` row also has `report` (its `FusionReport.to_dict()` from the cold co
 `kernels_static_minus_profiler` (null on CPU). With `--speculative E` (DSpark, simulated acceptance) the top level
 has `speculative` {simulated_acceptance, block_size} (else null) and every row `mean_acceptance` and
 `mean_natural_acceptance`.
+
+Where the rest lives (the names this module had before the split, and `run_llama_benchmark`, import from here
+too): `bench_protocol` (the measurement rules and
+`DEFINITIONS`), `bench_context` (the context sweep), `bench_reports` (the rows' fusion reports and step
+breakdowns), `bench_table` (the printed tables), `bench_llama` (`--model`), `bench_cli` (the command line).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -90,10 +92,34 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .accuracy import DEFINITIONS as _ACCURACY_DEFINITIONS
-# Public names of this module too (`__all__`); tests replace them on this module, where `run_benchmark` looks them up.
+# The public names of the split modules stay importable from here. Tests replace `make_runner`, `timed_run`,
+# `teacher_forced_logits`, `bench_model` and the underscored helpers on this module, where `run_benchmark` looks
+# them up.
+from .bench_context import context_sweep as _context_sweep
+from .bench_context import decode_from_context  # noqa: F401
+from .bench_protocol import (DEFINITIONS, alternation_order, decode_bytes_per_step, decode_context,  # noqa: F401
+                             fill_rows, identical_rows, launches_by_name, max_rel_logit_err, measure_alternating, roofline,
+                             round_phase_medians, summarize, summarize_runs, tensor_digest)
+from .bench_protocol import cudagraph_skips as _cudagraph_skips
+from .bench_protocol import empty_row as _empty_row
+from .bench_protocol import fail_text as _fail
+from .bench_protocol import tensorrt_import_error as _tensorrt_import_error
+from .bench_protocol import use_cache_dir as _use_cache_dir
+from .bench_llama import run_llama_benchmark  # noqa: F401
+from .bench_reports import ORIGINS as _ORIGINS
+from .bench_reports import PROFILE_STEPS  # noqa: F401
+from .bench_reports import REPORTS as _REPORTS
+from .bench_reports import attach_report as _attach_report
+from .bench_reports import set_breakdown as _set_breakdown
+from .bench_reports import with_origins as _with_origins
 from .bench_rows import (CORE_BACKENDS, DSPARK, DSPARK_ACCEPTANCE, ablation_families, base_backend,  # noqa: F401
-                         expand_backends, row_options, row_speculation)
+                         expand_backends, parse_row_new_tokens, row_options, row_speculation)
+from .bench_table import print_context_table, print_table  # noqa: F401
+from .compile_stats import COMPILE_PHASES as _COMPILE_PHASES  # noqa: F401
+from .compile_stats import cache_hits as _cache_hits
+from .compile_stats import cache_misses as _cache_misses
+from .compile_stats import phase_deltas as _phase_deltas
+from .compile_stats import phase_totals as _compile_phase_totals
 from .harness import (bench_model, cache_positions, copy_bandwidth_tb_s, make_runner, profile_decode_step,  # noqa: F401
                       teacher_forced_logits, timed_run)
 
@@ -102,338 +128,8 @@ __all__ = ["CORE_BACKENDS", "summarize", "alternation_order", "measure_alternati
            "summarize_runs", "teacher_forced_logits", "max_rel_logit_err", "profile_decode_step",
            "run_benchmark", "print_table", "main", "DSPARK", "DSPARK_ACCEPTANCE", "base_backend", "row_speculation",
            "tensor_digest", "identical_rows", "bench_model", "cache_positions", "parse_row_new_tokens", "make_runner",
-           "timed_run"]
-
-_GB = 1e9
-
-DEFINITIONS = {
-    "decode_tok_s": "tokens after the first / (time of the last token - time of the first), per run; median, "
-                    "min, max over the measured runs (BENCHMARK.md 'Metric')",
-    "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend",
-    "kernels_per_step": "GPU kernel activities recorded by torch.profiler during one decode step after warm-up "
-                        "(memcpy/memset activities are memcpy_memset_per_step); CUDA only",
-    "kernels_per_step_by_role": "dsv41 rows: static launches of one decode step (generated code of the cold "
-                                "compile) per decoder-layer role (swa, full, reindex, reuse; other = outside the "
-                                "layers), with per-layer min/mean/max; kernels_per_step_static is their total",
-    "compile_s": "wall time of the first run after torch.compiler.reset() with an empty inductor cache dir, "
-                 "minus the median wall time of the measured runs (with shared_cache: one dir for all backends, "
-                 "so rows after the first are not cold; with precompile or a reused cache_dir the row's caches "
-                 "were filled before: compile_cache_hits counts the FX-graph / AOT autograd cache hits of it, "
-                 "compile_cache_misses the FX-graph lookups that missed and compiled)",
-    "compile_warm_s": "the same after another torch.compiler.reset() with the warm cache dir (FX-graph cache hit)",
-    "compile_phases_s": "seconds per Dynamo / Inductor compile phase during the cold run (torch._dynamo.utils."
-                        "compile_times, nested phases overlap); the cold run's wall time minus "
-                        "OutputGraph.call_user_compiler and bytecode_tracing is mostly first-launch work (Triton "
-                        "JIT of custom-op kernels, CUDA-graph capture)",
-    "roofline": "decode_bytes_per_step (budget().decode_weight_bytes + decode_kv_read_bytes at decode_context) / "
-                "device-to-device copy bandwidth (bytes read + written per second) measured in this run",
-    "roofline_fraction": "median decode tok/s / roofline_tok_s",
-    "peak_mem_gb": "max torch.cuda.max_memory_allocated() over the backend's measured runs (1e9 bytes)",
-    "tokens_match_eager": "greedy tokens of every measured run equal eager's, over the shorter of the row's "
-                          "new_tokens and the eager reference's",
-    "teacher_forced_logits_sha256": "SHA-256 of the row's teacher-forced decode logits (dtype, shape, bytes)",
-    "same_tokens_as": "other rows whose measured runs all gave exactly this row's greedy tokens (rows that decoded "
-                      "different numbers of tokens never do)",
-    "same_logits_as": "other rows whose teacher-forced logits are bit-identical to this row's (equal SHA-256)",
-    "matching_prefix_tokens": "fewest leading tokens equal to eager's over the backend's measured runs",
-    "max_rel_logit_err": "eager's greedy tokens teacher-forced through the backend's decode steps: "
-                         "max |logits - eager logits| / max |eager logits| over the decode steps of the shorter of "
-                         "the row's run (row_new_tokens) and the reference (one scale for all the steps; "
-                         "logit_err_vs_fp32 scales each step by its own)",
-    **_ACCURACY_DEFINITIONS,
-    "step_gpu_busy_us": "sum of the GPU activity durations of the profiled decode step (torch.profiler); CUDA only",
-    "step_span_us": "first GPU activity start to last end of the profiled step; busy > span means activities "
-                    "overlapped (PDL, side streams), busy < span means gaps between them",
-    "kernel_time_top": "the profiled step's 20 costliest kernel names: launches and summed microseconds; for "
-                       "Inductor's own kernels of dsv41 rows also `origin`: the user source lines and ATen ops of "
-                       "the graph nodes the kernel computes (from the compile's kernel provenance)",
-    "step_breakdown": "where the step goes (issue 37; dsv41/compiler/breakdown.py): per op class (a dsv41 fused op "
-                      "with its variants, a dsv41 kernel several classes launch, inductor, blas, aten, copies, "
-                      "other) `launches` per step, `time_us` (summed GPU kernel time per step, mean over the "
-                      "profiled decode steps, PROFILE_STEPS = 3, eager rows 1; null without a GPU profile), "
-                      "`bytes` (bytes_after of the fusion report's sites of the class's ops: weights + "
-                      "activations read and written per step) and `floor_us` = bytes / copy_bandwidth_tb_s "
-                      "(null without bytes or bandwidth); "
-                      "`total` sums them (floor and bytes over the classes that have them); `step_us` = 1e6 / "
-                      "median decode tok/s; `roofline_step_us` = decode_bytes_per_step / copy bandwidth (the "
-                      "budget's floor of the whole step); span_us, busy_us (union of the kernel intervals), "
-                      "overlap_us and gap_per_boundary_us of the profiled steps (medians); `source` says where "
-                      "each figure came from (on CPU: static launches of the compiled code, no time)",
-    "gap_per_boundary_us": "(span - busy) / (launches - 1) of a profiled decode step: span from the first GPU "
-                           "activity's start to the last one's end, busy the time at least one ran (overlap from "
-                           "PDL or side streams counted once), launches every kernel, memcpy and memset; median "
-                           "over the profiled steps; null on CPU",
-    "kernel_launches_by_name": "every kernel name of the profiled step with its launches (most first): what the "
-                               "profiler counted, to set against the static per-layer count of the report",
-    "speculative_round_ms": "(+dspark rows) median milliseconds of each phase of a verify round over the rounds "
-                            "of one extra, untimed run (journal save, verify forward, acceptance + rollback, the "
-                            "host sync on the accepted tokens, draft; CUDA events on GPU, so idle gaps count), "
-                            "`round` their sum, `rounds` how many",
-    "cudagraph_skips": "graphs Inductor compiled for this backend without the CUDA graph it was asked for "
-                       "(Inductor's cudagraph_skips counter around the cold compile)",
-    "reference_tokens": "(top level) eager's greedy tokens [B][new_tokens], the reference of tokens_match_eager",
-    "tp": "(top level, --tp runs) world size, process-group backend, MoE mode, padding, per-rank sizes, and "
-          "ranks_agree: every rank's eager reference tokens are equal",
-    "decode_vs_context": "(top level) decode tok/s per backend at each --contexts length, caches filled with random "
-                         "valid rows (dsv41.model.synthetic), with the roofline at that context",
-}
-
-
-# ------------------------------------------------------------------------------------------ statistics
-def summarize(values) -> dict:
-    """{median, min, max} of a non-empty sequence of floats (median of an even count: mean of the middle two).
-
-    Raises: ValueError when empty.
-    """
-    values = [float(v) for v in values]
-    if not values:
-        raise ValueError("summarize() needs at least one value")
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def alternation_order(backends: Sequence[str], repeats: int) -> list:
-    """Run order A B C A B C ... (`repeats` rounds), as BENCHMARK.md asks, so drift hits every backend alike.
-
-    Raises: ValueError for repeats < 0.
-    """
-    if repeats < 0:
-        raise ValueError(f"repeats must be >= 0, got {repeats}")
-    return [b for _ in range(repeats) for b in backends]
-
-
-def measure_alternating(fns: Mapping[str, Callable[[], Any]], repeats: int,
-                        on_run: Callable[[str], None] | None = None) -> tuple[dict, dict, list]:
-    """Call every `fns[name]()` `repeats` times in `alternation_order(list(fns), repeats)`.
-
-    A backend whose call raises is reported once and skipped for the rest of the rounds (the others go on).
-    `on_run(name)` is called after every attempted run (progress bars).
-    Returns: (results {name: [return values in order]}, errors {name: "Type: message"}, the order actually run).
-    """
-    results: dict = {n: [] for n in fns}
-    errors: dict = {}
-    ran = []
-    for name in alternation_order(list(fns), repeats):
-        if name in errors:
-            continue
-        ran.append(name)
-        try:
-            results[name].append(fns[name]())
-        except Exception as e:  # a backend failing mid-measurement is reported, the others keep running
-            errors[name] = f"{type(e).__name__}: {e}"[:500]
-        if on_run is not None:
-            on_run(name)
-    return results, errors, ran
-
-
-# ------------------------------------------------------------------------------------------ roofline
-def roofline(decode_bytes: float, bandwidth_tb_s: float) -> float:
-    """Tokens/s bound of a decode step that must read `decode_bytes` bytes at `bandwidth_tb_s` TB/s (1e12 B/s).
-
-    Raises: ValueError for a non-positive byte count or bandwidth.
-    """
-    if not decode_bytes > 0 or not bandwidth_tb_s > 0:
-        raise ValueError(f"roofline needs positive bytes and bandwidth, got {decode_bytes}, {bandwidth_tb_s}")
-    return bandwidth_tb_s * 1e12 / decode_bytes
-
-
-def decode_context(prompt_len: int, new_tokens: int) -> int:
-    """Mean context of the decode steps, tokens: prompt_len + new_tokens // 2 (the roofline's KV read)."""
-    return prompt_len + new_tokens // 2
-
-
-def decode_bytes_per_step(config, prompt_len: int, new_tokens: int) -> int:
-    """Bytes one decode step must read: active weights at their stored dtype + KV read at `decode_context`.
-
-    `config`: a ModelConfig or preset name. Source: `dsv41.model.budget` (MODEL.md §3, §2.8).
-    """
-    from .model.budget import budget, decode_kv_read_bytes
-    b = budget(config, max_seq_len=prompt_len + new_tokens)
-    return b.decode_weight_bytes + decode_kv_read_bytes(config, decode_context(prompt_len, new_tokens))
-
-
-def round_phase_medians(out) -> dict:
-    """{phase: median ms over the rounds, "round": median of the rounds' sums, "rounds": count} of a
-    `generate(..., speculative=True, round_phases=True)` result (`speculative.ROUND_PHASES`).
-    Raises: ValueError for a result without round phases."""
-    from .model.speculative import ROUND_PHASES
-    ph = out.round_phases_ms
-    if not ph:
-        raise ValueError("no round phases: run generate(..., speculative=True, round_phases=True)")
-    med = {k: statistics.median(r[k] for r in ph) for k in ROUND_PHASES}
-    return {**med, "round": statistics.median(sum(r.values()) for r in ph), "rounds": len(ph)}
-
-
-def launches_by_name(names: Mapping[str, int]) -> dict:
-    """{kernel name: launches} of a profiled step, most launched first, names kept whole.
-
-    Inductor names kernels by the ops they fuse, so two kernels often share a long prefix; a truncated key merged
-    them and dropped counts (2026-12-01: 1,739 of 1,820 `h200` launches were left, at 120 characters).
-    """
-    return dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _tensorrt_import_error() -> str | None:
-    """None when `import torch_tensorrt` works, else why it failed."""
-    try:
-        import torch_tensorrt  # noqa: F401  (importing registers the "torch_tensorrt" Dynamo backend)
-    except Exception as e:  # ImportError, or a broken install raising OSError / RuntimeError at import
-        return f"{type(e).__name__}: {e}"[:300]
-    return None
-
-
-def _use_cache_dir(path: str) -> None:
-    """Point Inductor at cache dir `path` and drop its in-memory caches, so the next compile sees only `path`."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    try:
-        from torch._inductor.utils import clear_caches
-    except ImportError:  # older layouts: in-memory caches are keyed by content, so a stale hit is still valid
-        return
-    clear_caches()
-
-
-# ------------------------------------------------------------------------------------------ measurements
-def max_rel_logit_err(logits: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |logits - ref| / max |ref| (float64). Raises ValueError for different shapes or an all-zero ref."""
-    if logits.shape != ref.shape:
-        raise ValueError(f"logit shapes differ: {tuple(logits.shape)} vs reference {tuple(ref.shape)}")
-    scale = ref.double().abs().max().item()
-    if scale == 0:
-        raise ValueError("reference logits are all zero: relative error undefined")
-    return (logits.double() - ref.double()).abs().max().item() / scale
-
-
-def decode_from_context(runner, model, context: int, n_tokens: int, cuda: bool, seed: int = 0) -> dict:
-    """Decode `n_tokens` greedy steps from position `context` after `fill_synthetic_context(model, context)`.
-
-    The caches hold random valid rows for positions [0, context) (see `dsv41.model.synthetic`), so no prefill
-    runs; the first step starts from the benchmark prompt's first token id. Returns {"decode_tok_s": steps after
-    the first / their seconds (CUDA events on GPU), "tokens": int64 [B, n_tokens]}.
-    Raises: ValueError for n_tokens < 2 or a context the cache cannot hold (`fill_synthetic_context`).
-    """
-    from .model import benchmark_prompt
-    from .model.results import Clock
-    from .model.synthetic import fill_synthetic_context
-
-    if n_tokens < 2:
-        raise ValueError(f"decode_from_context needs n_tokens >= 2, got {n_tokens}")
-    base = getattr(model, "_orig_mod", model)
-    if context + n_tokens > base.max_seq_len:
-        raise ValueError(f"context {context} + {n_tokens} tokens exceeds the cache's max_seq_len={base.max_seq_len}")
-    fill_synthetic_context(base, context, seed)
-    dev = base.embed.weight.device
-    b = base.batch_size
-    tok = benchmark_prompt(base.config, 1, batch_size=b, device=dev)[:, 0]
-    pos = torch.full((b, 1), context, dtype=torch.int64, device=dev)
-    out = torch.empty(b, n_tokens, dtype=torch.int64, device=dev)
-    clock = Clock(dev)
-    with torch.no_grad():
-        for i in range(n_tokens):
-            logits = runner(tok[:, None], pos)
-            tok = logits[:, -1].argmax(-1)
-            out[:, i] = tok
-            pos += 1
-            clock.mark()
-    sec = clock.seconds()
-    return {"decode_tok_s": (n_tokens - 1) / sec[-1], "tokens": out.cpu()}
-
-
-def _prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Leading positions where every sequence of `a` equals `b` ([B, N] each)."""
-    eq = (a == b).all(0)
-    bad = torch.nonzero(~eq)
-    return int(bad[0, 0]) if bad.numel() else int(eq.numel())
-
-
-def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok_s: float | None,
-                   expected_tokens: int | None = None) -> dict:
-    """Row figures from a backend's measured `GenerateResult`s.
-
-    Returns {decode_tok_s, prefill_tok_s ({median, min, max} each), tokens_match_eager, matching_prefix_tokens,
-    roofline_fraction}; the last three are None without `ref_tokens` / `roofline_tok_s`. Tokens are compared over
-    the shorter of each run and the reference; `tokens_match_eager` is False for a run with no token to compare
-    or, with `expected_tokens`, a run of another length than the row was asked to decode.
-    Raises: ValueError for no runs.
-    """
-    if not outs:
-        raise ValueError("summarize_runs needs at least one run")
-    dec = summarize(o.decode_tok_s for o in outs)
-    row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
-           "tokens_match_eager": None, "matching_prefix_tokens": None,
-           "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
-    if ref_tokens is not None:
-        # Over the shorter of the two: `eager_new_tokens` may stop the reference early, `row_new_tokens` a row.
-        def matches(o) -> bool:
-            """Run `o` (tokens int64 [B, N]) equals the reference over min(N, reference length) > 0 tokens, and N is
-            `expected_tokens` when that is given."""
-            r = min(o.tokens.shape[1], ref_tokens.shape[1])
-            return (r > 0 and (expected_tokens is None or o.tokens.shape[1] == expected_tokens)
-                    and torch.equal(o.tokens[:, :r], ref_tokens[:, :r]))
-        row["tokens_match_eager"] = all(matches(o) for o in outs)
-        row["matching_prefix_tokens"] = min(
-            _prefix(o.tokens[:, :ref_tokens.shape[1]], ref_tokens[:, :o.tokens.shape[1]]) for o in outs)
-    return row
-
-
-def _cudagraph_skips() -> int:
-    """Inductor's count of graphs it compiled without the CUDA graph it was asked for (all compiles so far)."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"].get("cudagraph_skips", 0))
-
-
-# Compile phases and cache counters live in compile_stats (dsv41 run records them too); the old names stay, since
-# tests and callers patch them here.
-from .compile_stats import COMPILE_PHASES as _COMPILE_PHASES  # noqa: E402
-from .compile_stats import cache_hits as _cache_hits  # noqa: E402
-from .compile_stats import cache_misses as _cache_misses  # noqa: E402
-from .compile_stats import phase_deltas as _phase_deltas  # noqa: E402
-from .compile_stats import phase_totals as _compile_phase_totals  # noqa: E402
-
-
-def _empty_row() -> dict:
-    return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
-            "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
-            "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
-            "logit_err_vs_fp32": None, "logit_err_vs_fp32_over_eager": None, "teacher_forced_logits_sha256": None,
-            "same_tokens_as": None, "same_logits_as": None, "step_breakdown": None, "gap_per_boundary_us": None,
-            "options": None, "new_tokens": None, "note": None}
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """SHA-256 (hex) of a tensor's dtype, shape and bytes: equal digests mean bit-identical tensors."""
-    import hashlib
-    c = t.detach().cpu().contiguous()
-    h = hashlib.sha256(f"{c.dtype}{tuple(c.shape)}".encode())
-    h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-    return h.hexdigest()
-
-
-def identical_rows(tokens: Mapping[str, Sequence[torch.Tensor]], digests: Mapping[str, str | None]) -> dict:
-    """Which rows computed exactly what another row computed.
-
-    Args: tokens: row -> the greedy tokens int64 [B, N] of each of its measured runs (empty: not measured);
-        digests: row -> `tensor_digest` of its teacher-forced logits (None: not computed).
-    Returns: row -> {"same_tokens_as": the other rows whose every run's tokens equal every run of this one (None
-    when this row has no runs), "same_logits_as": the other rows with bit-identical teacher-forced logits (None
-    without a digest)}. E.g. the CUDA-graph replay check of a toggle matrix: `dsv41` against
-    `dsv41[cuda_graphs=false]` (same kernels, launched without the graph).
-    """
-    def runs_equal(a, b):
-        """Whether every run of `a` gave exactly the tokens of every run of `b` (lists of int64 [B, N])."""
-        return all(torch.equal(x, y) for x in a for y in b)
-
-    out = {}
-    for n in tokens:
-        mine = tokens[n]
-        out[n] = {"same_tokens_as": None if not mine else
-                  [m for m in tokens
-                   if m != n and tokens[m] and runs_equal(mine, tokens[m]) and runs_equal(mine, mine)],
-                  "same_logits_as": None if digests.get(n) is None else
-                  [m for m in digests if m != n and digests.get(m) == digests[n]]}
-    return out
-
-
-def _fail(e: Exception) -> str:
-    return f"failed: {type(e).__name__}: {e}"[:500]
+           "timed_run", "console_main", "DEFINITIONS", "decode_from_context", "print_context_table",
+           "run_llama_benchmark"]
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -508,7 +204,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     from rich.console import Console
     from rich.progress import Progress, TimeElapsedColumn
 
-    from .accuracy import fp32_reference, logit_err_vs_fp32, ratio_to_eager
+    from .accuracy import fp32_reference, logit_err_vs_fp32
     from . import harness
     from .model import generate
     from .model.budget import budget
@@ -587,36 +283,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         r["run_order"] = list(order)
         r["reference_tokens"] = ref.tokens.tolist() if ref is not None else None
         r["cache_max_seq_len"] = getattr(model, "max_seq_len", None)
-        for n in names:
-            row, runs = r["backends"][n], outs.get(n) or []
-            if runs:
-                row.update(summarize_runs([x["out"] for x in runs], None if spec_of[n] else ref.tokens,
-                                          r["roofline_tok_s"], tokens_of[n]))
-                if spec_of[n]:
-                    row["mean_acceptance"] = statistics.median(x["out"].mean_acceptance for x in runs)
-                    row["mean_natural_acceptance"] = statistics.median(x["out"].mean_natural_acceptance for x in runs)
-                    notes_[n].append(f"DSpark, simulated acceptance {spec_of[n]}: measured mean "
-                                     f"{row['mean_acceptance']:.3f} tokens/round; tokens not compared with eager")
-                walls = statistics.median(x["wall_s"] for x in runs)
-                if base_backend(n) != "eager" and n in cold_wall:
-                    row["compile_s"] = max(0.0, cold_wall[n] - walls)
-                if base_backend(n) != "eager" and n in warm_wall:
-                    row["compile_warm_s"] = max(0.0, warm_wall[n] - walls)
-                row["peak_mem_gb"] = max(x["peak_gb"] for x in runs) if cuda else None
-                if not spec_of[n]:  # a speculative row's tok/s is tokens per round time, not a plain step
-                    from .compiler.breakdown import set_step_time
-                    set_step_time(row.get("step_breakdown"), row["decode_tok_s"]["median"])
-            elif row["note"] is None and not notes_[n]:
-                notes_[n].append("not measured")
-        same = identical_rows({n: [x["out"].tokens for x in outs.get(n) or []] for n in names},
-                              {n: r["backends"][n].get("teacher_forced_logits_sha256") for n in names})
-        for n in names:
-            row = r["backends"][n]
-            row.update(same[n])
-            row["logit_err_vs_fp32_over_eager"] = ratio_to_eager(row["logit_err_vs_fp32"],
-                                                                 r["logit_err_vs_fp32_eager"])
-            if notes_[n]:
-                row["note"] = "; ".join(([row["note"]] if row["note"] else []) + notes_[n])
+        fill_rows(r, notes_, outs, spec_of=spec_of, tokens_of=tokens_of,
+                  ref_tokens=ref.tokens if ref is not None else None, cold_wall=cold_wall, warm_wall=warm_wall,
+                  cuda=cuda)
 
     console = Console(stderr=True, quiet=rank != 0)
     _ORIGINS.clear()  # rows of an earlier run in this process are gone: their ids may be reused
@@ -900,145 +569,6 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     return res
 
 
-def _context_sweep(model, runners, names, contexts, n_tokens, cuda, copy_tb_s, prog, say) -> dict:
-    """`decode_vs_context` of the result: per context, each backend in turn (order rotated per context)."""
-    from .model.budget import budget, decode_kv_read_bytes
-
-    cfg = model.config
-    w = budget(cfg, max_seq_len=model.max_seq_len).decode_weight_bytes
-    out = {"contexts": list(contexts), "tokens_per_point": n_tokens, "cache_max_seq_len": model.max_seq_len,
-           "note": "caches filled with random valid rows up to the context (dsv41.model.synthetic), no prefill; "
-                   "decode tok/s over the steps after the first",
-           "decode_bytes_per_step": {}, "roofline_tok_s": {}, "backends": {n: {} for n in names}, "errors": {}}
-    task = prog.add_task("decode vs context", total=len(contexts) * len(names))
-    for i, ctx in enumerate(contexts):
-        nbytes = w + decode_kv_read_bytes(cfg, ctx + 1)  # the step at position ctx sees ctx + 1 tokens
-        out["decode_bytes_per_step"][str(ctx)] = nbytes
-        out["roofline_tok_s"][str(ctx)] = roofline(nbytes, copy_tb_s) if copy_tb_s else None
-        order = names[i % len(names):] + names[:i % len(names)] if names else []
-        for n in order:
-            try:
-                r = decode_from_context(runners[n], model, ctx, n_tokens, cuda)
-                out["backends"][n][str(ctx)] = r["decode_tok_s"]
-                say(f"{n}: context {ctx}: {r['decode_tok_s']:.2f} tok/s")
-            except Exception as e:
-                out["backends"][n][str(ctx)] = None
-                out["errors"][f"{n}@{ctx}"] = _fail(e)
-                say(f"{n}: context {ctx}: {_fail(e)}")
-            prog.advance(task)
-    return out
-
-
-#: id(result row) -> {Inductor kernel name: origins} of the row's cold compile (`FusionReport.kernel_origins`).
-_ORIGINS: dict = {}
-
-
-#: id(result row) -> the FusionReport of the row's cold compile (launch detail and bytes for `step_breakdown`).
-_REPORTS: dict = {}
-#: Decode steps `profile_decode_step` profiles per compiled row (eager rows: one): the breakdown's times are their
-#: mean.
-PROFILE_STEPS = 3
-
-
-def _set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: list,
-                   decode_bytes: float | None = None) -> None:
-    """Put the `step_breakdown` table (`compiler/breakdown.py`) and `gap_per_boundary_us` into a row, from the
-    profiled steps' kernels (None: static counts only) and the row's fusion report; the dsv41 row's report (JSON
-    and object) gets the table too, so the fusion report shows it. A failure becomes a note in `notes`, never a
-    number."""
-    from .compiler.breakdown import step_breakdown
-    rep = _REPORTS.get(id(row))
-    try:
-        bd = step_breakdown(step_events, rep, copy_tb_s)
-    except Exception as e:  # diagnostic: the row keeps every other figure
-        notes.append("step breakdown " + _fail(e))
-        return
-    if decode_bytes and copy_tb_s:  # the budget's floor of the whole step, beside the report's per class
-        bd["roofline_step_us"] = decode_bytes / (copy_tb_s * 1e12) * 1e6
-    row["step_breakdown"] = bd
-    row["gap_per_boundary_us"] = bd["gap_per_boundary_us"]
-    if isinstance(row.get("report"), dict):
-        row["report"]["step_breakdown"] = bd
-        if rep is not None:
-            rep.step_breakdown = bd
-    if step_events is not None:
-        top = ", ".join(f"{c} {e['time_us']:.0f} us x{e['launches']}" for c, e in list(bd["classes"].items())[:6])
-        gap = bd["gap_per_boundary_us"]
-        say(f"{name}: where the step goes ({bd['steps_profiled']} steps): {top}; gap per boundary "
-            + ("-" if gap is None else f"{gap:.3f}") + " us")
-
-
-def _with_origins(top: list, origins: dict) -> list:
-    """`kernel_time_top` rows with `origin` (the kernel's source lines and ATen ops) where the compile knew it."""
-    return [dict(t, origin=origins.get(t["name"])) if origins.get(t["name"]) else t for t in top]
-
-
-def _attach_report(row: dict, full: bool, roles=None) -> None:
-    """Put the dsv41 FusionReport of the compile that just ran into a dsv41 row (whole report for `dsv41`), with
-    its static launches per step by layer role when the layer `roles` (`ModelConfig.roles`) are given."""
-    from ._package import repair
-    repair()  # dsv41 imported as a namespace package: its __init__ (last_report) runs first
-    from . import last_report  # the package's name, which callers may replace
-    rep = last_report()
-    if rep is None:
-        row["note"] = "the dsv41 backend produced no fusion report"
-        return
-    if roles is not None:
-        rep.set_layer_roles(roles)
-    d = rep.to_dict()
-    _ORIGINS[id(row)] = rep.kernel_origins()
-    _REPORTS[id(row)] = rep
-    row["fusion_matches"] = {f: v.get("matches") for f, v in d.get("families", {}).items()}
-    row["kernels_per_step_by_role"] = d.get("kernels_by_role")
-    row["kernels_per_step_static"] = (d.get("kernels_by_layer") or {}).get("total")
-    row.setdefault("kernels_static_minus_profiler", None)
-    if full:
-        row["report"] = d
-
-
-# ------------------------------------------------------------------------------------------ output
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def print_table(res: dict, console=None) -> None:
-    """Print the roofline line and then the result table (the table comes last, so a log's tail shows it)."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .accuracy import fp32_err_text
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log file: rich would wrap at 80 columns
-            console = Console(width=220)
-    if res.get("roofline_tok_s"):
-        console.print(f"roofline: {res['decode_bytes_per_step'] / 1e9:.4f} GB/step at "
-                      f"{res['copy_bandwidth_tb_s']:.2f} TB/s copy bandwidth = {res['roofline_tok_s']:.1f} tok/s "
-                      f"(context {res['decode_context']})")
-    t = Table(title_justify="left",
-              title=f"decode benchmark: {res['preset']} ({res['weight_mode']}), prompt {res['prompt_len']}, "
-                    f"{res['new_tokens']} new tokens, {res['repeats']} runs, {res.get('gpu') or 'cpu'}")
-    for col in ("backend", "decode tok/s med [min, max]", "prefill tok/s", "kernels/step", "roofline",
-                "compile s cold / warm", "peak GB", "= eager", "max rel logit err", "logit err vs fp32", "note"):
-        t.add_column(escape(col), overflow="fold", no_wrap=col != "note")
-    for name, e in res["backends"].items():
-        d = e.get("decode_tok_s")
-        match = e.get("tokens_match_eager")
-        # Names and notes are text, not rich markup (an error message may hold "[...]").
-        t.add_row(escape(name), f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-",
-                  _fmt((e.get("prefill_tok_s") or {}).get("median"), ".0f"),
-                  # On CPU no GPU kernel is profiled; a dsv41 row still knows its static launches per step.
-                  _fmt(e.get("kernels_per_step"), "d") if e.get("kernels_per_step") is not None
-                  or e.get("kernels_per_step_static") is None else f"{e['kernels_per_step_static']} static",
-                  _fmt(e.get("roofline_fraction"), ".3f"),
-                  f"{_fmt(e.get('compile_s'), '.1f')} / {_fmt(e.get('compile_warm_s'), '.1f')}"
-                  + (f" (worker {e['precompile_wall_s']:.0f})" if e.get("precompile_wall_s") else ""),
-                  _fmt(e.get("peak_mem_gb"), ".2f"), "-" if match is None else ("yes" if match else "NO"),
-                  _fmt(e.get("max_rel_logit_err"), ".2e"), fp32_err_text(e), escape(e.get("note") or ""))
-    console.print(t)
-
-
 def main(argv=None) -> int:
     """CLI of the benchmark (`python -m dsv41.bench`, `dsv41 bench`); see `--help` and `dsv41.bench_cli.main`.
 
@@ -1046,43 +576,19 @@ def main(argv=None) -> int:
     console entry points print it as one line and exit with status 2.
     """
     from .bench_cli import main as _main
-    return _main(argv)
+    # The module's `run_benchmark` at call time: one a caller (or test) put on this module is the one that runs. A
+    # module-level function, so `--tp`'s spawned ranks can unpickle it.
+    return _main(argv, run_benchmark=run_benchmark)
 
 
-def parse_row_new_tokens(items: Sequence[str]) -> dict:
-    """`--row-new-tokens ROW=R` values -> {row: R}. Raises ValueError for an item without `=`, a non-integer R or
-    a row given twice (the range of R is checked by `run_benchmark`)."""
-    out: dict = {}
-    for item in items:
-        name, sep, val = item.rpartition("=")  # a row name may hold "=" itself: dsv41[pdl=false]=3
-        name, val = name.strip(), val.strip()
-        if not sep or not name or not re.fullmatch(r"[0-9]+", val):
-            raise ValueError(f"argument --row-new-tokens: expected ROW=R with R a number of tokens, got {item!r}")
-        if name in out:
-            raise ValueError(f"argument --row-new-tokens: row {name!r} given twice")
-        out[name] = int(val)
-    return out
-
-
-def print_context_table(res: dict, console) -> None:
-    """The decode-versus-context table (tok/s per backend per context, and the roofline), if the run had one."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    dvc = res.get("decode_vs_context")
-    if not dvc:
-        return
-    t = Table(title_justify="left", title=f"decode tok/s vs context ({dvc['tokens_per_point']} steps per point, "
-                                          f"synthetic caches of {dvc['cache_max_seq_len']} positions)")
-    t.add_column("backend")
-    for c in dvc["contexts"]:
-        t.add_column(str(c), justify="right")
-    for n, per in dvc["backends"].items():
-        t.add_row(escape(n), *(_fmt(per.get(str(c)), ".2f") for c in dvc["contexts"]))
-    t.add_row("roofline", *(_fmt(dvc["roofline_tok_s"].get(str(c)), ".0f") for c in dvc["contexts"]))
-    console.print(t)
+def console_main(argv=None) -> int:
+    """`main` for a console: a UsageError is one line on stderr (`dsv41 bench: error: ...`) and status 2."""
+    from .usage import UsageError, usage_error
+    try:
+        return main(argv)
+    except UsageError as e:
+        return usage_error("dsv41 bench", e)
 
 
 if __name__ == "__main__":
-    from .bench_cli import console_main
     sys.exit(console_main())

@@ -1,6 +1,6 @@
 """The rows of `dsv41 bench`: their names (`eager`, `dsv41`, `dsv41-no-<family>`, `dsv41[key=value;...]`,
 `<row>+dspark`, the groups `all` / `ablations` / `toggles`), what each expands to, and the dsv41 options and
-speculation of each row. Shared by the benchmark (`bench.py`), its request check (`bench_plan.py`) and the runners
+speculation of each row, and `--row-new-tokens ROW=R` parsed. Shared by the benchmark (`bench.py`), its request check (`bench_plan.py`) and the runners
 of `harness.py`; imports none of them.
 """
 
@@ -10,7 +10,8 @@ import re
 from typing import Sequence
 
 __all__ = ["CORE_BACKENDS", "ABLATION", "DSPARK", "DSPARK_ACCEPTANCE", "TOGGLES", "ablation_families",
-           "variant_options", "base_backend", "row_speculation", "expand_backends", "row_options"]
+           "variant_options", "base_backend", "row_speculation", "expand_backends", "row_options",
+           "parse_row_new_tokens"]
 
 #: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
 CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
@@ -142,3 +143,18 @@ def row_options(name: str, options: dict | None) -> dict | None:
     if over is not None:
         return {**dict(options or {}), **over}
     return None
+
+
+def parse_row_new_tokens(items: Sequence[str]) -> dict:
+    """`--row-new-tokens ROW=R` values -> {row: R}. Raises ValueError for an item without `=`, a non-integer R or
+    a row given twice (the range of R is checked by `run_benchmark`)."""
+    out: dict = {}
+    for item in items:
+        name, sep, val = item.rpartition("=")  # a row name may hold "=" itself: dsv41[pdl=false]=3
+        name, val = name.strip(), val.strip()
+        if not sep or not name or not re.fullmatch(r"[0-9]+", val):
+            raise ValueError(f"argument --row-new-tokens: expected ROW=R with R a number of tokens, got {item!r}")
+        if name in out:
+            raise ValueError(f"argument --row-new-tokens: row {name!r} given twice")
+        out[name] = int(val)
+    return out

@@ -201,7 +201,7 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from .bench_cli import console_main
+        from .bench import console_main
         return console_main(argv[1:])
     if argv[:1] == ["report"] and "--patterns" in argv[1:]:
         return print_patterns([a for a in argv[1:] if a != "--patterns"])

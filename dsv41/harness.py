@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["BACKENDS", "DTYPES", "build_model", "compile_model", "environment", "teacher_forced_logits", "make_runner",
            "bench_model", "cache_positions", "timed_run", "copy_bandwidth_tb_s", "profile_decode_step",
-           "profile_breakdown"]
+           "profile_breakdown", "step_kernel_counts"]
 
 #: Backends `dsv41 run --backend` accepts.
 BACKENDS = ("dsv41", "eager", "inductor", "inductor-cudagraphs")
@@ -265,8 +265,16 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps
     windows = [(float(e.time_range.start), float(e.time_range.end)) for e in events
                if e.device_type != torch.autograd.DeviceType.CUDA and str(e.name).startswith(STEP_MARK)]
     per_step = split_steps(kernel_events(events), windows, steps)
+    return {**step_kernel_counts(per_step[0] if per_step else ()), "step_events": per_step}
+
+
+def step_kernel_counts(step) -> dict:
+    """What one profiled decode step launched, from its `breakdown.KernelEvent`s: {"kernels": GPU kernels (memcpy /
+    memset activities not counted), "memcpy_memset": those, "names": {kernel name: launches}, "gpu_busy_us": summed
+    activity µs, "span_us": first start to last end (None for no event), "top_us": the 20 costliest names with
+    launches and summed µs}. The one rule `kernels_per_step` follows, for every `dsv41 bench` row."""
     kernels, copies, names, times, busy, t0, t1 = 0, 0, {}, {}, 0.0, None, None
-    for e in per_step[0] if per_step else ():
+    for e in step:
         us = e.end_us - e.start_us
         busy += us
         t0 = e.start_us if t0 is None else min(t0, e.start_us)
@@ -281,8 +289,7 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps
     top = sorted(times.items(), key=lambda kv: -kv[1])[:20]
     return {"kernels": kernels, "memcpy_memset": copies, "names": names, "gpu_busy_us": busy,
             "span_us": (t1 - t0) if t0 is not None else None,
-            "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top],
-            "step_events": per_step}
+            "top_us": [{"name": n[:120], "count": names.get(n, 0), "total_us": t} for n, t in top]}
 
 
 def profile_breakdown(runner, prompt_ids, new_tokens: int, report=None, steps: int = 3) -> dict | None:
