@@ -162,6 +162,9 @@ class HalfGemvFamily(FusionFamily):
                                 "Inductor (option gpu_unvalidated=True fuses it)", SourceLocation.from_node(c.mm))
                        for c in cands]
             cands = []
+        # Nodes a rewrite replaced -> their replacement: an RMSNorm prologue read later may name one as its input
+        # (the next layer's norm reads the residual sum that a residual rewrite took over).
+        self._moved = {}
         if cands:
             ev = RegionEvaluator(gm)
             stored = static_inputs(graph)
@@ -298,10 +301,11 @@ class HalfGemvFamily(FusionFamily):
 
     # ---------------------------------------------------------------------------------------------- rewriting
     def _fuse_swiglu(self, graph, gate: _Cand, up: _Cand, end: fx.Node, region: list) -> MatchRecord:
-        x, norm = _x_args(graph, gate, end)
+        x, norm = _x_args(graph, gate, end, self._moved)
         y = insert_node(graph, end, dsv41_op("linear_half_silu_mul"), (x, gate.w, up.w, *norm), like=gate.mm)
         out = insert_node(graph, end, aten.reshape.default, (y, list(tensor_val(end).shape)), like=end)
         end.replace_all_uses_with(out)
+        self._moved[end] = out
         nodes = [gate.mm, up.mm] + list(region)
         e = gate.dtype.itemsize
         rows, subs = _rows(gate)
@@ -313,10 +317,11 @@ class HalfGemvFamily(FusionFamily):
 
     def _fuse_residual(self, graph, c: _Cand, add: fx.Node, r: fx.Node) -> MatchRecord:
         r2 = insert_node(graph, add, aten.reshape.default, (r, [c.m, c.n]), like=add)
-        x, norm = _x_args(graph, c, add)
+        x, norm = _x_args(graph, c, add, self._moved)
         y = insert_node(graph, add, dsv41_op("linear_half"), (x, c.w, r2, *norm), like=c.mm)
         out = insert_node(graph, add, aten.reshape.default, (y, list(tensor_val(add).shape)), like=add)
         add.replace_all_uses_with(out)
+        self._moved[add] = out
         e = c.dtype.itemsize
         rows, subs = _rows(c)
         before = c.n * c.k * e + rows * c.k * e + 4 * rows * c.n * e
@@ -326,7 +331,7 @@ class HalfGemvFamily(FusionFamily):
 
     def _fuse_siblings(self, graph, group: list) -> MatchRecord:
         first = group[0]
-        x, norm = _x_args(graph, first, first.mm)
+        x, norm = _x_args(graph, first, first.mm, self._moved)
         multi = insert_node(graph, first.mm, dsv41_op("linear_half_multi"), (x, [c.w for c in group], *norm),
                             like=first.mm)
         for i, c in enumerate(group):
@@ -343,7 +348,7 @@ class HalfGemvFamily(FusionFamily):
                                    ("launches_saved", len(group) - 1), *_norm_detail(first)))
 
     def _fuse_single(self, graph, c: _Cand) -> MatchRecord:
-        x, norm = _x_args(graph, c, c.mm)
+        x, norm = _x_args(graph, c, c.mm, self._moved)
         y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm), like=c.mm)
         c.mm.replace_all_uses_with(y)
         e = c.dtype.itemsize
@@ -358,12 +363,15 @@ class HalfGemvFamily(FusionFamily):
                            str(sympy.expand(before)), str(sympy.expand(after)), tuple(sorted(subs.items())), detail)
 
 
-def _x_args(graph: fx.Graph, c: _Cand, before: fx.Node):
+def _x_args(graph: fx.Graph, c: _Cand, before: fx.Node, moved: dict):
     """(x operand, norm arguments) of a fused op for `c`: x itself and (None, 0.0, 0), or the RMSNorm's input h as
-    [M, K] and (norm weight, eps, mode) when the op computes the norm (`_rms_prologue`)."""
+    [M, K] and (norm weight, eps, mode) when the op computes the norm (`_rms_prologue`); `moved` maps nodes that
+    earlier rewrites replaced to their replacements."""
     if c.norm is None:
         return c.x, (None, 0.0, 0)
     h, nw, eps, mode = c.norm
+    while h in moved:
+        h = moved[h]
     h2 = insert_node(graph, before, aten.reshape.default, (h, [c.m, c.k]), like=c.mm)
     return h2, (nw, eps, mode)
 
