@@ -27,7 +27,8 @@ def _fused(graphs) -> dict:
     out: dict = {}
     for gm in graphs:
         counts = ops_after(gm)
-        for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm"):
+        for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm",
+                     "dsv41.gqa_decode_attention", "aten.clone"):
             out[name] = out.get(name, 0) + counts[name]
     return out
 
@@ -72,12 +73,18 @@ def test_zoo_llamas_fuse_every_projection_in_bf16(spelling):
     assert q_ops in (0, layers), ops
     # o_proj + down_proj per layer (residual), the head, and q/k/v where the model fuses them into one wqkv
     assert ops["dsv41.linear_half"] == 2 * layers + 1 + (layers if q_ops == 0 else 0), ops
+    # gpt-fast's SDPA reads the cache's KV heads once (gqa_attention): no repeated copy of the cache is made; the
+    # transformers-style zoo writes attention out eagerly (matmul, softmax, matmul), which gqa_attention does not take
+    if spelling == "gpt-fast":
+        assert ops["dsv41.gqa_decode_attention"] == layers and ops["aten.clone"] == 0, ops
+    else:
+        assert ops["dsv41.gqa_decode_attention"] == 0, ops
     assert _close(got, want) < 0.05
 
 
 def test_transformers_llama_fuses_in_bf16():
     """transformers' model compiled in bf16 differs from its eager run by 0.148 of the logits' scale with or
-    without this family (Inductor's own fp32 fusions of the rest): the bar is that the family adds nothing to it."""
+    without these families (Inductor's own fp32 fusions of the rest): the bar is that they add nothing to it."""
     transformers = pytest.importorskip("transformers")
     import inspect
 
@@ -96,8 +103,9 @@ def test_transformers_llama_fuses_in_bf16():
     want, got, ops = _run(model, call)
     assert ops["aten.mm"] == 0, ops
     assert ops["dsv41.linear_half_silu_mul"] == 2 and ops["dsv41.linear_half_multi"] == 2, ops
+    assert ops["dsv41.gqa_decode_attention"] == 2, ops
     model.load_state_dict(state)
     cache.reset()
-    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv"]})
+    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv", "gqa_attention"]})
     assert ops_off["dsv41.linear_half"] == 0 and torch.equal(want, want_off)
     assert _close(got, want) <= _close(got_off, want) + 0.01

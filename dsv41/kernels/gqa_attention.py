@@ -1,0 +1,252 @@
+"""Decode attention over a static KV cache with grouped-query heads read once (M <= 8 query rows): the
+`gqa_attention` fusion target.
+
+Why. Eager Llama-style code repeats the cache's KV heads to the query heads before attention (gpt-fast
+`k.repeat_interleave(n_head // n_local_heads, dim=1)`, transformers' `repeat_kv`: unsqueeze -> expand -> reshape),
+and torch.compile materialises that copy: every decode step writes and reads G = Hq / Hkv copies of every layer's
+whole cache (the `clone` kernels of an Inductor Llama step) before `scaled_dot_product_attention` reads them once
+more. This op reads each cached K and V row once, for all G query heads that share it, split over the sequence
+(flash-decoding) so a batch-1 step fills the GPU.
+
+Op (`dsv41::gqa_decode_attention(q, k, v, mask, scale) -> out`):
+    q      bf16 / fp16 / fp32 [B, Hq, M, D]   (M <= MAX_TRITON_M on the Triton path)
+    k, v   q's dtype [B, Hkv, S, D], Hq a multiple of Hkv (G = Hq / Hkv query heads per KV head)
+    mask   None, bool (True = attend) or q's dtype / fp32 additive, broadcastable to [B, Hq, M, S]
+    scale  float (SDPA's default is 1 / sqrt(D))
+    out    q's dtype [B, Hq, M, D] = softmax(q k^T * scale + mask) v per head, KV head h // G for query head h
+    (`reference_gqa_decode_attention`: SDPA on the repeated heads, what the eager spelling computes)
+
+On CPU the op runs the reference. On CUDA, M <= MAX_TRITON_M and D <= 256 run the Triton kernel, else the
+reference.
+
+Kernel. Program (b, kv head, sequence split) holds the G * M query rows of its KV head; per BLOCK_S keys it loads
+the K and V tiles once, computes the [G M, BLOCK_S] scores with FP32 products, adds the mask, and keeps an online
+softmax (running max, sum, FP32 accumulator). Each split writes its (max, sum, accumulator) to a workspace; the
+last split of a (b, kv head) to arrive (arrival counter, acquire/release) merges them in split order
+(deterministic) and writes the output rounded once to q's dtype. A row whose every key is masked gives NaN, as
+SDPA does. Numerics: FP32 throughout, one rounding at the end; SDPA's kernels also compute in FP32 (a different
+summation order: differences of an ulp of q's dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable,
+                      round_to, split_k_counters)
+
+__all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa_decode_attention",
+           "gqa_plan", "MAX_TRITON_M"]
+
+#: Largest M (query rows per head) the CUDA implementation sends to the Triton kernel; above it, the reference.
+MAX_TRITON_M = 8
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(q, k, v, mask) -> tuple[int, int]:
+    """Validate shapes and dtypes; return (G, S). Errors name the argument at fault."""
+    check_tensor("q", q, dtypes=_DTYPES, ndim=4)
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=(q.dtype,), ndim=4)
+    check_same_device(q=q, k=k, v=v)
+    b, hq, m, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} (batch and head dim)")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of the {hkv} KV heads of k / v")
+    s = k.shape[2]
+    if mask is not None:
+        check_tensor("mask", mask, dtypes=(torch.bool, q.dtype, torch.float32))
+        check_same_device(q=q, mask=mask)
+        try:
+            torch.broadcast_shapes(mask.shape, (b, hq, m, s))
+        except RuntimeError:
+            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, Hq, M, S] = {[b, hq, m, s]}")
+        if mask.dim() > 4:
+            raise ValueError(f"mask has {mask.dim()} dims; at most 4 ([B, Hq, M, S])")
+    return hq // hkv, s
+
+
+def reference_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   mask: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::gqa_decode_attention`: `F.scaled_dot_product_attention` on k / v with each KV head
+    repeated G times (`repeat_interleave(G, dim=1)`), the eager spelling.
+
+    Args: q [B, Hq, M, D]; k, v [B, Hkv, S, D] of q's dtype; mask None / bool / additive, broadcastable to
+    [B, Hq, M, S]; scale float or None (1 / sqrt(D)).
+    Returns: q's dtype [B, Hq, M, D].
+    Raises: TypeError for a dtype the op does not take, ValueError for shapes that do not fit (named).
+    Source: Ainslie et al. 2023, "GQA"; torch.nn.functional.scaled_dot_product_attention.
+    """
+    g, _ = _check(q, k, v, mask)
+    kk = k.repeat_interleave(g, dim=1)
+    vv = v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
+
+
+@triton.jit
+def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
+                HKV, M, S, D, scale,
+                sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_m,
+                sm_b, sm_h, sm_m, sm_s,
+                G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
+                S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
+                MASK_BOOL: tl.constexpr):
+    pid = tl.program_id(0)   # b * HKV + kv head
+    sp = tl.program_id(1)    # sequence split
+    b = pid // HKV
+    hk = pid % HKV
+    r = tl.arange(0, RP)     # query row r = g * M + m of this KV head
+    g = r // M
+    m = r % M
+    r_ok = r < G * M
+    dd = tl.arange(0, DP)
+    d_ok = dd < D
+    h = hk * G + g
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, DP], tl.float32)
+    ss = tl.arange(0, BLOCK_S)
+    for it in range(S_ITERS):
+        s = (sp * S_ITERS + it) * BLOCK_S + ss
+        s_ok = s < S
+        kt = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + dd[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        if MASK:
+            mv = tl.load(mask_ptr + b * sm_b + h[:, None] * sm_h + m[:, None] * sm_m + s[None, :] * sm_s,
+                         mask=r_ok[:, None] & s_ok[None, :], other=0)
+            if MASK_BOOL:
+                sc = tl.where(mv != 0, sc, float("-inf"))
+            else:
+                sc = sc + mv.to(tl.float32)
+        sc = tl.where(s_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        # A row with no finite score yet keeps its max at -inf: shift by 0 there so exp gives 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(sc - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+        m_i = m_new
+    # Split sp's partial: [max, sum, acc...] per row, then the merge by the last split to arrive.
+    W: tl.constexpr = DP + 2
+    base = ws_ptr + (pid * SPLITS + sp).to(tl.int64) * (RP * W)
+    tl.store(base + r * W, m_i)
+    tl.store(base + r * W + 1, l_i)
+    tl.store(base + r[:, None] * W + 2 + dd[None, :], acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        j = tl.arange(0, SPLITS_P2)
+        j_ok = j < SPLITS
+        pb = ws_ptr + (pid * SPLITS + j).to(tl.int64) * (RP * W)
+        mj = tl.load(pb[:, None] + r[None, :] * W, mask=j_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        lj = tl.load(pb[:, None] + r[None, :] * W + 1, mask=j_ok[:, None], other=0.0, cache_modifier=".cg")
+        aj = tl.load(pb[:, None, None] + r[None, :, None] * W + 2 + dd[None, None, :], mask=j_ok[:, None, None],
+                     other=0.0, cache_modifier=".cg")
+        mx = tl.max(mj, axis=0)
+        mxs = tl.where(mx == float("-inf"), 0.0, mx)
+        wj = tl.exp(mj - mxs[None, :])
+        den = tl.sum(wj * lj, axis=0)
+        num = tl.sum(wj[:, :, None] * aj, axis=0)
+        out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked, as SDPA gives
+        DT: tl.constexpr = o_ptr.dtype.element_ty
+        tl.store(o_ptr + b * so_b + h[:, None] * so_h + m[:, None] * so_m + dd[None, :],
+                 round_to(out, DT).to(DT), mask=r_ok[:, None] & d_ok[None, :])
+        tl.atomic_xchg(cnt_ptr + pid, 0)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised result/workspace allocation; a seam the tests replace to poison outputs with NaN."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: int | None = None,
+             sm_count: int = 132) -> dict:
+    """Launch parameters: BLOCK_S keys per iteration (default 32), SPLITS sequence splits (default: enough that
+    b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split; grid (b hkv,
+    splits). Raises ValueError for a block_s that is not a power of two or splits < 1."""
+    block_s = block_s or 32
+    if block_s & (block_s - 1) or block_s < 1:
+        raise ValueError(f"block_s={block_s} must be a power of two")
+    tiles = max(1, -(-s // block_s))
+    if splits is None:
+        splits = max(1, min(tiles, -(-2 * sm_count // max(b * hkv, 1))))
+    if splits < 1:
+        raise ValueError(f"splits={splits} must be >= 1")
+    splits = min(splits, tiles)
+    iters = -(-tiles // splits)
+    splits = -(-tiles // iters)
+    return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=next_power_of_2(splits), S_ITERS=iters,
+                grid=(b * hkv, splits))
+
+
+def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                                **overrides) -> torch.Tensor:
+    """`reference_gqa_decode_attention` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1);
+    `overrides` (block_s, splits) replace the `gqa_plan` heuristic. Raises as the reference, plus RuntimeError when
+    the kernel cannot run on the device and ValueError for D > 256."""
+    g, s = _check(q, k, v, mask)
+    require_launchable(_gqa_kernel, q.device, "triton_gqa_decode_attention")
+    b, hq, m, d = q.shape
+    if d > 256:
+        raise ValueError(f"head dim {d} > 256 is not taken by the kernel")
+    hkv = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = _empty((b, hq, m, d), q.dtype, q.device)
+    if out.numel() == 0:
+        return out
+    if s == 0:  # softmax over no keys: NaN, as SDPA gives
+        return out.fill_(float("nan"))
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    plan = gqa_plan(b, hkv, s, **overrides)
+    rp, dp = next_power_of_2(g * m), next_power_of_2(d)
+    ws = _empty((b * hkv * plan["SPLITS"] * rp * (dp + 2),), torch.float32, q.device)
+    cnt = split_k_counters(q.device, b * hkv)
+    if mask is not None:
+        mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, hq, m, s)
+        ms = [st if sz > 1 else 0 for st, sz in zip(mask4.stride(), mask4.shape)]
+    else:
+        mask4, ms = q, [0, 0, 0, 0]
+    _gqa_kernel[plan["grid"]](
+        q, k, v, mask4, out, ws, cnt, hkv, m, s, d, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
+        G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
+        SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
+        num_warps=4)
+    return out
+
+
+@torch.library.custom_op("dsv41::gqa_decode_attention", mutates_args=(), device_types="cpu")
+def gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                         scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of q over a static cache's KV heads, each read once for its G query heads; see
+    `reference_gqa_decode_attention`."""
+    return reference_gqa_decode_attention(q, k, v, mask, scale)
+
+
+@register_cuda(gqa_decode_attention, "dsv41::gqa_decode_attention")
+def _gqa_cuda(q, k, v, mask=None, scale=None):
+    if q.shape[2] <= MAX_TRITON_M and q.shape[3] <= 256:
+        return triton_gqa_decode_attention(q, k, v, mask, scale)
+    return reference_gqa_decode_attention(q, k, v, mask, scale)
+
+
+@gqa_decode_attention.register_fake
+def _gqa_fake(q, k, v, mask=None, scale=None):
+    return q.new_empty(q.shape)

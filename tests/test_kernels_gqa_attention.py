@@ -1,0 +1,112 @@
+"""dsv41/kernels/gqa_attention.py against attention written out in float64 here (scores, masked softmax, weighted
+sum, each KV head serving G = Hq / Hkv query heads), on CPU through the reference and under the Triton interpreter.
+
+Bound: the kernel computes in FP32 and rounds once; |out - ref| <= 2 ulp(out dtype) of max|v| plus 1e-5 max|v|
+(FP32 softmax and sums in another order). Outputs and the workspace are NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from interp_harness import InterpreterHarness, poison_outputs
+
+from dsv41.kernels import gqa_attention as ga
+
+_harness = InterpreterHarness(__file__)
+interpreted = _harness.interpreted
+_record_node = _harness.record_node_fixture()
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    poison_outputs(monkeypatch, ga)
+
+
+def attention64(q, k, v, mask=None, scale=None):
+    b, hq, m, d = q.shape
+    g = hq // k.shape[1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.empty(b, hq, m, d, dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k[:, h // g].double(), v[:, h // g].double()
+        sc = q[:, h].double() @ kh.transpose(-1, -2) * scale
+        if mask is not None:
+            mk = mask.expand(b, hq, m, k.shape[2])[:, h]
+            sc = sc.masked_fill(~mk, float("-inf")) if mk.dtype == torch.bool else sc + mk.double()
+        out[:, h] = torch.softmax(sc, -1) @ vh
+    return out
+
+
+def _close(got, want, v):
+    got = got.double()
+    scale = v.double().abs().max().item()
+    tol = 2 * torch.finfo(v.dtype).eps * scale + 1e-5 * scale
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), "NaN where the reference has none (or the reverse)"
+    err = (got - want).abs()[~both_nan]
+    assert err.numel() == 0 or err.max().item() <= tol, f"max error {err.max().item():.3e} > {tol:.3e}"
+
+
+def _qkv(b, hq, hkv, m, s, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, m, d, generator=gen).to(dtype)
+    k = (torch.randn(b, hkv, s, d, generator=gen) * 2).to(dtype)
+    v = torch.randn(b, hkv, s, d, generator=gen).to(dtype)
+    return gen, q, k, v
+
+
+# (B, Hq, Hkv, M, S, D, dtype, overrides)
+CASES = [
+    (1, 8, 2, 1, 37, 16, torch.bfloat16, {}),
+    (1, 4, 4, 3, 70, 24, torch.float16, {"block_s": 16}),
+    (2, 6, 2, 2, 5, 8, torch.float32, {}),
+    (1, 8, 1, 1, 129, 32, torch.bfloat16, {"block_s": 16, "splits": 3}),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-hq{c[1]}-hkv{c[2]}-m{c[3]}-s{c[4]}-d{c[5]}")
+@pytest.mark.parametrize("masking", ["none", "bool", "additive"])
+def test_matches_float64(case, masking, nan_outputs):
+    b, hq, hkv, m, s, d, dt, over = case
+    gen, q, k, v = _qkv(b, hq, hkv, m, s, d, dt, s + d)
+    mask = None
+    if masking == "bool":  # a causal-style prefix per row, broadcast over batch and heads
+        mask = (torch.arange(s)[None, :] <= torch.arange(s - m, s)[:, None])[None, None]
+    elif masking == "additive":
+        mask = (torch.randn(b, 1, m, s, generator=gen) * 3).to(dt)
+    got = ga.triton_gqa_decode_attention(q, k, v, mask, **over)
+    assert got.shape == q.shape and got.dtype == dt
+    _close(got, attention64(q, k, v, mask), v)
+
+
+@interpreted
+def test_a_fully_masked_row_is_nan_and_scale_is_honoured(nan_outputs):
+    _, q, k, v = _qkv(1, 4, 2, 2, 40, 16, torch.float32, 3)
+    mask = torch.ones(1, 1, 2, 40, dtype=torch.bool)
+    mask[..., 1, :] = False
+    got = ga.triton_gqa_decode_attention(q, k, v, mask, scale=0.3, splits=4, block_s=8)
+    _close(got, attention64(q, k, v, mask, scale=0.3), v)
+    assert torch.isnan(got[:, :, 1]).all() and not torch.isnan(got[:, :, 0]).any()
+
+
+def test_reference_is_sdpa_on_repeated_heads():
+    _, q, k, v = _qkv(1, 8, 2, 1, 20, 16, torch.float32, 5)
+    want = attention64(q, k, v)
+    _close(torch.ops.dsv41.gqa_decode_attention(q, k, v, None, None), want, v)
+
+
+@pytest.mark.parametrize("bad, kind, words", [
+    (lambda q, k, v: (q, k[:, :, :, :8], v[:, :, :, :8]), ValueError, "head dim"),
+    (lambda q, k, v: (q[:, :3], k, v), ValueError, "not a multiple"),
+    (lambda q, k, v: (q, k, v[:, :, :5]), ValueError, "one shape"),
+    (lambda q, k, v: (q, k.half(), v), TypeError, "k"),
+])
+def test_bad_arguments_are_named(bad, kind, words):
+    _, q, k, v = _qkv(1, 4, 2, 1, 10, 16, torch.float32, 1)
+    with pytest.raises(kind, match=words):
+        ga.reference_gqa_decode_attention(*bad(q, k, v))
