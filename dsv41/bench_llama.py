@@ -3,7 +3,7 @@ decoded by eager, Inductor, Inductor with CUDA graphs and dsv41 side by side (BE
 
 The model is `tests/zoo/llama_gptfast.py` of the source checkout, loaded by file path (dsv41 never imports
 `tests`), built with seeded random weights in the run's dtype. Prefill runs eager for every row; only the decode
-step (`DecodeStep`: one token at a position tensor -> the greedy next token) is compiled, once per row: the step's
+step (`DecodeStep`: one token at a position tensor -> the greedy next token and its logits) is compiled, once per row: the step's
 shapes never change and the position is a tensor, so one compiled graph serves every position. Graphs compiled
 after a row's first decode step are counted (`recompiles`, expected 0).
 
@@ -14,7 +14,7 @@ A B C D A B C D ... (`measure_alternating`), medians (`summarize`). Roofline: `d
 bandwidth measured in the run (`roofline`).
 
 Public names: `LLAMA_MODELS`, `LLAMA_ROWS`, `ZOO_FILE`, `checkout_root`, `load_llama_zoo`, `check_llama_request`,
-`DecodeStep`, `llama_decode_bytes`, `greedy_decode`, `run_llama_benchmark`.
+`DecodeStep`, `llama_decode_bytes`, `greedy_decode`, `teacher_forced_logits`, `run_llama_benchmark`.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Callable
 
 import torch
 
-from .bench_protocol import (decode_context, fail_text, measure_alternating, roofline, summarize,
-                             use_cache_dir)
+from .bench_protocol import (decode_context, fail_text, max_rel_logit_err, measure_alternating, roofline,
+                             summarize, use_cache_dir)
 from .usage import UsageError
 
 __all__ = ["LLAMA_MODELS", "LLAMA_ROWS", "ZOO_FILE", "checkout_root", "load_llama_zoo", "check_llama_request",
-           "DecodeStep", "llama_decode_bytes", "greedy_decode", "run_llama_benchmark"]
+           "DecodeStep", "llama_decode_bytes", "greedy_decode", "teacher_forced_logits", "run_llama_benchmark"]
 
 #: Presets of `tests/zoo/llama_gptfast.py` that `--model` accepts.
 LLAMA_MODELS = ("llama-tiny", "llama-1b", "llama-8b")
@@ -58,7 +58,13 @@ LLAMA_DEFINITIONS = {
     "roofline_fraction": "median decode tok/s / roofline_tok_s",
     "kernels_per_step": "GPU kernels torch.profiler records in one warmed-up decode step (CUDA-graph replays "
                         "included; memcpy / memset are memcpy_memset_per_step), as the V4.1 rows; null on CPU",
-    "tokens_match_eager": "greedy tokens of every measured run equal the eager reference's",
+    "tokens_match_eager": "greedy tokens of every measured run equal the eager reference's (in bf16 a random-weight "
+                          "model's greedy tokens part at near-ties, even eager's from run to run on a GPU: see "
+                          "max_rel_logit_err)",
+    "matching_prefix_tokens": "fewest leading tokens equal to the eager reference's over the measured runs",
+    "max_rel_logit_err": "the eager reference's tokens teacher-forced through the row's decode step: max |logits - "
+                         "eager's| / max |eager's| over the decode steps (the eager row: eager against itself, "
+                         "the run-to-run noise of its kernels)",
     "compile_s": "wall time of the first run after torch.compiler.reset() with an empty Inductor cache dir, minus "
                  "the median measured run",
     "compile_warm_s": "the same for the run compiled again from that cache after one more reset",
@@ -113,15 +119,17 @@ def check_llama_request(model: str, backends, prompt_len: int, new_tokens: int, 
 
 
 class DecodeStep(torch.nn.Module):
-    """gpt-fast's `decode_one_token` as a module (so `torch.compile` wraps it as it wraps any model): the greedy
-    next token int64 [B, 1] of tok int64 [B, 1] at input_pos int64 [1], writing the model's caches."""
+    """gpt-fast's `decode_one_token` as a module (so `torch.compile` wraps it as it wraps any model): (the greedy
+    next token int64 [B, 1], the logits [B, vocab] it came from) of tok int64 [B, 1] at input_pos int64 [1],
+    writing the model's caches."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, tok: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return self.model(tok, input_pos)[:, -1].argmax(-1, keepdim=True)
+        logits = self.model(tok, input_pos)[:, -1]
+        return logits.argmax(-1, keepdim=True), logits
 
 
 def llama_decode_bytes(model: torch.nn.Module, context: int) -> dict:
@@ -143,7 +151,7 @@ def greedy_decode(step: Callable, model: torch.nn.Module, prompt: torch.Tensor, 
     """Prefill `prompt` int64 [B, P] on the eager `model`, then `new_tokens - 1` calls of `step(tok, input_pos)`.
 
     The position is one int64 [1] tensor incremented in place, so a compiled step sees the same input every time.
-    `step` is any callable of (tok int64 [B, 1], input_pos int64 [1]) -> next token int64 [B, 1].
+    `step` is a `DecodeStep` or its compiled wrapper.
     `after_first_step()` runs after the first decode step (the recompile count starts there).
     Returns {"tokens": int64 [B, new_tokens] on CPU, "decode_tok_s": steps / seconds from the first token to the
     last (CUDA events on GPU), "wall_s": the whole call}.
@@ -161,7 +169,7 @@ def greedy_decode(step: Callable, model: torch.nn.Module, prompt: torch.Tensor, 
     for i in range(1, new_tokens):
         # A copy, as gpt-fast makes: under CUDA graphs the step's output buffer is rewritten by the next replay,
         # which also reads this token.
-        tok = step(tok, pos).clone()
+        tok = step(tok, pos)[0].clone()
         out[:, i:i + 1] = tok
         pos += 1
         clock.mark()
@@ -169,6 +177,24 @@ def greedy_decode(step: Callable, model: torch.nn.Module, prompt: torch.Tensor, 
             after_first_step()
     sec = clock.seconds()
     return {"tokens": out.cpu(), "decode_tok_s": (new_tokens - 1) / sec[-1], "wall_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def teacher_forced_logits(step: Callable, model: torch.nn.Module, prompt: torch.Tensor,
+                          tokens: torch.Tensor) -> torch.Tensor:
+    """The logits [N - 1, B, vocab] (FP32, CPU) of `step`'s decode steps when fed the given greedy tokens int64
+    [B, N] (e.g. eager's) after an eager prefill of `prompt`: the rows' numbers compared on the same inputs, which
+    free-running greedy decoding stops being at the first near-tie."""
+    dev = prompt.device
+    p = prompt.shape[1]
+    model(prompt, torch.arange(p, device=dev))
+    tokens = tokens.to(dev)
+    out = []
+    for i in range(1, tokens.shape[1]):
+        # A fresh [B, 1] tensor, strided as the greedy loop's tokens: a slice's strides would be a new guard.
+        tok = tokens[:, i - 1:i].clone(memory_format=torch.contiguous_format)
+        out.append(step(tok, torch.tensor([p + i - 1], device=dev))[1].float().cpu())
+    return torch.stack(out)
 
 
 def _profile_step(step, model, prompt: torch.Tensor) -> dict:
@@ -184,7 +210,7 @@ def _profile_step(step, model, prompt: torch.Tensor) -> dict:
     with torch.no_grad():
         p = prompt.shape[1]
         tok = model(prompt, torch.arange(p, device=prompt.device))[:, -1:].argmax(-1)
-        tok = step(tok, torch.tensor([p], device=prompt.device))
+        tok = step(tok, torch.tensor([p], device=prompt.device))[0].clone()
         pos = torch.tensor([p + 1], device=prompt.device)  # made before profiling: no stray kernel in the step
         torch.cuda.synchronize()
         with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -204,10 +230,17 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Leading positions where the token rows a, b int64 [B, N] agree in every sequence."""
+    bad = torch.nonzero(~(a == b).all(0))
+    return int(bad[0, 0]) if bad.numel() else a.shape[1]
+
+
 def _empty_llama_row() -> dict:
     """A `--model` row with every figure null."""
     return {"decode_tok_s": None, "roofline_fraction": None, "kernels_per_step": None,
-            "memcpy_memset_per_step": None, "tokens_match_eager": None, "compile_s": None, "compile_warm_s": None,
+            "memcpy_memset_per_step": None, "tokens_match_eager": None, "matching_prefix_tokens": None,
+            "max_rel_logit_err": None, "compile_s": None, "compile_warm_s": None,
             "recompiles": None, "options": None, "note": None}
 
 
@@ -226,7 +259,8 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
         "roofline_tok_s", environment (date, gpu, driver, torch, triton, cuda, host), "dtype", "device",
         "prompt_len", "new_tokens", "repeats", "run_order", "reference_tokens", "definitions", "backends": {row:
         {decode_tok_s {median, min, max}, roofline_fraction, kernels_per_step, memcpy_memset_per_step,
-        tokens_match_eager, compile_s, compile_warm_s, recompiles, options, note, and for dsv41 fusion_matches,
+        tokens_match_eager, matching_prefix_tokens, max_rel_logit_err, compile_s, compile_warm_s, recompiles,
+        options, note, and for dsv41 fusion_matches,
         kernels_per_step_by_role, kernels_per_step_static}}}. A row that fails keeps its nulls and says why in
         `note`.
     Raises: UsageError for a bad request (before anything is built) or a missing `ZOO_FILE`.
@@ -271,6 +305,7 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
     eager_step = DecodeStep(net)
     ref = greedy_decode(eager_step, net, prompt, new_tokens)
     res["reference_tokens"] = ref["tokens"].tolist()
+    ref_logits = teacher_forced_logits(eager_step, net, prompt, ref["tokens"])
     say(f"eager reference: {ref['wall_s']:.1f} s")
 
     runners, cold_wall, warm_wall, first_graphs, extra, runnable = {}, {}, {}, {}, {}, []
@@ -329,6 +364,14 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
                         say(f"{n}: {k['kernels']} kernels per step")
                     except Exception as e:
                         notes[n].append("kernel count " + fail_text(e))
+            for n in runnable:  # the same inputs for every row: eager's tokens, teacher-forced
+                try:
+                    g = _graphs()
+                    tf = teacher_forced_logits(runners[n], net, prompt, ref["tokens"])
+                    extra[n] += _graphs() - g
+                    rows[n]["max_rel_logit_err"] = max_rel_logit_err(tf, ref_logits)
+                except Exception as e:
+                    notes[n].append("teacher forcing " + fail_text(e))
             g_measure = _graphs()
             fns = {n: (lambda r=runners[n]: greedy_decode(r, net, prompt, new_tokens)) for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats)
@@ -353,6 +396,7 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
         if res["roofline_tok_s"]:
             row["roofline_fraction"] = row["decode_tok_s"]["median"] / res["roofline_tok_s"]
         row["tokens_match_eager"] = all(torch.equal(o["tokens"], ref["tokens"]) for o in runs)
+        row["matching_prefix_tokens"] = min(_prefix(o["tokens"], ref["tokens"]) for o in runs)
         walls = statistics.median(o["wall_s"] for o in runs)
         if n != "eager":
             row["compile_s"] = max(0.0, cold_wall[n] - walls)

@@ -53,7 +53,8 @@ def test_the_json_names_the_model_and_every_row(llama_run):
                 "triton", "gpu"):
         assert key in res, key
     for name, row in res["backends"].items():
-        for key in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "tokens_match_eager", "compile_s"):
+        for key in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "tokens_match_eager", "compile_s",
+                    "max_rel_logit_err"):
             assert key in row, (name, key)
 
 
@@ -72,6 +73,8 @@ def test_every_row_decodes_eagers_greedy_tokens_in_fp32(llama_run, row):
     assert r["tokens_match_eager"] is True, r["note"]
     assert r["decode_tok_s"]["min"] > 0 and r["decode_tok_s"]["min"] <= r["decode_tok_s"]["median"]
     assert r["recompiles"] == 0  # one compiled step served every position
+    assert r["matching_prefix_tokens"] == NEW
+    assert r["max_rel_logit_err"] < 1e-5  # eager's tokens teacher-forced: the same logits as eager's in fp32
 
 
 @pytest.mark.parametrize("row", ROWS)
