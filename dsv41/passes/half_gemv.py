@@ -122,13 +122,35 @@ def _x_key(x):
 
 
 def _through_views(node: fx.Node) -> fx.Node:
-    """The last node of the single-user view chain that starts at `node` (the matmul's output as the code sees it)."""
+    """The last node of the single-user view chain that starts at `node` (the matmul's output as the code sees it),
+    following only views that keep every element of the matmul's output in its row-major order (`_same_elements`).
+
+    Why: the rewrites put the fused op's [M, N] result back with a plain reshape to the add's / product's shape, and
+    the probes of the SwiGLU feed values straight into this node. A transpose (`y.transpose(1, 2)` of a square
+    output), a slice (`y[:, -1:]`, `y[..., :n]`) or an expand between the matmul and the add / product has the
+    shape the add wants but not the matmul's elements in order: following it fused `r + y.T` as `r + y` and
+    `silu(g.T) * u.T` as `silu(g) * u` (wrong values), and a slice or expand as a reshape of the wrong size (the
+    family raised). Such views stay inside the add's / product's region, where the probes see them."""
     while len(node.users) == 1:
         (u,) = node.users
-        if not (u.op == "call_function" and is_view_op(u)):
+        if not (u.op == "call_function" and is_view_op(u) and _same_elements(u, node)):
             break
         node = u
     return node
+
+
+def _same_elements(view: fx.Node, base: fx.Node) -> bool:
+    """Whether `view` holds exactly `base`'s elements in `base`'s row-major order (both contiguous, one element
+    count, no storage offset): a reshape, an unsqueeze, a transpose of size-1 dims, not a permute, slice or
+    expand."""
+    v, b = tensor_val(view), tensor_val(base)
+    if v is None or b is None:
+        return False
+    try:
+        return (b.is_contiguous() and v.is_contiguous() and v.numel() == b.numel()
+                and v.storage_offset() == b.storage_offset())
+    except Exception:  # a size the fake tensor cannot decide on (symbolic): not provably the same
+        return False
 
 
 class _Cand:
