@@ -35,6 +35,8 @@ Near-misses (reported, not fused):
 
     weight_source   the half-precision weight is computed, written in place, or not a stored module tensor
     bias            addmm (a bias): the ops have no bias term; the projection stays with cuBLAS
+    static_shapes   x or W has a size known only at run time (dynamic shapes) and M's hint is <= MAX_TRITON_M: the
+                    rewrites and probes are for the compiled sizes, so the projection stays with Inductor
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ import torch.nn.functional as F
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
 from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, close_rounded, collect_region,
                      concrete_shape, dsv41_op, eliminate_dead_code, eps_candidates, insert_node, is_dataflow_op,
-                     is_view_op, node_label, register_family, static_inputs, tensor_val, token_rows)
+                     is_view_op, node_label, register_family, static_inputs, static_refusal, tensor_val,
+                     token_rows)
 from .small_ops import mutated_inputs, view_base
 
 __all__ = ["HalfGemvFamily", "SPEC"]
@@ -80,21 +83,21 @@ SPEC = register_family(
               (Role("x", "[M, K]", "bf16 / fp16"), Role("Wg, Wu", "[N, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half_silu_mul", ("which matmul is the gate", *_NORM_CONSTANTS),
               ("standard-normal g, u at scales 1 and 6, within three roundings of x's dtype", _NORM_PROBES),
-              ("weight_source",), gpu_validated=False),
+              ("weight_source", "static_shapes"), gpu_validated=False),
         Chain("residual", "linear_half", "r + mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype"), Role("r", "[M, N]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half (structure only: an add of one shape and dtype)",
               _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source",), gpu_validated=False),
+              ("weight_source", "static_shapes"), gpu_validated=False),
         Chain("siblings", "linear_half_multi", "2 to 4 mm(x, W_i^T) of one x",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W_i", "[N_i, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half_multi (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source",),
+              ("weight_source", "static_shapes"),
               gpu_validated=False),
         Chain("linear", "linear_half", "mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source", "bias"),
+              ("weight_source", "bias", "static_shapes"),
               gpu_validated=False),
     ), gpu_validated=False,
     # order: after the quantised-weight families (a dequantised weight is theirs: here it is a computed weight,
@@ -241,12 +244,17 @@ class HalfGemvFamily(FusionFamily):
             if xv is None or w is None or xv.dtype not in _HALF or tensor_val(w).dtype != xv.dtype:
                 continue
             shape = concrete_shape(xv)
-            wshape = concrete_shape(tensor_val(w))
-            if shape is None or wshape is None or not all(isinstance(d, int) for d in (*shape, *wshape)):
-                continue
             if shape[0] > _MAX_M:
                 continue  # prefill-sized: cuBLAS's GEMM, by design
             loc = SourceLocation.from_node(mm)
+            # `concrete_shape` gives hints, so it cannot tell a symbolic M (dynamic=True, or Dynamo's automatic
+            # dynamic after a second length) from a static one: the rewrites bake [M, N] / [M, K] into reshapes
+            # and the probes run at the hint, so a symbolic size stays with Inductor (the family used to raise on
+            # such a graph, or would reshape at the compiled M).
+            refusal = static_refusal(self.name, pattern, [x, w], loc, "dsv41::linear_half")
+            if refusal is not None:
+                misses.append(refusal)
+                continue
             base = view_base(w)
             is_stored = base.op == "get_attr" or (base.op == "placeholder" and (stored is None or base in stored))
             if base in written or not is_stored:
