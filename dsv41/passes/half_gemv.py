@@ -188,7 +188,9 @@ class HalfGemvFamily(FusionFamily):
                        for c in cands]
             cands = []
         # Nodes a rewrite replaced -> their replacement: an RMSNorm prologue read later may name one as its input
-        # (the next layer's norm reads the residual sum that a residual rewrite took over).
+        # (the next layer's norm reads the residual sum that a residual rewrite took over; with 2-D activations a
+        # norm reads a projection's mm itself, which a sibling / single rewrite took over: without the entry the
+        # prologue's reshape revived that mm, left with cuBLAS, while its fused op was dead code).
         self._moved = {}
         if cands:
             ev = RegionEvaluator(gm)
@@ -367,6 +369,7 @@ class HalfGemvFamily(FusionFamily):
         for i, c in enumerate(group):
             y = insert_node(graph, first.mm, operator.getitem, (multi, i), like=c.mm)
             c.mm.replace_all_uses_with(y)
+            self._moved[c.mm] = y
         e = first.dtype.itemsize
         rows, subs = _rows(first)
         weights = sum(c.n * c.k for c in group) * e
@@ -381,6 +384,7 @@ class HalfGemvFamily(FusionFamily):
         x, norm = _x_args(graph, c, c.mm, self._moved)
         y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm), like=c.mm)
         c.mm.replace_all_uses_with(y)
+        self._moved[c.mm] = y
         e = c.dtype.itemsize
         rows, subs = _rows(c)
         total = c.n * c.k * e + rows * c.k * e + rows * c.n * e
