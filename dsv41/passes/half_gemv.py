@@ -27,8 +27,11 @@ Conditions (proven from the graph): x and W share one half-precision dtype; M is
 (larger M, prefill, stays with Inductor and cuBLAS, unrecorded); W is a 2-D graph input the graph never writes and
 that the compile marks static (`engine.static_inputs`: a parameter or buffer; a `get_attr` constant counts too),
 because the kernel reads it before waiting on the previous kernel. For the SwiGLU: the two weights have one shape,
-the region between the two matmuls and e reads nothing else and nothing outside it reads its inner values, and on
-probes it equals F.silu(g) * u rounded in x's dtype (gate and up told apart by the probes). For the residual: the
+the region between the two matmuls and e reads nothing else and nothing outside it reads its inner values, it holds
+only views and smooth ops (`_SMOOTH_OPS`: no clamp or where that the probes' magnitudes may never reach; the same
+holds for an RMSNorm region), and on probes it equals F.silu(g) * u rounded in x's dtype (gate and up told apart by
+the probes). The matmul's output is followed only through views that keep its elements in order (a reshape, not a
+transpose, slice or expand: `_through_views`). For the residual: the
 add is the matmul's only user (through views) and adds a tensor of the output's shape and dtype.
 
 Near-misses (reported, not fused):
@@ -104,6 +107,25 @@ SPEC = register_family(
     # a near-miss) and after sibling_gemv, so no family sees this one's ops
     after=("dispatch", "sibling_gemv"),
 )
+
+
+#: The ops a SwiGLU or RMSNorm region may contain besides views: smooth arithmetic, the spellings' casts and the
+#: norm's reductions. Why: the regions are verified on probes of bounded magnitude (|g| up to ~25, normalised rows
+#: up to ~4), and a piecewise op (clamp, where, maximum, abs, a comparison) that only acts beyond them passes every
+#: probe: `silu(g.clamp(-30, 30)) * u` was fused as `silu(g) * u`, and a norm clamped at 6 as the bare norm (both
+#: wrong once an outlier row reaches the clamp). A smooth op cannot hide like that; anything else stays unfused.
+_SMOOTH_OPS = frozenset({
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.neg.default, aten.exp.default, aten.reciprocal.default,
+    aten.sigmoid.default, aten.silu.default, aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar,
+    aten.mean.dim, aten.sum.dim_IntList, aten.clone.default, aten._to_copy.default, aten.scalar_tensor.default,
+    aten.full.default, prims.convert_element_type.default,
+})
+
+
+def _smooth(n: fx.Node) -> bool:
+    """Whether region node `n` is a view or one of `_SMOOTH_OPS`."""
+    return n.op == "call_function" and (is_view_op(n) or n.target in _SMOOTH_OPS)
 
 
 def _transposed(rhs) -> fx.Node | None:
@@ -301,6 +323,8 @@ class HalfGemvFamily(FusionFamily):
             inner = [n for n in region if n is not end]
             if not all(n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)) for n in region):
                 continue
+            if not all(_smooth(n) for n in region):
+                return None  # a piecewise op the probes may never reach (`_SMOOTH_OPS`): no SwiGLU here
             if not all(set(u for u in n.users) <= set(region) for n in inner + [a.out, b.out]):
                 continue
             ev_out = tensor_val(end)
@@ -471,9 +495,9 @@ def _rms_prologue(c: _Cand, ev: RegionEvaluator, stored):
         return None
     region = collect_region([xp], [h])
     leaves = [n for n in region if n.op in ("placeholder", "get_attr")]
-    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)))
-                                  for n in region):
-        return None
+    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n))
+                                                  and _smooth(n)) for n in region):
+        return None  # another input, or an op that is not pure, or a piecewise one the probes may miss
     nw = leaves[0] if leaves else None
     if nw is not None:
         nv = tensor_val(nw)
