@@ -81,6 +81,8 @@ CASES = {
     "residual/fp32": (lambda s, x, r: r.float() + s.p(x), {}, [_xr(4)], {}, {"linear": 1}),
     "residual/also-returned": (lambda s, x, r: (lambda y: (r + y, y))(s.p(x)), {}, [_xr(4)], {}, {"linear": 1}),
     "residual/in-place": (lambda s, x, r: r.add_(s.p(x)), {}, [_xr(4)], {}, {"residual": 1}),
+    "residual/input-written-after": (lambda s, x, r: (lambda out: (out, r.mul_(2)))(r + s.p(x)), {}, [_xr(4)], {},
+                                     {"residual": 1}),
     # ---- SwiGLU products of views that reorder or drop the projections' elements
     "swiglu/both-transposed": (lambda s, x: F.silu(s.g(x).transpose(1, 2)) * s.u(x).transpose(1, 2), {},
                                [(_rand((1, 4, 16)),)], {}, {"siblings": 1}),
@@ -108,6 +110,8 @@ CASES = {
                               {}, {"siblings": 1}),
     "swiglu/inplace-silu-times-2": (lambda s, x: F.silu(s.g(x), inplace=True) * s.u(x) * 2, {},
                                     [(_rand((1, 4, 16)),)], {}, {"swiglu": 1}),
+    "swiglu/one-weight-twice": (lambda s, x: F.silu(s.g(x)) * s.g(x), {}, [(_rand((1, 4, 16)),)], {},
+                                {"swiglu": 1}),
     # ---- RMSNorm prologues and look-alikes
     # clamped after the statistic: with an outlier channel the normalised value passes the clamp (sqrt(K) = 8 > 6)
     "norm/clamped": (lambda s, x: s.p((lambda xf: (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
