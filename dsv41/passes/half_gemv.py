@@ -27,14 +27,19 @@ Conditions (proven from the graph): x and W share one half-precision dtype; M is
 (larger M, prefill, stays with Inductor and cuBLAS, unrecorded); W is a 2-D graph input the graph never writes and
 that the compile marks static (`engine.static_inputs`: a parameter or buffer; a `get_attr` constant counts too),
 because the kernel reads it before waiting on the previous kernel. For the SwiGLU: the two weights have one shape,
-the region between the two matmuls and e reads nothing else and nothing outside it reads its inner values, and on
-probes it equals F.silu(g) * u rounded in x's dtype (gate and up told apart by the probes). For the residual: the
+the region between the two matmuls and e reads nothing else and nothing outside it reads its inner values, it holds
+only views and smooth ops (`_SMOOTH_OPS`: no clamp or where that the probes' magnitudes may never reach; the same
+holds for an RMSNorm region), and on probes it equals F.silu(g) * u rounded in x's dtype (gate and up told apart by
+the probes). The matmul's output is followed only through views that keep its elements in order (a reshape, not a
+transpose, slice or expand: `_through_views`). For the residual: the
 add is the matmul's only user (through views) and adds a tensor of the output's shape and dtype.
 
 Near-misses (reported, not fused):
 
     weight_source   the half-precision weight is computed, written in place, or not a stored module tensor
     bias            addmm (a bias): the ops have no bias term; the projection stays with cuBLAS
+    static_shapes   x or W has a size known only at run time (dynamic shapes) and M's hint is <= MAX_TRITON_M: the
+                    rewrites and probes are for the compiled sizes, so the projection stays with Inductor
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ import torch.nn.functional as F
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
 from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, close_rounded, collect_region,
                      concrete_shape, dsv41_op, eliminate_dead_code, eps_candidates, insert_node, is_dataflow_op,
-                     is_view_op, node_label, register_family, static_inputs, tensor_val, token_rows)
+                     is_view_op, node_label, register_family, static_inputs, static_refusal, tensor_val,
+                     token_rows)
 from .small_ops import mutated_inputs, view_base
 
 __all__ = ["HalfGemvFamily", "SPEC"]
@@ -80,27 +86,46 @@ SPEC = register_family(
               (Role("x", "[M, K]", "bf16 / fp16"), Role("Wg, Wu", "[N, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half_silu_mul", ("which matmul is the gate", *_NORM_CONSTANTS),
               ("standard-normal g, u at scales 1 and 6, within three roundings of x's dtype", _NORM_PROBES),
-              ("weight_source",), gpu_validated=False),
+              ("weight_source", "static_shapes"), gpu_validated=False),
         Chain("residual", "linear_half", "r + mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype"), Role("r", "[M, N]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half (structure only: an add of one shape and dtype)",
               _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source",), gpu_validated=False),
+              ("weight_source", "static_shapes"), gpu_validated=False),
         Chain("siblings", "linear_half_multi", "2 to 4 mm(x, W_i^T) of one x",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W_i", "[N_i, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half_multi (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source",),
+              ("weight_source", "static_shapes"),
               gpu_validated=False),
         Chain("linear", "linear_half", "mm(x, W^T)",
               (Role("x", "[M, K]", "bf16 / fp16"), Role("W", "[N, K]", "x's dtype")),
               "dsv41.kernels.half_gemv:reference_linear_half (structure only)", _NORM_CONSTANTS, (_NORM_PROBES,),
-              ("weight_source", "bias"),
+              ("weight_source", "bias", "static_shapes"),
               gpu_validated=False),
     ), gpu_validated=False,
     # order: after the quantised-weight families (a dequantised weight is theirs: here it is a computed weight,
     # a near-miss) and after sibling_gemv, so no family sees this one's ops
     after=("dispatch", "sibling_gemv"),
 )
+
+
+#: The ops a SwiGLU or RMSNorm region may contain besides views: smooth arithmetic, the spellings' casts and the
+#: norm's reductions. Why: the regions are verified on probes of bounded magnitude (|g| up to ~25, normalised rows
+#: up to ~4), and a piecewise op (clamp, where, maximum, abs, a comparison) that only acts beyond them passes every
+#: probe: `silu(g.clamp(-30, 30)) * u` was fused as `silu(g) * u`, and a norm clamped at 6 as the bare norm (both
+#: wrong once an outlier row reaches the clamp). A smooth op cannot hide like that; anything else stays unfused.
+_SMOOTH_OPS = frozenset({
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.neg.default, aten.exp.default, aten.reciprocal.default,
+    aten.sigmoid.default, aten.silu.default, aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar,
+    aten.mean.dim, aten.sum.dim_IntList, aten.clone.default, aten._to_copy.default, aten.scalar_tensor.default,
+    aten.full.default, prims.convert_element_type.default,
+})
+
+
+def _smooth(n: fx.Node) -> bool:
+    """Whether region node `n` is a view or one of `_SMOOTH_OPS`."""
+    return n.op == "call_function" and (is_view_op(n) or n.target in _SMOOTH_OPS)
 
 
 def _transposed(rhs) -> fx.Node | None:
@@ -122,13 +147,35 @@ def _x_key(x):
 
 
 def _through_views(node: fx.Node) -> fx.Node:
-    """The last node of the single-user view chain that starts at `node` (the matmul's output as the code sees it)."""
+    """The last node of the single-user view chain that starts at `node` (the matmul's output as the code sees it),
+    following only views that keep every element of the matmul's output in its row-major order (`_same_elements`).
+
+    Why: the rewrites put the fused op's [M, N] result back with a plain reshape to the add's / product's shape, and
+    the probes of the SwiGLU feed values straight into this node. A transpose (`y.transpose(1, 2)` of a square
+    output), a slice (`y[:, -1:]`, `y[..., :n]`) or an expand between the matmul and the add / product has the
+    shape the add wants but not the matmul's elements in order: following it fused `r + y.T` as `r + y` and
+    `silu(g.T) * u.T` as `silu(g) * u` (wrong values), and a slice or expand as a reshape of the wrong size (the
+    family raised). Such views stay inside the add's / product's region, where the probes see them."""
     while len(node.users) == 1:
         (u,) = node.users
-        if not (u.op == "call_function" and is_view_op(u)):
+        if not (u.op == "call_function" and is_view_op(u) and _same_elements(u, node)):
             break
         node = u
     return node
+
+
+def _same_elements(view: fx.Node, base: fx.Node) -> bool:
+    """Whether `view` holds exactly `base`'s elements in `base`'s row-major order (both contiguous, one element
+    count, no storage offset): a reshape, an unsqueeze, a transpose of size-1 dims, not a permute, slice or
+    expand."""
+    v, b = tensor_val(view), tensor_val(base)
+    if v is None or b is None:
+        return False
+    try:
+        return (b.is_contiguous() and v.is_contiguous() and v.numel() == b.numel()
+                and v.storage_offset() == b.storage_offset())
+    except Exception:  # a size the fake tensor cannot decide on (symbolic): not provably the same
+        return False
 
 
 class _Cand:
@@ -163,7 +210,9 @@ class HalfGemvFamily(FusionFamily):
                        for c in cands]
             cands = []
         # Nodes a rewrite replaced -> their replacement: an RMSNorm prologue read later may name one as its input
-        # (the next layer's norm reads the residual sum that a residual rewrite took over).
+        # (the next layer's norm reads the residual sum that a residual rewrite took over; with 2-D activations a
+        # norm reads a projection's mm itself, which a sibling / single rewrite took over: without the entry the
+        # prologue's reshape revived that mm, left with cuBLAS, while its fused op was dead code).
         self._moved = {}
         if cands:
             ev = RegionEvaluator(gm)
@@ -219,12 +268,17 @@ class HalfGemvFamily(FusionFamily):
             if xv is None or w is None or xv.dtype not in _HALF or tensor_val(w).dtype != xv.dtype:
                 continue
             shape = concrete_shape(xv)
-            wshape = concrete_shape(tensor_val(w))
-            if shape is None or wshape is None or not all(isinstance(d, int) for d in (*shape, *wshape)):
-                continue
             if shape[0] > _MAX_M:
                 continue  # prefill-sized: cuBLAS's GEMM, by design
             loc = SourceLocation.from_node(mm)
+            # `concrete_shape` gives hints, so it cannot tell a symbolic M (dynamic=True, or Dynamo's automatic
+            # dynamic after a second length) from a static one: the rewrites bake [M, N] / [M, K] into reshapes
+            # and the probes run at the hint, so a symbolic size stays with Inductor (the family used to raise on
+            # such a graph, or would reshape at the compiled M).
+            refusal = static_refusal(self.name, pattern, [x, w], loc, "dsv41::linear_half")
+            if refusal is not None:
+                misses.append(refusal)
+                continue
             base = view_base(w)
             is_stored = base.op == "get_attr" or (base.op == "placeholder" and (stored is None or base in stored))
             if base in written or not is_stored:
@@ -269,6 +323,8 @@ class HalfGemvFamily(FusionFamily):
             inner = [n for n in region if n is not end]
             if not all(n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)) for n in region):
                 continue
+            if not all(_smooth(n) for n in region):
+                return None  # a piecewise op the probes may never reach (`_SMOOTH_OPS`): no SwiGLU here
             if not all(set(u for u in n.users) <= set(region) for n in inner + [a.out, b.out]):
                 continue
             ev_out = tensor_val(end)
@@ -337,6 +393,7 @@ class HalfGemvFamily(FusionFamily):
         for i, c in enumerate(group):
             y = insert_node(graph, first.mm, operator.getitem, (multi, i), like=c.mm)
             c.mm.replace_all_uses_with(y)
+            self._moved[c.mm] = y
         e = first.dtype.itemsize
         rows, subs = _rows(first)
         weights = sum(c.n * c.k for c in group) * e
@@ -351,6 +408,7 @@ class HalfGemvFamily(FusionFamily):
         x, norm = _x_args(graph, c, c.mm, self._moved)
         y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm), like=c.mm)
         c.mm.replace_all_uses_with(y)
+        self._moved[c.mm] = y
         e = c.dtype.itemsize
         rows, subs = _rows(c)
         total = c.n * c.k * e + rows * c.k * e + rows * c.n * e
@@ -437,9 +495,9 @@ def _rms_prologue(c: _Cand, ev: RegionEvaluator, stored):
         return None
     region = collect_region([xp], [h])
     leaves = [n for n in region if n.op in ("placeholder", "get_attr")]
-    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)))
-                                  for n in region):
-        return None
+    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n))
+                                                  and _smooth(n)) for n in region):
+        return None  # another input, or an op that is not pure, or a piecewise one the probes may miss
     nw = leaves[0] if leaves else None
     if nw is not None:
         nv = tensor_val(nw)
