@@ -39,9 +39,23 @@ def load_reference(name: str):
 
 
 def load_bench(name: str):
-    """The module bench/<name>.py, loaded by path under a private name (not added to sys.modules)."""
+    """The module bench/<name>.py, loaded by path under a private name (not added to sys.modules). What the script
+    does to the import system at its top (bench scripts put bench/ on sys.path and import siblings as top-level
+    modules, e.g. `kernels`) is undone afterwards: a top-level `kernels` from bench/ would shadow the PyPI package
+    of that name that transformers looks for, in every later test of the process."""
+    import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return _load(os.path.join(root, "bench", f"{name}.py"), f"_dsv41_bench_{name}")
+    bench_dir = os.path.join(root, "bench")
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        return _load(os.path.join(bench_dir, f"{name}.py"), f"_dsv41_bench_{name}")
+    finally:
+        sys.path[:] = path
+        for key in set(sys.modules) - modules:
+            origin = getattr(sys.modules[key], "__file__", None) or ""
+            if os.path.abspath(origin).startswith(bench_dir + os.sep):
+                del sys.modules[key]
 
 
 def tiny_cuda_reference(steps: int, prompt_len: int = 40):
