@@ -49,8 +49,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, prefetch_l2_rows, register_cuda, require_launchable,
-                      round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
+from ._common import (check_same_device, check_tensor, next_power_of_2, prefetch_l2_rows, register_cuda,
+                      require_launchable, round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
 from .gemv_tiles import pick_operand
 
 __all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
@@ -215,11 +215,15 @@ def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, 
 
 
 @triton.jit
-def _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-    # rsqrt(mean(x^2) + eps) of each x row offs_m ([BLOCK_M] FP32; 1 for rows past M), summed in FP32.
-    offs_k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([offs_m.shape[0], BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+def _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP: tl.constexpr):
+    # rsqrt(mean(x^2) + eps) of each x row offs_m ([BLOCK_M] FP32; finite garbage for rows past M), summed in FP32.
+    # The chunks are unrolled (KP = K rounded up to a power of two, a compile-time size) so every load of x is in
+    # flight at once: a loop of dependent L2 round trips here sat in front of every program's K loop (H100, Llama-1B:
+    # 500 tok/s with the prologue against 629 for Inductor's separate norm kernel).
+    CH: tl.constexpr = 1024 if KP > 1024 else KP
+    offs_k = tl.arange(0, CH)
+    ss = tl.zeros([offs_m.shape[0], CH], dtype=tl.float32)
+    for k0 in tl.static_range(0, KP, CH):
         kk = k0 + offs_k
         xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                      mask=(offs_m < M)[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
@@ -233,7 +237,7 @@ def _half_gemv_kernel(
     M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm, eps,
     COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr,
     SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, KP: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (tiles of every weight, K splits, m tiles). COUNT weights of one x (not PAIR): programs [0, P1) compute
     # weight 0, [P1, P2) weight 1, ...; unused slots repeat weight 0 and are never picked. PAIR: w0 is the gate and
@@ -280,7 +284,7 @@ def _half_gemv_kernel(
         # x's statistics need all of x, which the wait guards; the weights are already on their way to L2 (above).
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-        rstd = _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K)
+        rstd = _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP)
     for it in range(K_ITERS):
         kk = k_lo + it * BLOCK_K + offs_k
         k_ok = kk < K
@@ -422,6 +426,7 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
         COUNT=len(weights), PAIR=pair, RESIDUAL=r2 is not None, NORM=mode, SPLIT_K=split_k,
         SPLIT_POW2=plan["SPLIT_POW2"],
         K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
+        KP=next_power_of_2(k) if mode else 1,
         L2_PREFETCH=aligned, USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
 
