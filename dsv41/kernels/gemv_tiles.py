@@ -19,7 +19,7 @@ from ._common import (E2M1_HALF_SCALE, e2m1_value_scaled_down, e4m3_round, exp2_
 
 __all__ = ["load_weight_tile", "load_scale_tile", "decode_codes", "fake_quant_fp8_tile", "fp8_1x32_parts",
            "gemv_tile", "tile_products", "mma_tile", "program_tile", "store_gemv_result", "pair_expert",
-           "grouped_store", "scale_words", "pick_operand"]
+           "grouped_store", "scale_words", "pick_operand", "weight_slot"]
 
 
 @triton.jit
@@ -295,3 +295,21 @@ def pick_operand(c1, c2, c3, v0, v1, v2, v3, COUNT: tl.constexpr):
     if COUNT > 3:
         v = tl.where(c3, v3, v)
     return v
+
+
+@triton.jit
+def weight_slot(pid_g, N0, N1, N2, TILE: tl.constexpr, COUNT: tl.constexpr):
+    """(c1, c2, c3, pid_n, col0) of program `pid_g` of a grid over up to four weights of N0, N1, N2, (N3) rows in
+    tiles of TILE rows, weight i's tiles after weight i - 1's: c_i whether the program is past weight i's first tile
+    (for `pick_operand`), pid_n its tile within its weight, col0 its weight's first column in the concatenated
+    output (the split-K workspace offset). For the half-precision GEMV (`half_gemv`); `gemv_multi` and
+    `gemv_frag` still spell it out (moving them needs their GPU tests)."""
+    p1 = tl.cdiv(N0, TILE)
+    p2 = p1 + tl.cdiv(N1, TILE)
+    p3 = p2 + tl.cdiv(N2, TILE)
+    c1 = pid_g >= p1
+    c2 = pid_g >= p2
+    c3 = pid_g >= p3
+    pid_n = pid_g - pick_operand(c1, c2, c3, 0, p1, p2, p3, COUNT)
+    col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
+    return c1, c2, c3, pid_n, col0

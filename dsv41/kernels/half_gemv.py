@@ -51,7 +51,7 @@ import triton.language as tl
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, prefetch_l2_rows, register_cuda,
                       require_launchable, round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
-from .gemv_tiles import pick_operand
+from .gemv_tiles import pick_operand, weight_slot
 
 __all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
            "reference_linear_half_multi", "reference_linear_half_silu_mul", "triton_linear_half",
@@ -246,18 +246,11 @@ def _half_gemv_kernel(
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     if COUNT > 1 and not PAIR:
-        p1 = tl.cdiv(N0, BLOCK_N)
-        p2 = p1 + tl.cdiv(N1, BLOCK_N)
-        p3 = p2 + tl.cdiv(N2, BLOCK_N)
-        c1 = pid_g >= p1
-        c2 = pid_g >= p2
-        c3 = pid_g >= p3
+        c1, c2, c3, pid_n, col0 = weight_slot(pid_g, N0, N1, N2, BLOCK_N, COUNT)
         w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
         y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
         N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
         stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
-        pid_n = pid_g - pick_operand(c1, c2, c3, 0, p1, p2, p3, COUNT)
-        col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
     else:
         w_ptr = w0
         y_ptr = y0
