@@ -200,11 +200,7 @@ def teacher_forced_logits(step: Callable, model: torch.nn.Module, prompt: torch.
 def _profile_step(step, model, prompt: torch.Tensor) -> dict:
     """Kernels of one decode step after a prefill and one unprofiled step, counted as the V4.1 rows count them
     (`harness.step_kernel_counts`). Raises: RuntimeError off CUDA."""
-    from torch.profiler import ProfilerActivity, record_function
-
-    from .compiler.breakdown import STEP_MARK, kernel_events, split_steps
-    from .compiler.profiling import quiet_profile
-    from .harness import step_kernel_counts
+    from .harness import profiled_steps, step_kernel_counts
     if prompt.device.type != "cuda":
         raise RuntimeError("kernels per step are counted on CUDA only")
     with torch.no_grad():
@@ -212,15 +208,7 @@ def _profile_step(step, model, prompt: torch.Tensor) -> dict:
         tok = model(prompt, torch.arange(p, device=prompt.device))[:, -1:].argmax(-1)
         tok = step(tok, torch.tensor([p], device=prompt.device))[0].clone()
         pos = torch.tensor([p + 1], device=prompt.device)  # made before profiling: no stray kernel in the step
-        torch.cuda.synchronize()
-        with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with record_function(f"{STEP_MARK} 0"):
-                step(tok, pos)
-                torch.cuda.synchronize()
-    events = prof.events()
-    windows = [(float(e.time_range.start), float(e.time_range.end)) for e in events
-               if e.device_type != torch.autograd.DeviceType.CUDA and str(e.name).startswith(STEP_MARK)]
-    per_step = split_steps(kernel_events(events), windows, 1)
+        per_step = profiled_steps([lambda: step(tok, pos)])
     return step_kernel_counts(per_step[0] if per_step else ())
 
 

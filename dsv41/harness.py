@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["BACKENDS", "DTYPES", "build_model", "compile_model", "environment", "teacher_forced_logits", "make_runner",
+           "profiled_steps",
            "bench_model", "cache_positions", "timed_run", "copy_bandwidth_tb_s", "profile_decode_step",
            "profile_breakdown", "step_kernel_counts"]
 
@@ -234,10 +235,6 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps
     by name), and "step_events": one list of `breakdown.KernelEvent` per profiled step (`breakdown.split_steps`).
     Raises: RuntimeError when the model is not on a CUDA device.
     """
-    from torch.profiler import ProfilerActivity, record_function
-
-    from .compiler.breakdown import STEP_MARK, kernel_events, split_steps
-    from .compiler.profiling import quiet_profile
     from .model import generate
     from .model.results import base_model
     base = base_model(runner)
@@ -255,17 +252,28 @@ def profile_decode_step(runner, prompt_ids: torch.Tensor, new_tokens: int, steps
     # One position tensor per step, made before profiling: an in-place `pos += 1` between the steps would be a GPU
     # kernel of its own on the profiled timeline, counted into a step.
     positions = [torch.full((b, 1), p + 1 + i, dtype=torch.int64, device=dev) for i in range(steps)]
+    per_step = profiled_steps([lambda pos=pos: runner(tok, pos) for pos in positions])
+    return {**step_kernel_counts(per_step[0] if per_step else ()), "step_events": per_step}
+
+
+def profiled_steps(calls) -> list:
+    """Run each of `calls` (decode steps on CUDA) in one profiler session, each inside a `breakdown.STEP_MARK` range
+    that ends after its `torch.cuda.synchronize()`; returns one list of `breakdown.KernelEvent` per call
+    (`breakdown.split_steps`). Shared by the V4.1 rows (`profile_decode_step`) and the Llama rows."""
+    from torch.profiler import ProfilerActivity, record_function
+
+    from .compiler.breakdown import STEP_MARK, kernel_events, split_steps
+    from .compiler.profiling import quiet_profile
     torch.cuda.synchronize()
     with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i, pos in enumerate(positions):
+        for i, call in enumerate(calls):
             with record_function(f"{STEP_MARK} {i}"):
-                runner(tok, pos)
+                call()
                 torch.cuda.synchronize()
     events = prof.events()
     windows = [(float(e.time_range.start), float(e.time_range.end)) for e in events
                if e.device_type != torch.autograd.DeviceType.CUDA and str(e.name).startswith(STEP_MARK)]
-    per_step = split_steps(kernel_events(events), windows, steps)
-    return {**step_kernel_counts(per_step[0] if per_step else ()), "step_events": per_step}
+    return split_steps(kernel_events(events), windows, len(calls))
 
 
 def step_kernel_counts(step) -> dict:
