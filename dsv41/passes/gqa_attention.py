@@ -143,15 +143,15 @@ class GqaAttentionFamily(FusionFamily):
                 continue
             if ev is None:
                 ev = RegionEvaluator(gm)
+            why = None
             if not all(_is_repeat_interleave(ev, kv, *found) for kv, found in ((k, found_k), (v, found_v))):
-                misses.append(NearMiss(self.name, _PATTERN, "kv_layout",
-                                       "the KV heads reach the attention in another order than "
-                                       "repeat_interleave(G, dim=1) (query head h reading KV head h // G)", loc))
-                continue
-            if gated:
-                misses.append(NearMiss(self.name, _PATTERN, "gpu_unvalidated",
-                                       "dsv41::gqa_decode_attention has not yet run on a GPU, so on CUDA this "
-                                       "attention stays with Inductor (option gpu_unvalidated=True fuses it)", loc))
+                why = ("kv_layout", "the KV heads reach the attention in another order than repeat_interleave(G, "
+                                    "dim=1) (query head h reading KV head h // G)")
+            elif gated:
+                why = ("gpu_unvalidated", "dsv41::gqa_decode_attention has not yet run on a GPU, so on CUDA this "
+                                          "attention stays with Inductor (option gpu_unvalidated=True fuses it)")
+            if why is not None:
+                misses.append(NearMiss(self.name, _PATTERN, *why, loc))
                 continue
             mask = args.get(_SDPA[kind]) if _SDPA[kind] else None
             matches.append(self._fuse(graph, node, outs, q, found_k, found_v[0], mask, args.get("scale")))
