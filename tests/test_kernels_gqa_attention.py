@@ -94,10 +94,14 @@ def test_a_fully_masked_row_is_nan_and_scale_is_honoured(nan_outputs):
     assert torch.isnan(got[:, :, 1]).all() and not torch.isnan(got[:, :, 0]).any()
 
 
-def test_reference_is_sdpa_on_repeated_heads():
-    _, q, k, v = _qkv(1, 8, 2, 1, 20, 16, torch.float32, 5)
+def test_reference_is_sdpa_on_repeated_heads_and_contiguous():
+    """Several query rows: the CPU op's output must have the fake's (contiguous) strides, which Inductor checks
+    (SDPA's own output is [B, M, H, D] underneath; a compiled 8-token prefill failed on it)."""
+    _, q, k, v = _qkv(1, 8, 2, 3, 20, 16, torch.float32, 5)
     want = attention64(q, k, v)
-    _close(torch.ops.dsv41.gqa_decode_attention(q, k, v, None, None), want, v)
+    got = torch.ops.dsv41.gqa_decode_attention(q, k, v, None, None)
+    _close(got, want, v)
+    assert got.is_contiguous()
 
 
 @pytest.mark.parametrize("bad, kind, words", [

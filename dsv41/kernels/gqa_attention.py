@@ -90,7 +90,9 @@ def reference_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     g, _ = _check(q, k, v, mask)
     kk = k.repeat_interleave(g, dim=1)
     vv = v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
+    # Contiguous like the Triton path's output and the fake's: SDPA's own CPU output is laid out [B, M, H, D]
+    # underneath, and Inductor checks a custom op's strides against its fake (M > 1: a prefill-sized chunk).
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale).contiguous()
 
 
 @triton.jit
