@@ -98,6 +98,7 @@ def test_reference_is_sdpa_on_repeated_heads_and_contiguous():
     """Several query rows: the CPU op's output must have the fake's (contiguous) strides, which Inductor checks
     (SDPA's own output is [B, M, H, D] underneath; a compiled 8-token prefill failed on it)."""
     _, q, k, v = _qkv(1, 8, 2, 3, 20, 16, torch.float32, 5)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, M, D] over [B, M, H, D] storage, as after RoPE
     want = attention64(q, k, v)
     got = torch.ops.dsv41.gqa_decode_attention(q, k, v, None, None)
     _close(got, want, v)
