@@ -49,6 +49,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dsv41.ref.norm import rms_norm
+
 from ._common import (check_same_device, check_tensor, next_power_of_2, prefetch_l2_rows, register_cuda,
                       require_launchable, round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
 from .gemv_tiles import pick_operand, weight_slot
@@ -76,14 +78,14 @@ def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: flo
     mode 1 `(x.float() * rstd).to(x.dtype) * weight`, 2 `(x.float() * rstd * weight.float()).to(x.dtype)`, 3
     `(x.float() * rstd).to(x.dtype)`. x bf16 / fp16 [..., K]; weight x's dtype [K] (modes 1, 2) or None (3).
     Returns x's dtype [..., K]. Raises ValueError for another mode. Source: Zhang & Sennrich 2019 (RMSNorm)."""
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # ref.norm.rms_norm rounds x * rstd * weight once (mode 2), or x * rstd once (mode 3); mode 1 multiplies that
+    # unweighted result by the weight in x's dtype.
     if mode == 1:
-        return (xf * rstd).to(x.dtype) * weight
+        return rms_norm(x, None, eps) * weight
     if mode == 2:
-        return (xf * rstd * weight.float()).to(x.dtype)
+        return rms_norm(x, weight, eps)
     if mode == 3:
-        return (xf * rstd).to(x.dtype)
+        return rms_norm(x, None, eps)
     raise ValueError(f"norm_mode={mode} is not an RMSNorm spelling (1, 2 or 3)")
 
 
