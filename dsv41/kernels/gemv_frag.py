@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, split_k_workspace, use_pdl_for
-from .gemv_tiles import pick_operand, store_gemv_result
+from .gemv_tiles import pick_operand, store_gemv_result, weight_slot
 from .grouped_frag import SPAN, frag_mma, frag_supported, prepare_frag_x, split4
 
 __all__ = ["frag_gemv_plan", "frag_gemv_eligible", "frag_gemv_supported", "launch_frag_gemv", "launch_frag_gemv_multi",
@@ -264,20 +264,13 @@ def _frag_gemv_kernel(
     # slots of a COUNT < 4 launch repeat weight 0 and are never picked).
     pid_g = tl.program_id(0)
     if COUNT > 1:
-        p1 = tl.cdiv(N0, 16 * W)
-        p2 = p1 + tl.cdiv(N1, 16 * W)
-        p3 = p2 + tl.cdiv(N2, 16 * W)
-        c1 = pid_g >= p1
-        c2 = pid_g >= p2
-        c3 = pid_g >= p3
+        c1, c2, c3, pid_n, col0 = weight_slot(pid_g, N0, N1, N2, 16 * W, COUNT)
         w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
         s_ptr = pick_operand(c1, c2, c3, s0, s1, s2, s3, COUNT)
         y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
         N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
         stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
         stride_sn = pick_operand(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
-        pid_n = pid_g - pick_operand(c1, c2, c3, 0, p1, p2, p3, COUNT)
-        col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
     else:
         w_ptr = w0
         s_ptr = s0

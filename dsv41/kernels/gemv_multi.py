@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_same_device, register_cuda, require_launchable, split_k_workspace, use_pdl_for
-from .gemv_tiles import gemv_tile, pick_operand, store_gemv_result
+from .gemv_tiles import gemv_tile, pick_operand, store_gemv_result, weight_slot
 from .quant_gemv import (MAX_TRITON_M, check_linear_args, device_sm_count, gemv_plan, reference_linear_fp8_block,
                          split_tma_overrides, triton_linear_fp8_block)
 
@@ -130,12 +130,7 @@ def _gemv_multi_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    t1 = tl.cdiv(N0, BLOCK_N)
-    t2 = t1 + tl.cdiv(N1, BLOCK_N)
-    t3 = t2 + tl.cdiv(N2, BLOCK_N)
-    c1 = pid_n >= t1
-    c2 = pid_n >= t2
-    c3 = pid_n >= t3
+    c1, c2, c3, tile_n, col0 = weight_slot(pid_n, N0, N1, N2, BLOCK_N, COUNT)
     w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
     s_ptr = pick_operand(c1, c2, c3, s0, s1, s2, s3, COUNT)
     y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
@@ -143,9 +138,7 @@ def _gemv_multi_kernel(
     stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
     stride_sn = pick_operand(c1, c2, c3, ss0, ss1, ss2, ss3, COUNT)
     stride_ym = pick_operand(c1, c2, c3, sy0, sy1, sy2, sy3, COUNT)
-    tile0 = pick_operand(c1, c2, c3, 0, t1, t2, t3, COUNT)
-    col0 = pick_operand(c1, c2, c3, 0, N0, N0 + N1, N0 + N1 + N2, COUNT)
-    offs_n = (pid_n - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.arange(0, NKB)

@@ -302,8 +302,7 @@ def weight_slot(pid_g, N0, N1, N2, TILE: tl.constexpr, COUNT: tl.constexpr):
     """(c1, c2, c3, pid_n, col0) of program `pid_g` of a grid over up to four weights of N0, N1, N2, (N3) rows in
     tiles of TILE rows, weight i's tiles after weight i - 1's: c_i whether the program is past weight i's first tile
     (for `pick_operand`), pid_n its tile within its weight, col0 its weight's first column in the concatenated
-    output (the split-K workspace offset). For the half-precision GEMV (`half_gemv`); `gemv_multi` and
-    `gemv_frag` still spell it out (moving them needs their GPU tests)."""
+    output (the split-K workspace offset). The multi-weight kernels of `gemv_multi`, `gemv_frag` and `half_gemv`."""
     p1 = tl.cdiv(N0, TILE)
     p2 = p1 + tl.cdiv(N1, TILE)
     p3 = p2 + tl.cdiv(N2, TILE)
