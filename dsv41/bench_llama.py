@@ -128,6 +128,8 @@ class DecodeStep(torch.nn.Module):
         self.model = model
 
     def forward(self, tok: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """(next token int64 [B, 1], last-position logits [B, vocab] in the model's dtype) of one step: `tok` int64
+        [B, S] at positions `input_pos` int64 [S]."""
         logits = self.model(tok, input_pos)[:, -1]
         return logits.argmax(-1, keepdim=True), logits
 

@@ -206,6 +206,7 @@ class EngramTable(nn.Module):
         return rows.to(self.dtype)
 
     def extra_repr(self) -> str:
+        """The table's rows, row width and weight mode, for `print(module)`."""
         return f"rows={self.num_rows}, row_dim={self.row_dim}, mode={self.weight_mode}"
 
 

@@ -98,4 +98,5 @@ class Linear(nn.Module):
         return F.linear(fake_quant_fp8_1x32(x), w)
 
     def extra_repr(self) -> str:
+        """In / out features and the weight format, for `print(module)`."""
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
