@@ -79,7 +79,7 @@ def test_report_patterns_prints_every_chain(capsys):
 #: The pass order (the 13 families from before the registry found them by itself, then half_gemv, the first family
 #: added as only its spec file, kernel file and tests); the declarations' after / before must give it.
 _ORDER = ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "moe", "sparse_attention", "indexer",
-          "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "gqa_attention")
+          "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention")
 
 
 def test_the_declarations_give_the_pass_order_exactly():

@@ -28,7 +28,7 @@ def _fused(graphs) -> dict:
     for gm in graphs:
         counts = ops_after(gm)
         for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm",
-                     "dsv41.gqa_decode_attention", "aten.clone"):
+                     "dsv41.gqa_decode_attention", "aten.clone", "dsv41.rope_kv_store"):
             out[name] = out.get(name, 0) + counts[name]
     return out
 
@@ -79,6 +79,9 @@ def test_zoo_llamas_fuse_every_projection_in_bf16(spelling):
         assert ops["dsv41.gqa_decode_attention"] == layers and ops["aten.clone"] == 0, ops
     else:
         assert ops["dsv41.gqa_decode_attention"] == 0, ops
+    # RoPE of q and k and both cache writes: one op per layer (complex multiply in gpt-fast, rotate_half in bf16 in
+    # the transformers-style zoo)
+    assert ops["dsv41.rope_kv_store"] == layers, ops
     assert _close(got, want) < 0.05
 
 
@@ -103,9 +106,9 @@ def test_transformers_llama_fuses_in_bf16():
     want, got, ops = _run(model, call)
     assert ops["aten.mm"] == 0, ops
     assert ops["dsv41.linear_half_silu_mul"] == 2 and ops["dsv41.linear_half_multi"] == 2, ops
-    assert ops["dsv41.gqa_decode_attention"] == 2, ops
+    assert ops["dsv41.gqa_decode_attention"] == 2 and ops["dsv41.rope_kv_store"] == 2, ops
     model.load_state_dict(state)
     cache.reset()
-    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv", "gqa_attention"]})
+    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv", "gqa_attention", "rope_kv"]})
     assert ops_off["dsv41.linear_half"] == 0 and torch.equal(want, want_off)
     assert _close(got, want) <= _close(got_off, want) + 0.01
