@@ -110,7 +110,8 @@ _ARITH = ROPE_OPS - {aten._to_copy.default, torch.ops.prims.convert_element_type
 def rope_region(y: fx.Node, sourced: set):
     """(region, x, trig leaves) of the RoPE computing y, as `rope_match.rope_structure`; when that finds none,
     again with the products and sums of y's shape and dtype walked through rather than taken for x (transformers'
-    `x * cos + rotate_half(x) * sin` in x's own dtype computes such intermediates)."""
+    `x * cos + rotate_half(x) * sin` in x's own dtype computes such intermediates), and x's shape allowed to differ
+    from y's in dims of size 1 (a cache write's value loses the batch dim of 1 to the broadcast)."""
     found = rope_structure(y, sourced)
     if found is not None:
         return found
@@ -127,7 +128,7 @@ def rope_region(y: fx.Node, sourced: set):
             if av is None or a in region or a in xs or a in leaves or a not in sourced:
                 continue
             inner = a.op == "call_function" and a.target in _ARITH
-            if concrete_shape(av) == yshape and av.dtype == yv.dtype and not inner:
+            if _squeezed(concrete_shape(av)) == _squeezed(yshape) and av.dtype == yv.dtype and not inner:
                 xs.append(a)
             elif is_rope_op(a):
                 nxt.append(a)
@@ -145,6 +146,25 @@ def rope_region(y: fx.Node, sourced: set):
             and vals[0].dtype == vals[1].dtype):
         return region, xs[0], leaves
     return None
+
+
+def _squeezed(shape):
+    return None if shape is None else tuple(d for d in shape if d != 1)
+
+
+def _rope_source(value: fx.Node, sourced: set):
+    """(y, the views from y to `value`, `rope_region(y)`) for the first node y, from the source of `value`'s chain of
+    views towards `value`, that is a RoPE output (a flatten of stacked pairs is one only after its view; a permute
+    after the rotation is not part of it); (source, views, None) when none is."""
+    src, chain = _view_chain(value)
+    cands = [(src, chain)] + [(chain[i], chain[i + 1:]) for i in range(len(chain))]
+    for y, after in cands:
+        if tensor_val(y) is None:
+            continue
+        found = rope_region(y, sourced)
+        if found is not None:
+            return y, after, found
+    return src, chain, None
 
 
 def _static(shape) -> bool:
@@ -179,10 +199,7 @@ class RopeKvFamily(FusionFamily):
         matches, misses = [], []
         rope_of: dict = {}
         for w in writes:
-            _, chain = _view_chain(cache_write_parts(w)[2])
-            src = _view_chain(cache_write_parts(w)[2])[0]
-            found = rope_region(src, sourced) if tensor_val(src) is not None else None
-            rope_of[w] = (src, chain, found)
+            rope_of[w] = _rope_source(cache_write_parts(w)[2], sourced)
         used: set = set()
         used_q: set = set()
         gated = "rope_kv_store" in self.gated_ops
@@ -289,6 +306,8 @@ class RopeKvFamily(FusionFamily):
 
         # k and v in [B, S, Hkv, D]: k's views replayed on the RoPE input, broadcast as the write broadcasts
         k_val = site.xk
+        if concrete_shape(kv) != concrete_shape(tensor_val(site.yk)):
+            k_val = add(aten.reshape.default, (k_val, list(concrete_shape(tensor_val(site.yk)))))
         for v in site.chain_k:
             k_val = add(v.target, (k_val, *v.args[1:]))
         canon = []
@@ -296,42 +315,58 @@ class RopeKvFamily(FusionFamily):
             e = add(aten.expand.default, (val, [b, hkv, s, d]))
             canon.append(add(aten.permute.default, (e, [0, 2, 1, 3])))
         k_c, v_c = canon
-        perm_k = _orientation(concrete_shape(kv), s, hkv)
-        if perm_k is None:
+        perms_k = _orientations(concrete_shape(kv), s, hkv)
+        if not perms_k:
             return undo(("rope_values", f"k's RoPE input {tuple(concrete_shape(kv))} is neither [B, S, Hkv, D] nor "
                                         "[B, Hkv, S, D]"))
-        q_c, perm_q = None, None
+        perms_q: list = [None]
         if site.xq is not None:
             qshape = concrete_shape(tensor_val(site.xq))
-            h = qshape[2] if qshape[1] == s else qshape[1]
-            perm_q = _orientation(qshape, s, h)
-            if perm_q is None:
+            perms_q = [p for p in ((0, 1, 2, 3), (0, 2, 1, 3))
+                       if p in _orientations(qshape, s, qshape[2 if p[1] == 1 else 1])]
+            if not perms_q:
                 return undo(("rope_values", f"q's RoPE input {tuple(qshape)} is neither [B, S, H, D] nor [B, H, S, D]"))
-            q_c = add(aten.permute.default, (site.xq, list(perm_q))) if perm_q != (0, 1, 2, 3) else site.xq
-        # cos / sin [B, S, W] from each trig operand: broadcast to k's lead dims, in [B, S, Hkv] order, head 0
-        parts = []
-        for lf in site.leaves:
-            a = trig[lf]
-            av = tensor_val(a)
-            w = int(concrete_shape(av)[-1])
-            e = add(aten.expand.default, (a, list(concrete_shape(kv)[:-1]) + [w]))
-            p = add(aten.permute.default, (e, list(perm_k)))
-            sel = add(aten.select.int, (p, 2, 0))
-            if av.is_complex():
-                real = add(aten.view_as_real.default, (sel,))
-                parts += [add(aten.select.int, (real, -1, 0)), add(aten.select.int, (real, -1, 1))]
-            else:
-                parts.append(sel)
-        if len(parts) != 2:
-            return undo(("rope_values", "the region reads other than one cos / sin pair or one complex freqs tensor"))
-        neg = add(aten.lt.Scalar, (pos, 0))
-        wrapped = add(aten.add.Tensor, (pos, t))
-        pos_in = add(aten.where.self, (neg, wrapped, pos))
-        choice = self._verify(ev, site, k_c, v_c, q_c, perm_q, parts, pos, t, kv.dtype)
+
+        def trig_parts(perm_k):
+            """cos / sin [B, S, W] from each trig operand: broadcast to k's lead dims, in [B, S, Hkv] order, head 0."""
+            parts = []
+            for lf in site.leaves:
+                a = trig[lf]
+                av = tensor_val(a)
+                w = int(concrete_shape(av)[-1])
+                e = add(aten.expand.default, (a, list(concrete_shape(kv)[:-1]) + [w]))
+                p = add(aten.permute.default, (e, list(perm_k)))
+                sel = add(aten.select.int, (p, 2, 0))
+                if av.is_complex():
+                    real = add(aten.view_as_real.default, (sel,))
+                    parts += [add(aten.select.int, (real, -1, 0)), add(aten.select.int, (real, -1, 1))]
+                else:
+                    parts.append(sel)
+            return parts
+
+        # With S equal to the head count both orders fit the shapes; the probes settle which one the code uses.
+        choice = None
+        for perm_k in perms_k:
+            parts = trig_parts(perm_k)
+            if len(parts) != 2:
+                return undo(("rope_values", "the region reads other than one cos / sin pair or one complex freqs "
+                                            "tensor"))
+            for perm_q in perms_q:
+                q_c = None
+                if perm_q is not None:
+                    q_c = add(aten.permute.default, (site.xq, list(perm_q))) if perm_q != (0, 1, 2, 3) else site.xq
+                choice = self._verify(ev, site, k_c, v_c, q_c, perm_q, parts, pos, t, kv.dtype)
+                if choice is not None:
+                    break
+            if choice is not None:
+                break
         if choice is None:
             return undo(("rope_values", "the region reads x and angle tensors but agrees with no layout of "
                                         "rope_kv_store (interleaved, rotate-half, rotate-half with full-width angles; "
                                         "whole head dim, +angle) on probes"))
+        neg = add(aten.lt.Scalar, (pos, 0))
+        wrapped = add(aten.add.Tensor, (pos, t))
+        pos_in = add(aten.where.self, (neg, wrapped, pos))
         layout, swap, rnd = choice
         cos, sin = (parts[1], parts[0]) if swap else (parts[0], parts[1])
         ct = tensor_val(cos).dtype
@@ -341,7 +376,7 @@ class RopeKvFamily(FusionFamily):
         q_stride = [0, 0, 0, 0]
         if site.yq is not None:
             ys = list(tensor_val(site.yq).stride())
-            q_stride = [ys[i] for i in perm_q]
+            q_stride = [int(ys[i]) for i in perm_q]
         af = insert_node(graph, anchor, torch.ops.higher_order.auto_functionalized, (op,), dict(
             q=q_c, k=k_c, v=v_c, cos=cos, sin=sin, pos=pos_in, k_cache=cache_k, v_cache=cache_v, layout=layout,
             round_products=rnd, q_out_stride=q_stride), like=site.wk)
@@ -453,13 +488,14 @@ def _reaches(inputs, outputs, key) -> bool:
     return False
 
 
-def _orientation(shape, s: int, heads: int):
-    """The permutation taking a 4-D RoPE input to [B, S, heads, D]: identity for [B, S, heads, D], (0, 2, 1, 3) for
-    [B, heads, S, D]; None for neither. [B, S, S, D] with heads == S is taken as [B, S, heads, D]."""
+def _orientations(shape, s: int, heads: int) -> list:
+    """The permutations taking a 4-D RoPE input to [B, S, heads, D] that its shape allows: identity for
+    [B, S, heads, D], (0, 2, 1, 3) for [B, heads, S, D] (both when S == heads)."""
     if shape is None or len(shape) != 4 or not _static(shape):
-        return None
+        return []
+    out = []
     if shape[1] == s and shape[2] == heads:
-        return (0, 1, 2, 3)
+        out.append((0, 1, 2, 3))
     if shape[1] == heads and shape[2] == s:
-        return (0, 2, 1, 3)
-    return None
+        out.append((0, 2, 1, 3))
+    return out
