@@ -23,9 +23,17 @@ def _poisoned(monkeypatch):
     poison_outputs(monkeypatch, ga)
 
 
+@pytest.fixture(params=[False, True], ids=["no_pdl", "pdl"])
+def pdl(request):
+    from dsv41.kernels import set_pdl
+    set_pdl(request.param)
+    yield request.param
+    set_pdl(False)
+
+
 @pytest.mark.parametrize("hq, hkv, d, s, m", [(32, 8, 64, 768, 1), (32, 8, 128, 4096, 1), (32, 8, 64, 333, 6)])
 @pytest.mark.parametrize("masking", ["bool", "additive"])
-def test_llama_shapes_match_float64(hq, hkv, d, s, m, masking):
+def test_llama_shapes_match_float64(hq, hkv, d, s, m, masking, pdl):
     _, q, k, v = R._qkv(1, hq, hkv, m, s, d, torch.bfloat16, s)
     valid = s - 17
     if masking == "bool":

@@ -23,7 +23,8 @@ Kernel. Program (b, kv head, sequence split) holds the G * M query rows of its K
 the K and V tiles once, computes the [G M, BLOCK_S] scores with FP32 products, adds the mask, and keeps an online
 softmax (running max, sum, FP32 accumulator). Each split writes its (max, sum, accumulator) to a workspace; the
 last split of a (b, kv head) to arrive (arrival counter, acquire/release) merges them in split order
-(deterministic) and writes the output rounded once to q's dtype. A row whose every key is masked gives NaN, as
+(deterministic) and writes the output rounded once to q's dtype. Under PDL a program waits for the previous
+kernel before its first load and lets the next kernel launch once its loop is done. A row whose every key is masked gives NaN, as
 SDPA does. Numerics: FP32 throughout, one rounding at the end; SDPA's kernels also compute in FP32 (a different
 summation order: differences of an ulp of q's dtype).
 """
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable,
-                      round_to, split_k_counters)
+                      round_to, split_k_counters, use_pdl_for)
 
 __all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa_decode_attention",
            "gqa_plan", "MAX_TRITON_M"]
@@ -102,7 +103,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 sm_b, sm_h, sm_m, sm_s,
                 G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
-                MASK_BOOL: tl.constexpr):
+                MASK_BOOL: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
@@ -114,6 +115,8 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
     dd = tl.arange(0, DP)
     d_ok = dd < D
     h = hk * G + g
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q and the cache rows of this step come from the previous kernels
     q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m_i = tl.full([RP], float("-inf"), tl.float32)
@@ -144,6 +147,8 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
         m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # Split sp's partial: [max, sum, acc...] per row, then the merge by the last split to arrive.
     W: tl.constexpr = DP + 2
     base = ws_ptr + (pid * SPLITS + sp).to(tl.int64) * (RP * W)
@@ -220,6 +225,8 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     rp, dp = next_power_of_2(g * m), next_power_of_2(d)
     ws = _empty((b * hkv * plan["SPLITS"] * rp * (dp + 2),), torch.float32, q.device)
     cnt = split_k_counters(q.device, b * hkv)
+    pdl = use_pdl_for(_gqa_kernel, q.device)
+    extra = {"launch_pdl": True} if pdl else {}
     if mask is not None:
         mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, hq, m, s)
         ms = [st if sz > 1 else 0 for st, sz in zip(mask4.stride(), mask4.shape)]
@@ -230,7 +237,7 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        num_warps=4)
+        USE_PDL=pdl, num_warps=4, **extra)
     return out
 
 
