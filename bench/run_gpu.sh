@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust llama (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama generic (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -184,6 +184,18 @@ for s in $sections; do
         $warmflag ${BENCH_OPTIONS:-} --json "$OUTDIR/llama_1b.json" 2>&1 | tail -${LLAMA_TAIL:-20}
       timeout ${LLAMA_TIMEOUT:-540} python3 -m dsv41.bench --model llama-8b --prompt-len 512 --new-tokens ${LLAMA_8B_NEW_TOKENS:-128} \
         --repeats 3 $warmflag ${BENCH_OPTIONS:-} --json "$OUTDIR/llama_8b.json" 2>&1 | tail -${LLAMA_TAIL:-20} ;;
+    generic)
+      # Issue [generic]: the GPU tests of the gated Llama families' kernels (half_gemv, rope_kv, gqa_attention, and
+      # the GEMV kernels sharing gemv_tiles), then Llama-1B with the families gated (default) and on, one lease.
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q tests/test_kernels_gpu_rope_kv.py tests/test_kernels_gpu_half.py \
+        tests/test_kernels_gpu_gqa.py tests/test_kernels_gemv_multi.py tests/test_kernels_gemv_frag.py 2>&1 | tail -6 \
+        | tee "$OUTDIR/generic_tests.log"
+      for fam in gated on; do
+        if [ $fam = on ]; then rows=dsv41; opt="--option gpu_unvalidated=true"; else rows=${GENERIC_BASE:-inductor-cudagraphs,dsv41}; opt=""; fi
+        timeout ${LLAMA_TIMEOUT:-170} python3 -m dsv41.bench --model ${GENERIC_MODEL:-llama-1b} --prompt-len 512 \
+          --new-tokens ${GENERIC_NEW_TOKENS:-128} --repeats 2 --no-warm-compile --backends $rows $opt \
+          --json "$OUTDIR/generic_${fam}.json" 2>&1 | grep -v Warning | tail -7 | cut -c1-200
+      done ;;
   esac
 done
 python3 bench/summarize.py "$OUTDIR"
