@@ -4,6 +4,7 @@ One small attention block, its rotary embedding chosen by name:
 - "neox": rotate-half on [B, S, H, D] with half-width FP32 angles (GPT-NeoX), caches written by `index_copy_`;
 - "gptj": interleaved pairs via even/odd slices and stack/flatten, rotated after the heads are transposed to
   [B, H, S, D] (GPT-J), caches written by `cache[:, :, pos] = ...`;
+- "neox" after a per-head RMSNorm of q and k (QK-norm: Qwen3, OLMo 2);
 and look-alikes the family must leave alone with a reason: the inverse rotation, RoPE on half the head dim only,
 and an accumulating cache write. Compiled in FP32 with `backend="dsv41"`, every decode step (and a 2-token verify
 step) must equal eager within FP32 rounding, the caches included.
@@ -38,10 +39,12 @@ def _rotary(x, c, s, how):
 
 
 class Block(nn.Module):
-    def __init__(self, how: str, write: str = "index_copy"):
+    def __init__(self, how: str, write: str = "index_copy", qk_norm: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(3)
-        self.how, self.write = how, write
+        self.how, self.write, self.qk_norm = how, write, qk_norm
+        self.qn = nn.Parameter(1 + 0.1 * torch.randn(D, generator=g))
+        self.kn = nn.Parameter(1 + 0.1 * torch.randn(D, generator=g))
         self.wq = nn.Parameter(torch.randn(H * D, E, generator=g) * 0.2)
         self.wk = nn.Parameter(torch.randn(HKV * D, E, generator=g) * 0.2)
         self.wv = nn.Parameter(torch.randn(HKV * D, E, generator=g) * 0.2)
@@ -56,6 +59,9 @@ class Block(nn.Module):
         q = (x @ self.wq.t()).view(1, s, H, D)
         k = (x @ self.wk.t()).view(1, s, HKV, D)
         v = (x @ self.wv.t()).view(1, s, HKV, D).transpose(1, 2)
+        if self.qk_norm:  # per-head RMSNorm of q and k before the rotation (Qwen3, OLMo 2)
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * self.qn
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * self.kn
         if self.how == "gptj":  # heads first, then rotate
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = _rotary(q, c[None, None], sn[None, None], "gptj"), _rotary(k, c[None, None], sn[None, None], "gptj")
@@ -79,10 +85,10 @@ class Block(nn.Module):
         return (att @ vv).transpose(1, 2).reshape(1, s, H * D)
 
 
-def _decode(how, write="index_copy"):
+def _decode(how, write="index_copy", qk_norm=False):
     """(eager outputs and caches, compiled outputs and caches, the family's report entry) over a 3-token prompt,
     3 decode steps and one 2-token verify step."""
-    eager, comp = Block(how, write), Block(how, write)
+    eager, comp = Block(how, write, qk_norm), Block(how, write, qk_norm)
     torch._dynamo.reset()
     compiled = torch.compile(comp, backend="dsv41", dynamic=False, options={"report": True})
     g = torch.Generator().manual_seed(5)
@@ -107,9 +113,10 @@ def _equal_fp32(got, want):
     assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-6) and torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("how, write", [("neox", "index_copy"), ("gptj", "setitem")])
-def test_other_spellings_fuse_and_equal_eager(how, write):
-    want, got, fam = _decode(how, write)
+@pytest.mark.parametrize("how, write, qk_norm", [("neox", "index_copy", False), ("gptj", "setitem", False),
+                                                 ("neox", "setitem", True)])
+def test_other_spellings_fuse_and_equal_eager(how, write, qk_norm):
+    want, got, fam = _decode(how, write, qk_norm)
     _equal_fp32(got, want)
     assert fam["matches"] == 2 and not fam["near_misses"], fam  # the decode graph and the 2-token verify graph
     layout = {"neox": "rotate_half", "gptj": "interleaved"}[how]

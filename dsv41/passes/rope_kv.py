@@ -43,7 +43,7 @@ from .engine import (Chain, FusionFamily, GraphScan, RegionNotClosed, Role, clos
                      finish_graph, insert_node, is_view_op, node_label, register_family, same_shape,
                      static_refusal, tensor_val, token_rows, walk_inputs)
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
-from .rope_match import ROPE_OPS, is_rope_op, order_key, rope_structure, trig_operands
+from .rope_match import is_rope_op, order_key, rope_structure, trig_operands
 
 __all__ = ["RopeKvFamily", "SPEC", "cache_write_parts", "rope_region"]
 
@@ -104,48 +104,58 @@ def _view_chain(value: fx.Node):
     return n, chain[::-1]
 
 
-_ARITH = ROPE_OPS - {aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default}
-
-
 def rope_region(y: fx.Node, sourced: set):
     """(region, x, trig leaves) of the RoPE computing y, as `rope_match.rope_structure`; when that finds none,
-    again with the products and sums of y's shape and dtype walked through rather than taken for x (transformers'
-    `x * cos + rotate_half(x) * sin` in x's own dtype computes such intermediates), and x's shape allowed to differ
-    from y's in dims of size 1 (a cache write's value loses the batch dim of 1 to the broadcast)."""
+    x is searched among the tensors with y's elements (up to dims of size 1: a cache write's value loses a batch dim
+    of 1 to the broadcast) and dtype that y is computed from through RoPE-like ops, nearest to y first, and the first
+    whose region reads nothing else than one cos / sin pair or one complex tensor is taken. That finds x behind
+    products and sums of x's own shape (transformers' `x * cos + rotate_half(x) * sin` in bf16) and stops at a
+    QK-norm's output, whose region would also read the norm's weight."""
     found = rope_structure(y, sourced)
     if found is not None:
         return found
     yv = tensor_val(y)
-    yshape = concrete_shape(yv)
-    xs: list = []
-    leaves: list = []
+    want = (_squeezed(concrete_shape(yv)), yv.dtype)
 
-    def step(n, region):
-        """Sort the inputs of `n` into x candidates, RoPE ops to walk and leaves."""
-        nxt = []
-        for a in n.all_input_nodes:
-            av = tensor_val(a)
-            if av is None or a in region or a in xs or a in leaves or a not in sourced:
-                continue
-            inner = a.op == "call_function" and a.target in _ARITH
-            if _squeezed(concrete_shape(av)) == _squeezed(yshape) and av.dtype == yv.dtype and not inner:
-                xs.append(a)
-            elif is_rope_op(a):
-                nxt.append(a)
-            else:
-                leaves.append(a)
-        return nxt
+    def cone_step(n, seen):
+        """Walk every sourced RoPE-like input."""
+        return [a for a in n.all_input_nodes if a in sourced and a not in seen and is_rope_op(a)]
 
-    region = walk_inputs(y, _FORWARD_LIMIT, step)
-    if region is None or len(xs) != 1:
+    cone = walk_inputs(y, _FORWARD_LIMIT, cone_step)
+    if cone is None:
         return None
-    vals = [tensor_val(lf) for lf in leaves]
-    if len(leaves) == 1 and vals[0].is_complex():
-        return region, xs[0], leaves
-    if (len(leaves) == 2 and all(v.is_floating_point() for v in vals) and same_shape(vals[0].shape, vals[1].shape)
-            and vals[0].dtype == vals[1].dtype):
-        return region, xs[0], leaves
+    cands = {a for n in cone for a in n.all_input_nodes if a in sourced} | (cone - {y})
+    cands = [c for c in cands if tensor_val(c) is not None
+             and (_squeezed(concrete_shape(tensor_val(c))), tensor_val(c).dtype) == want]
+    pos = {n: i for i, n in enumerate(y.graph.nodes)}
+    for x in sorted(cands, key=lambda n: -pos.get(n, -1)):
+        leaves: list = []
+
+        def step(n, region, x=x, leaves=leaves):
+            """Walk RoPE-like inputs up to x; anything else is a leaf."""
+            nxt = []
+            for a in n.all_input_nodes:
+                if a is x or a in region or a in leaves or a not in sourced:
+                    continue
+                (nxt if is_rope_op(a) else leaves).append(a)
+            return nxt
+
+        region = walk_inputs(y, _FORWARD_LIMIT, step)
+        if region is None or x in region or not _reaches_x(region, x):
+            continue
+        vals = [tensor_val(lf) for lf in leaves]
+        if any(v is None for v in vals):
+            continue
+        if len(leaves) == 1 and vals[0].is_complex():
+            return region, x, leaves
+        if (len(leaves) == 2 and all(v.is_floating_point() for v in vals) and same_shape(vals[0].shape, vals[1].shape)
+                and vals[0].dtype == vals[1].dtype):
+            return region, x, leaves
     return None
+
+
+def _reaches_x(region, x) -> bool:
+    return any(x in n.all_input_nodes for n in region)
 
 
 def _squeezed(shape):
