@@ -90,3 +90,18 @@ def test_rmsnorm_prologue_at_llama_shapes(mode):
         R.check_linear(y.cpu(), xn, w, slack=slack)
     R.check_swiglu(hg.triton_linear_half_silu_mul(xg, wg.to(DEV), wu.to(DEV), nwg, 1e-5, mode).cpu(), xn, wg, wu,
                    slack)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_qwen_biased_qkv_matches_float64(pdl):
+    """Qwen2-1.5B-like q / k / v (1536 -> 1536, 256, 256) with biases, one launch, against float64."""
+    kernels.set_pdl(pdl)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1536, generator=gen).to(torch.bfloat16)
+    ws = [(torch.randn(n, 1536, generator=gen) / 1536 ** 0.5).to(torch.bfloat16) for n in (1536, 256, 256)]
+    bs = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (1536, 256, 256)]
+    got = hg.triton_linear_half_multi(x.to(DEV), [w.to(DEV) for w in ws], biases=[b.to(DEV) for b in bs])
+    torch.cuda.synchronize()
+    for y, w, b in zip(got, ws, bs):
+        want = x.double() @ w.double().t() + b.double()
+        assert torch.allclose(y.cpu().double(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())

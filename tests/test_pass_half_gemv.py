@@ -138,6 +138,18 @@ class GeluLookAlike(nn.Module):
 
 
 class Biased(nn.Module):
+    """A bias the op cannot take: scaled by addmm's beta (a plain `nn.Linear` bias is fused)."""
+
+    def __init__(self, d=48):
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=True)
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        return torch.addmm(self.proj.bias, x2, self.proj.weight.t(), beta=0.5).reshape(*x.shape[:-1], -1)
+
+
+class PlainBiased(nn.Module):
     def __init__(self, d=48):
         super().__init__()
         self.proj = nn.Linear(d, d, bias=True)
@@ -192,6 +204,19 @@ def test_spellings_fuse_as_declared_and_equal_eager(name):
         got = torch.compile(mod, backend="dsv41")(x).double()
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 4 * torch.finfo(dtype).eps * scale
+
+
+def test_a_plain_bias_is_fused_with_its_projection():
+    mod = PlainBiased().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        mod.proj.bias.normal_(0.0, 2.0)
+    x = _x(48)
+    gm, rec = run_family("half_gemv", mod, (x,))
+    assert ops_after(gm, namespace="dsv41") == {"dsv41.linear_half.default": 1} and rec.match_count == 1
+    with torch.no_grad():
+        want = mod(x).double()
+        got = torch.compile(mod, backend="dsv41")(x).double()
+    assert (got - want).abs().max().item() <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item()
 
 
 def test_prefill_rows_and_fp32_are_left_alone():

@@ -6,8 +6,8 @@ once; the step's time is those reads plus one launch ramp and tail per kernel. I
 its own cuBLAS call and the ops around it (the SwiGLU's silu and product, the residual adds) as separate Triton
 kernels. These ops take a whole neighbourhood in one launch:
 
-    dsv41::linear_half(x, weight, residual)        y = x @ W^T (+ residual)                  o_proj, down_proj
-    dsv41::linear_half_multi(x, weights)           [x @ W_i^T for up to 4 W_i] in one grid   q / k / v
+    dsv41::linear_half(x, weight, residual)        y = x @ W^T (+ b) (+ residual)            o_proj, down_proj
+    dsv41::linear_half_multi(x, weights)           [x @ W_i^T (+ b_i) for up to 4 W_i]       q / k / v
     dsv41::linear_half_silu_mul(x, w_gate, w_up)   silu(x @ Wg^T) * (x @ Wu^T)               gate / up
 
 each with an optional RMSNorm prologue (`norm_weight, eps, norm_mode`: x is normalised by the op, as the spelling
@@ -17,6 +17,8 @@ L2 read of x per program and saves the norm's launch and the normalised copy's w
     x         bf16 / fp16 [..., K] (the weights' dtype)
     weight    bf16 / fp16 [N, K]; w_gate and w_up the same [N, K]
     residual  x's dtype [..., N], or None
+    bias      x's dtype [N] (`linear_half`: `bias`; `linear_half_multi`: `biases`, one per weight), or None: the
+              projection is `F.linear(x, W, b)` (an `addmm`), its bias added to the FP32 sum before the one rounding
     y         x's dtype [..., N]
 
 On CPU each op runs its reference (`reference_linear_half`, ...: the eager spelling). On CUDA, M =
@@ -110,6 +112,20 @@ def _normed(x, norm_weight, eps, norm_mode):
     return x if norm_mode == 0 else rms_norm_reference(x, norm_weight, eps, norm_mode)
 
 
+def _check_bias(biases, weights, x) -> None:
+    """Each bias (None, or x's dtype [N_i] for weight i); errors name the argument at fault."""
+    if biases is None:
+        return
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(biases)} biases for {len(weights)} weights")
+    for i, (b, w) in enumerate(zip(biases, weights)):
+        name = "bias" if len(weights) == 1 else f"biases[{i}]"
+        check_tensor(name, b, dtypes=(x.dtype,), ndim=1)
+        if b.shape[0] != w.shape[0]:
+            raise ValueError(f"{name} has {b.shape[0]} entries for N = {w.shape[0]}")
+        check_same_device(x=x, bias=b)
+
+
 def _check(x, weights, residual=None) -> int:
     """Validate the arguments of every op here; return K. Errors name the argument at fault."""
     check_tensor("x", x, dtypes=HALF_DTYPES, min_ndim=1)
@@ -133,27 +149,28 @@ def _check(x, weights, residual=None) -> int:
 
 def reference_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
                           norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-                          norm_mode: int = 0) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::linear_half`: `F.linear(x, weight)`, plus `residual` when given (`residual + y`); with
+                          norm_mode: int = 0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-PyTorch `dsv41::linear_half`: `F.linear(x, weight, bias)`, plus `residual` when given (`residual + y`); with
     `norm_mode` (`NORM_MODES`) x is first RMS-normalised (`rms_norm_reference(x, norm_weight, eps, norm_mode)`).
 
     Args: x bf16 / fp16 [..., K]; weight the same dtype [N, K]; residual x's dtype [..., N] or None; norm_weight
-    x's dtype [K] (norm modes 1, 2) or None; eps float >= 0; norm_mode 0 (no norm) to 3.
+    x's dtype [K] (norm modes 1, 2) or None; eps float >= 0; norm_mode 0 (no norm) to 3; bias x's dtype [N] or None.
     Returns: x's dtype [..., N].
     Raises: TypeError for a dtype other than bf16 / fp16 or mixed dtypes, ValueError for a K or residual shape
     mismatch or a wrong rank (each names the argument).
     Source: the eager spellings `self.wo(y)` and `h + self.w2(...)` (gpt-fast, transformers' LlamaMLP).
     """
     _check(x, [weight], residual)
-    y = F.linear(_normed(x, norm_weight, eps, norm_mode), weight)
+    _check_bias(None if bias is None else [bias], [weight], x)
+    y = F.linear(_normed(x, norm_weight, eps, norm_mode), weight, bias)
     return y if residual is None else residual + y
 
 
 def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor],
                                 norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-                                norm_mode: int = 0) -> list[torch.Tensor]:
-    """Plain-PyTorch `dsv41::linear_half_multi`: `[F.linear(x, W) for W in weights]` (x RMS-normalised first with
-    `norm_mode`, as `reference_linear_half`).
+                                norm_mode: int = 0, biases: Optional[list] = None) -> list[torch.Tensor]:
+    """Plain-PyTorch `dsv41::linear_half_multi`: `[F.linear(x, W, b) for W, b in zip(weights, biases)]` (biases None:
+    no bias; x RMS-normalised first with `norm_mode`, as `reference_linear_half`).
 
     Args: x bf16 / fp16 [..., K]; weights 1 to `MAX_WEIGHTS` tensors of x's dtype [N_i, K].
     Returns: list of x's dtype [..., N_i].
@@ -162,8 +179,9 @@ def reference_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor],
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
     _check(x, list(weights))
+    _check_bias(biases, list(weights), x)
     xn = _normed(x, norm_weight, eps, norm_mode)
-    return [F.linear(xn, w) for w in weights]
+    return [F.linear(xn, w, None if biases is None else b) for w, b in zip(weights, biases or [None] * len(weights))]
 
 
 def reference_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -235,10 +253,10 @@ def _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP: tl.constexpr):
 
 @triton.jit
 def _half_gemv_kernel(
-    x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, r_ptr, nw_ptr, part_ptr, cnt_ptr,
+    x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, b0, b1, b2, b3, r_ptr, nw_ptr, part_ptr, cnt_ptr,
     M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm, eps,
     COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr,
-    SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, KP: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (tiles of every weight, K splits, m tiles). COUNT weights of one x (not PAIR): programs [0, P1) compute
@@ -251,11 +269,13 @@ def _half_gemv_kernel(
         c1, c2, c3, pid_n, col0 = weight_slot(pid_g, N0, N1, N2, BLOCK_N, COUNT)
         w_ptr = pick_operand(c1, c2, c3, w0, w1, w2, w3, COUNT)
         y_ptr = pick_operand(c1, c2, c3, y0, y1, y2, y3, COUNT)
+        b_ptr = pick_operand(c1, c2, c3, b0, b1, b2, b3, COUNT)
         N = pick_operand(c1, c2, c3, N0, N1, N2, N3, COUNT)
         stride_wn = pick_operand(c1, c2, c3, sw0, sw1, sw2, sw3, COUNT)
     else:
         w_ptr = w0
         y_ptr = y0
+        b_ptr = b0
         N = N0
         stride_wn = sw0
         pid_n = pid_g
@@ -333,6 +353,8 @@ def _half_gemv_kernel(
             p_ptrs = part_ptr + col0.to(tl.int64) * (SPLIT_K * M) + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             total, arrived = split_k_merge_2d(acc, p_ptrs, M * N, mask, cnt_ptr, tile, pid_k, SPLIT_K, SPLIT_POW2)
             store = mask & ((offs_n * 0 + arrived) == SPLIT_K - 1)[None, :]
+        if HAS_BIAS:  # addmm: the bias joins the FP32 sum before its one rounding
+            total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         total = round_to(total, DT)
         if RESIDUAL:
             r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=store, other=0.0)
@@ -365,7 +387,8 @@ def half_plan(m: int, n: int, k: int, *, pair: bool = False, block_n: int | None
     return plan
 
 
-def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict, norm=(None, 0.0, 0)) -> list:
+def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict, norm=(None, 0.0, 0),
+            biases=None) -> list:
     """Run the kernel for `weights` of one x (`pair`: the SwiGLU of weights[0], weights[1]; `norm` = (norm_weight,
     eps, norm_mode), checked by the caller); the outputs."""
     nw, eps, mode = norm
@@ -388,8 +411,11 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
         zero = [y.zero_() for y in ys]
         if pair:  # silu(0) * 0
             return [zero[0].reshape(*lead, widths[0])]
+        if biases is not None:
+            for z, b in zip(zero, biases):
+                z.copy_(b.expand_as(z))
         if residual is not None:
-            zero[0].copy_(residual.reshape(m, widths[0]))
+            zero[0].copy_(zero[0] + residual.reshape(m, widths[0]))
         return [y.reshape(*lead, n) for y, n in zip(zero, widths)]
     r2 = None
     if residual is not None:
@@ -412,14 +438,16 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
     yy = ys + [ys[0]] * (MAX_WEIGHTS - len(ys))
     nn = (widths + [0] * MAX_WEIGHTS)[:MAX_WEIGHTS] if not pair else [widths[0], widths[0], 0, 0]
     extra = {"launch_pdl": True} if pdl else {}
+    bb = [b if b.stride(0) == 1 else b.contiguous() for b in biases] if biases is not None else [x2]
+    bb = bb + [bb[0]] * (MAX_WEIGHTS - len(bb))
     if nw is not None and nw.stride(0) != 1:
         nw = nw.contiguous()
         pdl, extra = False, {}
     _half_gemv_kernel[grid](
-        x2, *ws, *yy, r2 if r2 is not None else x2, nw if nw is not None else x2, part, cnt, m, k, *nn,
+        x2, *ws, *yy, *bb, r2 if r2 is not None else x2, nw if nw is not None else x2, part, cnt, m, k, *nn,
         *(w.stride(0) for w in ws), x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
         COUNT=len(weights), PAIR=pair, RESIDUAL=r2 is not None, NORM=mode, SPLIT_K=split_k,
-        SPLIT_POW2=plan["SPLIT_POW2"],
+        HAS_BIAS=biases is not None, SPLIT_POW2=plan["SPLIT_POW2"],
         K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
         KP=next_power_of_2(k) if mode else 1,
         L2_PREFETCH=aligned, USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
@@ -428,23 +456,28 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
 
 def triton_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
                        norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
-                       **overrides) -> torch.Tensor:
+                       bias: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
     """`reference_linear_half` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1); any M (rows tiled
     by up to 8). `overrides` (block_n, block_k, k_iters, num_warps) replace the `half_plan` heuristic.
     Raises: as `reference_linear_half`, and RuntimeError when the kernel cannot run on the device."""
     _check(x, [weight], residual)
     _check_norm(x, norm_weight, eps, norm_mode)
-    return _launch(x, [weight], residual, False, overrides, (norm_weight, eps, norm_mode))[0]
+    biases = None if bias is None else [bias]
+    _check_bias(biases, [weight], x)
+    return _launch(x, [weight], residual, False, overrides, (norm_weight, eps, norm_mode), biases)[0]
 
 
 def triton_linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
-                             eps: float = 0.0, norm_mode: int = 0, **overrides) -> list[torch.Tensor]:
+                             eps: float = 0.0, norm_mode: int = 0, biases: Optional[list] = None,
+                             **overrides) -> list[torch.Tensor]:
     """`reference_linear_half_multi` in one launch on the Triton kernel; as `triton_linear_half` otherwise."""
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"1 to {MAX_WEIGHTS} weights; got {len(weights)}")
     _check(x, list(weights))
     _check_norm(x, norm_weight, eps, norm_mode)
-    return _launch(x, list(weights), None, False, overrides, (norm_weight, eps, norm_mode))
+    _check_bias(biases, list(weights), x)
+    return _launch(x, list(weights), None, False, overrides, (norm_weight, eps, norm_mode),
+                   None if biases is None else list(biases))
 
 
 def triton_linear_half_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -464,37 +497,42 @@ def _small_m(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("dsv41::linear_half", mutates_args=(), device_types="cpu")
 def linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0) -> torch.Tensor:
-    """`y = rmsnorm?(x) @ weight.T (+ residual)` reading the bf16 / fp16 weight once; see `reference_linear_half`."""
-    return reference_linear_half(x, weight, residual, norm_weight, eps, norm_mode)
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`y = rmsnorm?(x) @ weight.T (+ bias) (+ residual)` reading the bf16 / fp16 weight once; see
+    `reference_linear_half`."""
+    return reference_linear_half(x, weight, residual, norm_weight, eps, norm_mode, bias)
 
 
 @register_cuda(linear_half, "dsv41::linear_half")
-def _linear_half_cuda(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0):
+def _linear_half_cuda(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0, bias=None):
     fn = triton_linear_half if _small_m(x) else reference_linear_half
-    return fn(x, weight, residual, norm_weight, eps, norm_mode)
+    return fn(x, weight, residual, norm_weight, eps, norm_mode, bias)
 
 
 @linear_half.register_fake
-def _linear_half_fake(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0):
+def _linear_half_fake(x, weight, residual=None, norm_weight=None, eps=0.0, norm_mode=0, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("dsv41::linear_half_multi", mutates_args=(), device_types="cpu")
+# The schema is written out: torch.library cannot infer an optional tensor list with a default.
+@torch.library.custom_op("dsv41::linear_half_multi", mutates_args=(), device_types="cpu",
+                         schema="(Tensor x, Tensor[] weights, Tensor? norm_weight=None, float eps=0.0, "
+                                "int norm_mode=0, Tensor[]? biases=None) -> Tensor[]")
 def linear_half_multi(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
-                      eps: float = 0.0, norm_mode: int = 0) -> list[torch.Tensor]:
-    """`[rmsnorm?(x) @ W.T for W in weights]` in one launch at decode; see `reference_linear_half_multi`."""
-    return reference_linear_half_multi(x, weights, norm_weight, eps, norm_mode)
+                      eps: float = 0.0, norm_mode: int = 0, biases=None) -> list[torch.Tensor]:
+    """`[rmsnorm?(x) @ W.T (+ b) for W in weights]` in one launch at decode; see `reference_linear_half_multi`."""
+    return reference_linear_half_multi(x, weights, norm_weight, eps, norm_mode, biases)
 
 
 @register_cuda(linear_half_multi, "dsv41::linear_half_multi")
-def _linear_half_multi_cuda(x, weights, norm_weight=None, eps=0.0, norm_mode=0):
+def _linear_half_multi_cuda(x, weights, norm_weight=None, eps=0.0, norm_mode=0, biases=None):
     fn = triton_linear_half_multi if _small_m(x) else reference_linear_half_multi
-    return fn(x, weights, norm_weight, eps, norm_mode)
+    return fn(x, weights, norm_weight, eps, norm_mode, biases)
 
 
 @linear_half_multi.register_fake
-def _linear_half_multi_fake(x, weights, norm_weight=None, eps=0.0, norm_mode=0):
+def _linear_half_multi_fake(x, weights, norm_weight=None, eps=0.0, norm_mode=0, biases=None):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 

@@ -37,7 +37,9 @@ add is the matmul's only user (through views) and adds a tensor of the output's 
 Near-misses (reported, not fused):
 
     weight_source   the half-precision weight is computed, written in place, or not a stored module tensor
-    bias            addmm (a bias): the ops have no bias term; the projection stays with cuBLAS
+    bias            addmm whose bias the ops cannot take (not x's dtype [N], or alpha / beta not 1), or a SwiGLU
+                    half with a bias: the projection stays with cuBLAS. A plain `F.linear(x, W, b)` (Qwen's q / k / v)
+                    is fused with its bias, which joins the FP32 sum before the one rounding (cuBLAS's addmm)
     static_shapes   x or W has a size known only at run time (dynamic shapes) and M's hint is <= MAX_TRITON_M: the
                     rewrites and probes are for the compiled sizes, so the projection stays with Inductor
 """
@@ -182,8 +184,8 @@ class _Cand:
     """A half-precision matmul the family may take: the mm node, its x and W, and the facts the chains need
     (`norm`: (h, norm weight or None, eps, mode) when x is an RMSNorm of h the op can compute itself)."""
 
-    def __init__(self, mm: fx.Node, x: fx.Node, w: fx.Node):
-        self.mm, self.x, self.w = mm, x, w
+    def __init__(self, mm: fx.Node, x: fx.Node, w: fx.Node, bias: fx.Node | None = None):
+        self.mm, self.x, self.w, self.bias = mm, x, w, bias
         self.norm = None
         self.m, self.k = (int(d) for d in concrete_shape(tensor_val(x)))
         self.n = int(concrete_shape(tensor_val(w))[0])
@@ -238,8 +240,8 @@ class HalfGemvFamily(FusionFamily):
                 else:
                     matches.append(self._fuse_residual(graph, c, *add))
             groups: dict = {}
-            for c in plain:
-                groups.setdefault((_x_key(c.x), c.dtype), []).append(c)
+            for c in plain:  # siblings all with biases or all without: one op takes biases for all or none
+                groups.setdefault((_x_key(c.x), c.dtype, c.bias is None), []).append(c)
             for members in groups.values():
                 for i in range(0, len(members), _MAX_SIBLINGS):
                     chunk = members[i:i + _MAX_SIBLINGS]
@@ -289,12 +291,19 @@ class HalfGemvFamily(FusionFamily):
                                        "on the previous kernel (PDL), so only weights no kernel of the step "
                                        "writes are fused", loc))
                 continue
+            bias = None
             if is_addmm:
-                misses.append(NearMiss(self.name, pattern, "bias",
-                                       "the projection adds a bias (addmm); dsv41::linear_half has no bias term "
-                                       "yet, so it stays with cuBLAS", loc))
-                continue
-            cands.append(_Cand(mm, x, w))
+                bias = mm.args[0]
+                bv = tensor_val(bias) if isinstance(bias, fx.Node) else None
+                n = concrete_shape(tensor_val(w))[0]
+                scaled = mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1
+                if bv is None or bv.dim() != 1 or bv.dtype != xv.dtype or concrete_shape(bv)[0] != n or scaled:
+                    misses.append(NearMiss(self.name, pattern, "bias",
+                                           "the projection adds a bias that is not one x-dtype value per output "
+                                           "column (or scales it: alpha / beta), which dsv41::linear_half does not "
+                                           "take; it stays with cuBLAS", loc))
+                    continue
+            cands.append(_Cand(mm, x, w, bias))
         return cands, misses
 
     def _swiglus(self, cands: list, ev: RegionEvaluator):
@@ -307,7 +316,7 @@ class HalfGemvFamily(FusionFamily):
         for members in by_x.values():
             for a_i, a in enumerate(members):
                 for b in members[a_i + 1:]:
-                    if a.n != b.n:
+                    if a.n != b.n or a.bias is not None or b.bias is not None:
                         continue
                     hit = self._swiglu_end(a, b, order, ev)
                     if hit is not None:
@@ -374,7 +383,8 @@ class HalfGemvFamily(FusionFamily):
     def _fuse_residual(self, graph, c: _Cand, add: fx.Node, r: fx.Node) -> MatchRecord:
         r2 = insert_node(graph, add, aten.reshape.default, (r, [c.m, c.n]), like=add)
         x, norm = _x_args(graph, c, add, self._moved)
-        y = insert_node(graph, add, dsv41_op("linear_half"), (x, c.w, r2, *norm), like=c.mm)
+        y = insert_node(graph, add, dsv41_op("linear_half"), (x, c.w, r2, *norm, *_bias_arg(c.bias)),
+                        like=c.mm)
         out = insert_node(graph, add, aten.reshape.default, (y, list(tensor_val(add).shape)), like=add)
         add.replace_all_uses_with(out)
         self._moved[add] = out
@@ -388,7 +398,9 @@ class HalfGemvFamily(FusionFamily):
     def _fuse_siblings(self, graph, group: list) -> MatchRecord:
         first = group[0]
         x, norm = _x_args(graph, first, first.mm, self._moved)
-        multi = insert_node(graph, first.mm, dsv41_op("linear_half_multi"), (x, [c.w for c in group], *norm),
+        biases = None if first.bias is None else [c.bias for c in group]
+        multi = insert_node(graph, first.mm, dsv41_op("linear_half_multi"), (x, [c.w for c in group], *norm,
+                                                                           *_bias_arg(biases)),
                             like=first.mm)
         for i, c in enumerate(group):
             y = insert_node(graph, first.mm, operator.getitem, (multi, i), like=c.mm)
@@ -406,7 +418,8 @@ class HalfGemvFamily(FusionFamily):
 
     def _fuse_single(self, graph, c: _Cand) -> MatchRecord:
         x, norm = _x_args(graph, c, c.mm, self._moved)
-        y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm), like=c.mm)
+        y = insert_node(graph, c.mm, dsv41_op("linear_half"), (x, c.w, None, *norm, *_bias_arg(c.bias)),
+                        like=c.mm)
         c.mm.replace_all_uses_with(y)
         self._moved[c.mm] = y
         e = c.dtype.itemsize
@@ -432,6 +445,11 @@ def _x_args(graph: fx.Graph, c: _Cand, before: fx.Node, moved: dict):
         h = moved[h]
     h2 = insert_node(graph, before, aten.reshape.default, (h, [c.m, c.k]), like=c.mm)
     return h2, (nw, eps, mode)
+
+
+def _bias_arg(bias) -> tuple:
+    """The op's trailing bias argument: none without a bias (the graph reads as before biases were taken)."""
+    return () if bias is None else (bias,)
 
 
 def _norm_detail(c: _Cand) -> tuple:
