@@ -28,7 +28,8 @@ def _fused(graphs) -> dict:
     for gm in graphs:
         counts = ops_after(gm)
         for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm",
-                     "dsv41.gqa_decode_attention", "aten.clone", "dsv41.rope_kv_store"):
+                     "dsv41.gqa_decode_attention", "aten.clone", "dsv41.rope_kv_store", "aten.view_as_complex",
+                     "aten.cat"):
             out[name] = out.get(name, 0) + counts[name]
     return out
 
@@ -82,6 +83,8 @@ def test_zoo_llamas_fuse_every_projection_in_bf16(spelling):
     # RoPE of q and k and both cache writes: one op per layer (complex multiply in gpt-fast, rotate_half in bf16 in
     # the transformers-style zoo)
     assert ops["dsv41.rope_kv_store"] == layers, ops
+    # q's RoPE rides in the same op: no complex multiply (gpt-fast) and no rotate_half cat (transformers) is left
+    assert ops["aten.view_as_complex"] == 0 and ops["aten.cat"] == 0, ops
     assert _close(got, want) < 0.05
 
 

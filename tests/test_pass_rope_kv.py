@@ -121,6 +121,7 @@ def test_other_spellings_fuse_and_equal_eager(how, write, qk_norm):
     assert fam["matches"] == 2 and not fam["near_misses"], fam  # the decode graph and the 2-token verify graph
     layout = {"neox": "rotate_half", "gptj": "interleaved"}[how]
     assert all(f"rope_kv({layout})" == site["pattern"] for site in fam["sites"]), fam["sites"]
+    assert all(site["detail"]["q"] for site in fam["sites"]), "q's RoPE was left out of the op"
 
 
 @pytest.mark.parametrize("how", ["inverse", "partial"])

@@ -258,24 +258,30 @@ class RopeKvFamily(FusionFamily):
         while frontier and len(seen) < _FORWARD_LIMIT:
             n = frontier.pop()
             for u in n.users:
-                if u in seen or u in region_k or u is yk:
+                if u in seen or u is yk:
                     continue
                 seen.add(u)
                 uv = tensor_val(u)
                 if uv is None:
                     continue
-                if (u.op == "call_function" and uv.dtype == kv.dtype and uv.dim() == 4
+                # k's region holds the angles' shared casts and views: walk through it, take nothing from it
+                if (u.op == "call_function" and u not in region_k and uv.dtype == kv.dtype and uv.dim() == 4
                         and concrete_shape(uv)[-1] == concrete_shape(kv)[-1] and u not in used_q):
                     cands.append(u)
-                frontier.append(u)
+                if is_rope_op(u):
+                    frontier.append(u)
+        found = {}
+        for y in cands:
+            f = rope_region(y, sourced)
+            # q's x must have y's own shape: the op returns q rotated in x's layout for y's place
+            if (f is not None and set(f[2]) == set(leaves) and f[1] is not xk
+                    and concrete_shape(tensor_val(f[1])) == concrete_shape(tensor_val(y))):
+                found[y] = f
+        # an inner node of a larger RoPE region (a product of x's own shape and dtype) is not a RoPE output
+        outer = [y for y in found if not any(y in f[0] for z, f in found.items() if z is not y)]
         best = None
-        for y in sorted(cands, key=lambda n: abs(key(n) - key(yk))):
-            found = rope_region(y, sourced)
-            if found is None or set(found[2]) != set(leaves) or found[1] is xk:
-                continue
-            if any(c in found[0] for c in cands if c is not y):
-                continue  # an inner node of a larger RoPE region
-            best = (y, found[0], found[1])
+        for y in sorted(outer, key=lambda n: abs(key(n) - key(yk))):
+            best = (y, found[y][0], found[y][1])
             break
         return best if best is not None else (None, None, None)
 
