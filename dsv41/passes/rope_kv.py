@@ -16,8 +16,9 @@ each product rounded as eager rounds it. q and k may be rotated in [B, S, H, D] 
 Structure: the anchor is a write of a 4-D float cache at dim 2 (`index_put` with indices [None, None, pos] or
 `index_copy` on dim 2), pos int64 [S]; k's write is the one whose value is a RoPE region (`rope_match.
 rope_structure`: one x plus cos / sin or complex freqs), v's the next write at the same positions into a cache of
-the same shape whose value is views of a tensor. q is the RoPE region closest to k's in graph order that reads the
-same angle tensors. Which pairs are grouped is a scheduling choice, not a semantic one: each op still rotates and
+the same shape whose value is views of a tensor (not a cache computed from k's write). q is the RoPE region closest
+to k's in graph order that reads the same angle tensors; when the probes reject it (other angles built from k's),
+k and v fuse without q. Which pairs are grouped is a scheduling choice, not a semantic one: each op still rotates and
 writes what its own inputs say.
 
 Semantics: the whole chain (q's RoPE, both writes) is evaluated on probe tensors (random x, angles, caches and
@@ -169,7 +170,10 @@ def _rope_source(value: fx.Node, sourced: set):
     src, chain = _view_chain(value)
     cands = [(src, chain)] + [(chain[i], chain[i + 1:]) for i in range(len(chain))]
     for y, after in cands:
-        if tensor_val(y) is None:
+        yv = tensor_val(y)
+        # a complex product (view_as_complex(x) * freqs in FP32, where no cast separates it from the write's
+        # view_as_real) is no RoPE output of the op: its x would be complex, of half the head dim
+        if yv is None or yv.is_complex():
             continue
         found = rope_region(y, sourced)
         if found is not None:
@@ -219,14 +223,21 @@ class RopeKvFamily(FusionFamily):
                 continue
             cache_k, pos, _ = cache_write_parts(wk)
             loc = SourceLocation.from_node(wk)
-            wv = next((w for w in sorted(writes, key=lambda n: abs(key(n) - key(wk)))
-                       if w is not wk and w not in used and rope_of[w][2] is None
-                       and cache_write_parts(w)[1] is pos
-                       and concrete_shape(tensor_val(cache_write_parts(w)[0])) == concrete_shape(tensor_val(cache_k))),
-                      None)
+            fits = [w for w in sorted(writes, key=lambda n: abs(key(n) - key(wk)))
+                    if w is not wk and w not in used and rope_of[w][2] is None
+                    and cache_write_parts(w)[1] is pos
+                    and concrete_shape(tensor_val(cache_write_parts(w)[0])) == concrete_shape(tensor_val(cache_k))]
+            # a write into the cache k's write produced (k written again, or one buffer holding both caches) is
+            # no v write the op can do alongside k's: it must see k's write first
+            wv = next((w for w in fits if not _reaches([cache_write_parts(w)[0]], [wk], key)), None)
             if wv is None:
-                misses.append(NearMiss(self.name, _PATTERN, "cache_write", "a RoPE'd k is written into a cache, but no "
-                                       "write of v at the same positions into a cache of the same shape was found", loc))
+                why = ("a RoPE'd k is written into a cache, but no write of v at the same positions into a cache of "
+                       "the same shape was found")
+                if fits:
+                    why = ("a RoPE'd k is written into a cache, but every write at the same positions into a cache "
+                           "of the same shape writes a cache computed from k's write (the same cache again, or one "
+                           "buffer holding both caches)")
+                misses.append(NearMiss(self.name, _PATTERN, "cache_write", why, loc))
                 continue
             region_k, xk, leaves = found
             yq, region_q, xq = self._find_q(src, region_k, xk, leaves, sourced, key, used_q)
@@ -241,8 +252,8 @@ class RopeKvFamily(FusionFamily):
                 misses.append(NearMiss(self.name, _PATTERN, why[0], why[1], loc))
                 continue
             used.update((wk, wv))
-            if yq is not None:
-                used_q.add(yq)
+            if site.yq is not None:  # _fuse drops a q that the probes reject
+                used_q.add(site.yq)
             matches.append(rec)
         if matches:
             finish_graph(graph)
@@ -360,22 +371,32 @@ class RopeKvFamily(FusionFamily):
                     parts.append(sel)
             return parts
 
-        # With S equal to the head count both orders fit the shapes; the probes settle which one the code uses.
-        choice = None
-        for perm_k in perms_k:
-            parts = trig_parts(perm_k)
-            if len(parts) != 2:
-                return undo(("rope_values", "the region reads other than one cos / sin pair or one complex freqs "
-                                            "tensor"))
-            for perm_q in perms_q:
-                q_c = None
-                if perm_q is not None:
-                    q_c = add(aten.permute.default, (site.xq, list(perm_q))) if perm_q != (0, 1, 2, 3) else site.xq
-                choice = self._verify(ev, site, k_c, v_c, q_c, perm_q, parts, pos, t, kv.dtype)
-                if choice is not None:
-                    break
-            if choice is not None:
-                break
+        def settle():
+            """(choice, parts, q_c, perm_q) of the first orientation the probes agree with; choice None when none."""
+            # With S equal to the head count both orders fit the shapes; the probes settle which one the code uses.
+            for perm_k in perms_k:
+                parts = trig_parts(perm_k)
+                if len(parts) != 2:
+                    return "trig", parts, None, None
+                for perm_q in perms_q:
+                    q_c = None
+                    if perm_q is not None:
+                        q_c = add(aten.permute.default, (site.xq, list(perm_q))) if perm_q != (0, 1, 2, 3) \
+                            else site.xq
+                    choice = self._verify(ev, site, k_c, v_c, q_c, perm_q, parts, pos, t, kv.dtype)
+                    if choice is not None:
+                        return choice, parts, q_c, perm_q
+            return None, None, None, None
+
+        choice, parts, q_c, perm_q = settle()
+        if choice is None and site.xq is not None:
+            # The q found (the nearest RoPE on k's angle tensors) may rotate by other angles built from them
+            # (a doubled angle, the inverse): k and v still fuse, and q stays with Inductor.
+            site.yq = site.region_q = site.xq = None
+            perms_q = [None]
+            choice, parts, q_c, perm_q = settle()
+        if choice == "trig":
+            return undo(("rope_values", "the region reads other than one cos / sin pair or one complex freqs tensor"))
         if choice is None:
             return undo(("rope_values", "the region reads x and angle tensors but agrees with no layout of "
                                         "rope_kv_store (interleaved, rotate-half, rotate-half with full-width angles; "
