@@ -324,7 +324,9 @@ def test_second_write_of_k_cache_is_not_taken_for_v():
     cfg = Case(k_written_twice)
     o = decode(cfg)
     assert_same(o, cfg.dtype)
-    assert o.family["matches"] == 3 and not o.family["near_misses"], o.family
+    # the second write, 2 * rope(k), is itself RoPE-like and has no v write of its own: at most that near-miss
+    assert o.family["matches"] == 3, o.family
+    assert {m["check"] for m in o.family["near_misses"]} <= {"cache_write"}, o.family["near_misses"]
 
 
 def test_one_buffer_for_both_caches_says_why():
