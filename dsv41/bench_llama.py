@@ -351,6 +351,10 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
                         extra[n] += _graphs() - g
                         rows[n]["kernels_per_step"] = k["kernels"]
                         rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
+                        # where the profiled step goes: summed kernel time, first start to last end, costliest names
+                        rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
+                        rows[n]["step_span_us"] = k["span_us"]
+                        rows[n]["top_kernels_us"] = k["top_us"]
                         say(f"{n}: {k['kernels']} kernels per step")
                     except Exception as e:
                         notes[n].append("kernel count " + fail_text(e))
