@@ -20,10 +20,7 @@ R = load_reference("test_kernels_rope_kv")
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    def nan(shape, stride, dtype, device):
-        span = sum((n - 1) * st for n, st in zip(shape, stride)) + 1 if all(shape) else 0
-        return torch.full((span,), float("nan"), dtype=dtype, device=device).as_strided(shape, stride)
-    monkeypatch.setattr(rk, "_empty_strided", nan)
+    monkeypatch.setattr(rk, "_empty_strided", R.nan_strided)
 
 
 @pytest.mark.parametrize("pdl", [False, True])

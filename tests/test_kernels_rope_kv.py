@@ -20,12 +20,15 @@ interpreted = _harness.interpreted
 _record_node = _harness.record_node_fixture()
 
 
+def nan_strided(shape, stride, dtype, device):
+    """`rope_kv._empty_strided` poisoned: every element of the strided result starts as NaN."""
+    span = sum((n - 1) * st for n, st in zip(shape, stride)) + 1 if all(shape) else 0
+    return torch.full((span,), float("nan"), dtype=dtype, device=device).as_strided(shape, stride)
+
+
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    def nan(shape, stride, dtype, device):
-        span = sum((n - 1) * st for n, st in zip(shape, stride)) + 1 if all(shape) else 0
-        return torch.full((span,), float("nan"), dtype=dtype, device=device).as_strided(shape, stride)
-    monkeypatch.setattr(rk, "_empty_strided", nan)
+    monkeypatch.setattr(rk, "_empty_strided", nan_strided)
 
 
 def _angles(b, s, d, base=10000.0, start=5):
