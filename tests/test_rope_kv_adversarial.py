@@ -358,9 +358,9 @@ def test_fp32_complex_freqs_fuses():
     assert o.family["matches"] == 3, o.family
 
 
-@pytest.mark.xfail(strict=True, reason="open: rope_match does not walk split + getitem (`x.chunk(2, -1)`), so "
-                                       "the region is not seen as RoPE at all; the fix is in shared rope_match")
 def test_chunk_rotate_half_fuses():
+    """Finding: rotate-half spelled with `x.chunk(2, -1)` (split + getitem) was not seen as RoPE at all; rope_kv's own
+    walk now passes through splits and their getitems."""
     cfg = Case(plain(neox_chunk))
     o = decode(cfg)
     assert_same(o, cfg.dtype)

@@ -120,7 +120,7 @@ def rope_region(y: fx.Node, sourced: set):
 
     def cone_step(n, seen):
         """Walk every sourced RoPE-like input."""
-        return [a for a in n.all_input_nodes if a in sourced and a not in seen and is_rope_op(a)]
+        return [a for a in n.all_input_nodes if a in sourced and a not in seen and _rope_like(a)]
 
     cone = walk_inputs(y, _FORWARD_LIMIT, cone_step)
     if cone is None:
@@ -138,7 +138,7 @@ def rope_region(y: fx.Node, sourced: set):
             for a in n.all_input_nodes:
                 if a is x or a in region or a in leaves or a not in sourced:
                     continue
-                (nxt if is_rope_op(a) else leaves).append(a)
+                (nxt if _rope_like(a) else leaves).append(a)
             return nxt
 
         region = walk_inputs(y, _FORWARD_LIMIT, step)
@@ -153,6 +153,21 @@ def rope_region(y: fx.Node, sourced: set):
                 and vals[0].dtype == vals[1].dtype):
             return region, x, leaves
     return None
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def _rope_like(n: fx.Node) -> bool:
+    """A RoPE-like op (`rope_match.is_rope_op`), or a split and its getitems (`x.chunk(2, -1)` of rotate-half)."""
+    if n.op != "call_function":
+        return False
+    if n.target in _SPLITS:
+        return True
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and src.op == "call_function" and src.target in _SPLITS
+    return is_rope_op(n)
 
 
 def _reaches_x(region, x) -> bool:
@@ -279,7 +294,7 @@ class RopeKvFamily(FusionFamily):
                 if (u.op == "call_function" and u not in region_k and uv.dtype == kv.dtype and uv.dim() == 4
                         and concrete_shape(uv)[-1] == concrete_shape(kv)[-1] and u not in used_q):
                     cands.append(u)
-                if is_rope_op(u):
+                if _rope_like(u):
                     frontier.append(u)
         found = {}
         for y in cands:
