@@ -11,11 +11,12 @@ Chain matched (post-grad ATen; a static cache [B, Hkv, T, D] written at the step
 `rope` is any spelling the probes pin to one of the op's layouts: interleaved pairs (Meta / gpt-fast
 `view_as_complex(x) * freqs_cis`, or stack/flatten), rotate-half with half-width angles, or transformers'
 `x * cos + rotate_half(x) * sin` with full-width cos / sin; in FP32 or, where the angles are in x's dtype, with
-each product rounded as eager rounds it. q and k may be rotated in [B, S, H, D] or [B, H, S, D] order.
+each product rounded as eager rounds it; halves taken by slicing or `x.chunk(2, -1)`; after a QK-norm or not. q and k
+may be rotated in [B, S, H, D] or [B, H, S, D] order (both tried when S equals the head count).
 
 Structure: the anchor is a write of a 4-D float cache at dim 2 (`index_put` with indices [None, None, pos] or
-`index_copy` on dim 2), pos int64 [S]; k's write is the one whose value is a RoPE region (`rope_match.
-rope_structure`: one x plus cos / sin or complex freqs), v's the next write at the same positions into a cache of
+`index_copy` on dim 2), pos int64 [S]; k's write is the one whose value is a RoPE region (`rope_region`: one x
+plus cos / sin or complex freqs), v's the next write at the same positions into a cache of
 the same shape whose value is views of a tensor (not a cache computed from k's write). q is the RoPE region closest
 to k's in graph order that reads the same angle tensors; when the probes reject it (other angles built from k's),
 k and v fuse without q. Which pairs are grouped is a scheduling choice, not a semantic one: each op still rotates and
@@ -23,12 +24,13 @@ writes what its own inputs say.
 
 Semantics: the whole chain (q's RoPE, both writes) is evaluated on probe tensors (random x, angles, caches and
 distinct positions) and compared with `reference_rope_kv_store` for each layout, each cos/sin assignment and
-the rounding mode; the first that agrees within 4 ulps is used, else the chain is a near-miss (`rope_values`).
+the rounding mode; the first that agrees exactly is used, else the first within 4 ulps, else the chain is a near-miss
+(`rope_values`).
 
 Near-misses: `rope_values` (the region reads x and angles but is no layout of the op: partial rotary, inverse
 rotation, angles that differ per head), `cache_write` (accumulating write, positions not int64 [S], a value
-that reads other tensors), `order` (an input of the op is computed after the first reader of its outputs),
-`static_shapes`.
+that reads other tensors, no v write into an independent cache), `order` (an input of the op is computed from one
+of its outputs), `static_shapes`.
 """
 
 from __future__ import annotations
