@@ -175,3 +175,21 @@ def test_bad_arguments_name_the_argument():
         rk.reference_rope_kv_store(q, k, v, c, s, torch.tensor([0]), kc, kc.clone(), 5, False, [64, 64, 16, 1])
     with pytest.raises(TypeError, match="k_cache"):
         rk.reference_rope_kv_store(q, k, v, c, s, torch.tensor([0]), kc.half(), kc.clone(), 0, False, [64, 64, 16, 1])
+
+
+def test_sm90_build_waits_before_its_first_load_and_releases_after_its_stores():
+    """Built offline for sm_90 (Triton's own ptxas, no GPU) with PDL: no global load before griddepcontrol.wait (q,
+    k, v and the positions come from the previous kernels), and the dependents are released after the last store."""
+    from interp_harness import sm90_ttir
+    ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", c_ptr="fp32", s_ptr="fp32", pos_ptr="i64",
+                kc_ptr="bf16", vc_ptr="bf16", o_ptr="bf16")
+    import triton.language as tl
+    consts = dict(D=128, HALF_P2=64, LAYOUT=0, ROUND=False, DT=tl.bfloat16, USE_PDL=True)
+    ptx = sm90_ttir(rk._rope_kv_kernel, ptrs, consts, stage="ptx", num_warps=1)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    release = max(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
+    assert not any("ld.global" in ln for ln in lines[:wait])
+    assert any("ld.global" in ln for ln in lines[wait:])
+    last_store = max(i for i, ln in enumerate(lines) if "st.global" in ln)
+    assert release > last_store
