@@ -29,7 +29,7 @@ def _fused(graphs) -> dict:
         counts = ops_after(gm)
         for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm",
                      "dsv41.gqa_decode_attention", "aten.clone", "dsv41.rope_kv_store", "aten.view_as_complex",
-                     "aten.cat"):
+                     "aten.cat", "aten.addmm"):
             out[name] = out.get(name, 0) + counts[name]
     return out
 

@@ -12,8 +12,9 @@ import torch
 
 from interp_harness import InterpreterHarness, poison_outputs
 
+import test_generic_llama_families as generic  # its decode-and-count harness (`_run`, `_close`)
+
 from dsv41.kernels import half_gemv as hg
-from dsv41.passes.testing import capture_graphs, ops_after
 
 _harness = InterpreterHarness(__file__)
 interpreted = _harness.interpreted
@@ -70,20 +71,7 @@ def test_qwen2_biased_projections_fuse_in_bf16():
     def call(m, ids, pos):
         return m(ids, position_ids=pos[None], cache_position=pos, use_cache=True, **{key: cache}).logits[:, -1]
 
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="dsv41", dynamic=False)
-    with torch.no_grad():
-        call(model, torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2)), torch.arange(6))
-        want, got = [], []
-        with capture_graphs() as graphs:
-            for t in range(6, 9):
-                pos = torch.tensor([t])
-                tok = torch.tensor([[7 + t]])
-                want.append(call(model, tok, pos).float())
-                got.append(call(compiled, tok, pos).float())
-    names = ("aten.addmm", "aten.mm", "dsv41.linear_half_multi", "dsv41.rope_kv_store")
-    counts = {n: sum(ops_after(gm)[n] for gm in graphs) for n in names}  # overloads summed by ops_after
-    assert counts["aten.addmm"] == 0 and counts["aten.mm"] == 0, counts
-    assert counts["dsv41.linear_half_multi"] == 2 and counts["dsv41.rope_kv_store"] == 2, counts
-    want, got = torch.stack(want), torch.stack(got)
-    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+    want, got, ops = generic._run(model, call)
+    assert ops["aten.addmm"] == 0 and ops["aten.mm"] == 0, ops
+    assert ops["dsv41.linear_half_multi"] == 2 and ops["dsv41.rope_kv_store"] == 2, ops
+    assert generic._close(got, want) < 0.05

@@ -45,10 +45,11 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..kernels.gqa_attention import reference_gqa_decode_attention
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
 from .engine import (Chain, FusionFamily, RegionEvaluator, Role, collect_region, concrete_shape, dsv41_op,
-                     eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, node_label, register_family,
-                     tensor_val, token_rows)
+                     eliminate_dead_code, float_literals, insert_node, is_dataflow_op, is_view_op, node_label,
+                     register_family, sourced_nodes, tensor_val, token_rows)
 
 __all__ = ["GqaAttentionFamily", "SPEC"]
 
@@ -138,7 +139,7 @@ class GqaAttentionFamily(FusionFamily):
         graph = gm.graph
         matches, misses = [], []
         gated = "gqa_decode_attention" in self.gated_ops
-        ev = None
+        ev, sourced = None, None
         for node in list(graph.nodes):
             kind = _sdpa_kind(node)
             if kind is None:
@@ -161,7 +162,7 @@ class GqaAttentionFamily(FusionFamily):
                                        "dsv41::gqa_decode_attention computes the plain masked attention", loc))
                 continue
             if ev is None:
-                ev = RegionEvaluator(gm)
+                ev = RegionEvaluator(gm, extra_ops=frozenset({aten.bmm.default}))
             why = None
             if not all(_is_repeat_interleave(ev, kv, *found) for kv, found in ((k, found_k), (v, found_v))):
                 why = ("kv_layout", "the KV heads reach the attention in another order than repeat_interleave(G, "
@@ -177,15 +178,17 @@ class GqaAttentionFamily(FusionFamily):
         for b2 in [n for n in graph.nodes if n.op == "call_function" and n.target == aten.bmm.default]:
             if b2.graph is not graph or not b2.users:
                 continue
-            site = eager_attention(b2)
+            if sourced is None:
+                sourced = sourced_nodes(graph)
+            site = eager_attention(b2, sourced)
             if site is None:
                 continue
             out4, q, found_k, found_v, mask, region = site
             loc = SourceLocation.from_node(b2)
-            if ev is None or not ev.extra_ops:
+            if ev is None:
                 ev = RegionEvaluator(gm, extra_ops=frozenset({aten.bmm.default}))
             # the head order is part of the probe check: another order gives other outputs on random caches
-            settled = _eager_scale(ev, out4, q, found_k[0], found_v[0], mask, region["nodes"])
+            settled = _eager_scale(ev, out4, q, found_k[0], found_v[0], mask, region)
             if settled is None:
                 misses.append(NearMiss(self.name, _EAGER, "attention_values", "the written-out attention reads "
                                        "repeated caches but agrees with dsv41::gqa_decode_attention on probes for no "
@@ -200,7 +203,7 @@ class GqaAttentionFamily(FusionFamily):
             if invert:
                 mask = insert_node(graph, out4, aten.bitwise_not.default, (mask,), like=b2)
             matches.append(self._fuse(graph, b2, [out4], q, found_k, found_v[0], mask, scale,
-                                      pattern=f"eager_gqa(G={found_k[1]})", extra=region["nodes"]))
+                                      pattern=f"eager_gqa(G={found_k[1]})", extra=region))
         eliminate_dead_code(graph)
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
 
@@ -253,9 +256,10 @@ def _through_views_back(n: fx.Node, want_dim: int, limit: int = 8):
     return None
 
 
-def eager_attention(b2: fx.Node):
-    """(out [B, Hq, M, D] node, q, (k cache, G), (v cache, G), mask or None, {"k", "v", "nodes"}) when `b2` is the
-    second bmm of a written-out attention over repeated caches (module docstring); else None."""
+def eager_attention(b2: fx.Node, sourced: set):
+    """(out [B, Hq, M, D] node, q, (k cache, G), (v cache, G), mask or None, region nodes) when `b2` is the second
+    bmm of a written-out attention over repeated caches (module docstring); else None. `sourced`: the graph's nodes
+    fed by its inputs (`engine.sourced_nodes`); the scores' path reads nothing else from them but the mask."""
     outs = list(b2.users)
     if len(outs) != 1 or not is_view_op(outs[0]):
         return None
@@ -295,7 +299,7 @@ def eager_attention(b2: fx.Node):
         if any(a in dep for a in n.all_input_nodes):
             dep.add(n)
     others = {a for n in dep if n is not b1 for a in n.all_input_nodes
-              if a not in dep and isinstance(tensor_val(a), torch.Tensor) and not _constant(a)}
+              if a not in dep and isinstance(tensor_val(a), torch.Tensor) and a in sourced}
     if len(others) > 1:
         return None
     mask = next(iter(others), None)
@@ -309,29 +313,12 @@ def eager_attention(b2: fx.Node):
     if not all(n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n) or n.target == aten.bmm.default)
                for n in nodes):
         return None
-    # the operands as the region reads them, for the head-order check
-    return out4, q, found_k, found_v, mask, {"k": b1.args[1], "v": b2.args[1], "nodes": nodes}
-
-
-def _constant(n: fx.Node) -> bool:
-    """A node computed from no graph input (a factory such as full / arange, or shape math)."""
-    seen, stack = set(), [n]
-    while stack:
-        m = stack.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if m.op in ("placeholder", "get_attr"):
-            return False
-        stack.extend(m.all_input_nodes)
-    return True
+    return out4, q, found_k, found_v, mask, nodes
 
 
 def _eager_scale(ev: RegionEvaluator, out4, q, k_cache, v_cache, mask, nodes):
     """(scale, invert the boolean mask) for which the op equals the written-out attention on probes (module
     docstring), or None."""
-    from ..kernels.gqa_attention import reference_gqa_decode_attention
-    from .engine import float_literals
     g = torch.Generator().manual_seed(4)
     qv, kv = tensor_val(q), tensor_val(k_cache)
     env = {q: (torch.randn(tuple(qv.shape), generator=g) * 2).to(qv.dtype),

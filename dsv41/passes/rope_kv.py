@@ -307,11 +307,8 @@ class RopeKvFamily(FusionFamily):
                 found[y] = f
         # an inner node of a larger RoPE region (a product of x's own shape and dtype) is not a RoPE output
         outer = [y for y in found if not any(y in f[0] for z, f in found.items() if z is not y)]
-        best = None
-        for y in sorted(outer, key=lambda n: abs(key(n) - key(yk))):
-            best = (y, found[y][0], found[y][1])
-            break
-        return best if best is not None else (None, None, None)
+        y = min(outer, key=lambda n: abs(key(n) - key(yk)), default=None)
+        return (None, None, None) if y is None else (y, found[y][0], found[y][1])
 
     # ------------------------------------------------------------------ rewrite
     def _fuse(self, graph, ev, op, site: _Site, key, gated):
@@ -339,11 +336,13 @@ class RopeKvFamily(FusionFamily):
         new: list = []
 
         def add(target, args, like=site.wk):
+            """Insert `target(*args)` before the anchor, remembered for `undo`; the new node."""
             node = insert_node(graph, anchor, target, args, like=like)
             new.append(node)
             return node
 
         def undo(why):
+            """Erase every node `add` inserted (last first); (None, why) for the caller to return."""
             for n in reversed(new):
                 graph.erase_node(n)
             return None, why
@@ -455,6 +454,7 @@ class RopeKvFamily(FusionFamily):
         s = int(concrete_shape(tensor_val(pos))[0])
 
         def rnd(node):
+            """A standard-normal probe of the node's compiled shape and dtype."""
             v = tensor_val(node)
             return torch.randn(tuple(concrete_shape(v)), generator=g).to(v.dtype)
 
