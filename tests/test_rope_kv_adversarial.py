@@ -349,9 +349,9 @@ def test_fp32_complex_freqs_reason_is_not_a_layout_mismatch():
     assert not any("agrees with no layout" in m["reason"] for m in o.family["near_misses"]), o.family
 
 
-@pytest.mark.xfail(strict=True, reason="open: in FP32 the views of x collapse to one [..., D/2, 2] view, so the "
-                                       "RoPE input found is 5-D; the op wants [B, S, Hkv, D]")
 def test_fp32_complex_freqs_fuses():
+    """Meta's reference Llama spelling in FP32: `view_as_complex(x.reshape(..., D/2, 2)) * freqs_cis`, no cast, so
+    the RoPE input found is the pair view; the family walks back to the 4-D heads."""
     cfg = Case(complex_step, trig="complex")
     o = decode(cfg)
     assert_same(o, cfg.dtype)

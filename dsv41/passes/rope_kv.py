@@ -294,7 +294,7 @@ class RopeKvFamily(FusionFamily):
                     continue
                 # k's region holds the angles' shared casts and views: walk through it, take nothing from it
                 if (u.op == "call_function" and u not in region_k and uv.dtype == kv.dtype and uv.dim() == 4
-                        and concrete_shape(uv)[-1] == concrete_shape(kv)[-1] and u not in used_q):
+                        and concrete_shape(uv)[-1] == _heads(concrete_shape(kv))[-1] and u not in used_q):
                     cands.append(u)
                 if _rope_like(u):
                     frontier.append(u)
@@ -303,7 +303,7 @@ class RopeKvFamily(FusionFamily):
             f = rope_region(y, sourced)
             # q's x must have y's own shape: the op returns q rotated in x's layout for y's place
             if (f is not None and set(f[2]) == set(leaves) and f[1] is not xk
-                    and concrete_shape(tensor_val(f[1])) == concrete_shape(tensor_val(y))):
+                    and _heads(concrete_shape(tensor_val(f[1]))) == tuple(concrete_shape(tensor_val(y)))):
                 found[y] = f
         # an inner node of a larger RoPE region (a product of x's own shape and dtype) is not a RoPE output
         outer = [y for y in found if not any(y in f[0] for z, f in found.items() if z is not y)]
@@ -358,13 +358,17 @@ class RopeKvFamily(FusionFamily):
             e = add(aten.expand.default, (val, [b, hkv, s, d]))
             canon.append(add(aten.permute.default, (e, [0, 2, 1, 3])))
         k_c, v_c = canon
-        perms_k = _orientations(concrete_shape(kv), s, hkv)
+        kshape = _heads(concrete_shape(kv))
+        perms_k = _orientations(kshape, s, hkv)
         if not perms_k:
-            return undo(("rope_values", f"k's RoPE input {tuple(concrete_shape(kv))} is neither [B, S, Hkv, D] nor "
+            return undo(("rope_values", f"k's RoPE input {kshape} is neither [B, S, Hkv, D] nor "
                                         "[B, Hkv, S, D]"))
         perms_q: list = [None]
-        if site.xq is not None:
-            qshape = concrete_shape(tensor_val(site.xq))
+        xq = site.xq
+        if xq is not None:
+            qshape = _heads(concrete_shape(tensor_val(xq)))
+            if qshape != tuple(concrete_shape(tensor_val(xq))):
+                xq = add(aten.reshape.default, (xq, list(qshape)))
             perms_q = [p for p in ((0, 1, 2, 3), (0, 2, 1, 3))
                        if p in _orientations(qshape, s, qshape[2 if p[1] == 1 else 1])]
             if not perms_q:
@@ -377,7 +381,7 @@ class RopeKvFamily(FusionFamily):
                 a = trig[lf]
                 av = tensor_val(a)
                 w = int(concrete_shape(av)[-1])
-                e = add(aten.expand.default, (a, list(concrete_shape(kv)[:-1]) + [w]))
+                e = add(aten.expand.default, (a, list(kshape[:-1]) + [w]))
                 p = add(aten.permute.default, (e, list(perm_k)))
                 sel = add(aten.select.int, (p, 2, 0))
                 if av.is_complex():
@@ -397,8 +401,7 @@ class RopeKvFamily(FusionFamily):
                 for perm_q in perms_q:
                     q_c = None
                     if perm_q is not None:
-                        q_c = add(aten.permute.default, (site.xq, list(perm_q))) if perm_q != (0, 1, 2, 3) \
-                            else site.xq
+                        q_c = add(aten.permute.default, (xq, list(perm_q))) if perm_q != (0, 1, 2, 3) else xq
                     choice = self._verify(ev, site, k_c, v_c, q_c, perm_q, parts, pos, t, kv.dtype)
                     if choice is not None:
                         return choice, parts, q_c, perm_q
@@ -471,7 +474,7 @@ class RopeKvFamily(FusionFamily):
             got = ev.evaluate(wanted, env)
         except (RegionNotClosed, RuntimeError, TypeError, ValueError, IndexError):
             return None
-        d = int(concrete_shape(tensor_val(site.xk))[-1])
+        d = int(_heads(concrete_shape(tensor_val(site.xk)))[-1])
         for exact in (True, False):  # an exact spelling first: within 4 ulps both roundings may pass
             for layout, (_, frac) in LAYOUTS.items():
                 if int(got[parts[0]].shape[-1]) != d // frac:
@@ -508,8 +511,8 @@ class RopeKvFamily(FusionFamily):
 
     def _record(self, site, replaced, layout, rnd, b, s, hkv, d) -> MatchRecord:
         e = tensor_val(site.xk).element_size()
-        h = 0 if site.xq is None else int(concrete_shape(tensor_val(site.xq))[2 if concrete_shape(
-            tensor_val(site.xq))[1] == s else 1])
+        qshape = None if site.xq is None else _heads(concrete_shape(tensor_val(site.xq)))
+        h = 0 if qshape is None else int(qshape[2 if qshape[1] == s else 1])
         rows_expr, subs = token_rows((b, s))
         qk = (h + hkv) * d
         # Before: each RoPE reads x, writes an FP32 copy, reads it with the angles, writes the FP32 result, reads
@@ -540,6 +543,15 @@ def _reaches(inputs, outputs, key) -> bool:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
+
+
+def _heads(shape):
+    """`shape` as a tuple, with a trailing [..., D/2, 2] merged into [..., D]: in FP32 no cast separates
+    `view_as_complex(x.reshape(..., D/2, 2))` from x, so the RoPE input found is that pair view (Meta's Llama)."""
+    shape = tuple(shape) if shape is not None else None
+    if shape is not None and len(shape) == 5 and shape[-1] == 2:
+        return shape[:-2] + (2 * shape[-2],)
+    return shape
 
 
 def _orientations(shape, s: int, heads: int) -> list:
