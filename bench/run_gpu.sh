@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust llama generic diag (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama generic waitcheck (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -196,7 +196,7 @@ for s in $sections; do
           --new-tokens ${GENERIC_NEW_TOKENS:-128} --repeats 2 --no-warm-compile --backends $rows $opt \
           --json "$OUTDIR/generic_${fam}.json" 2>&1 | grep -v Warning | tail -7 | cut -c1-200
       done ;;
-    diag)
+    waitcheck)
       # Session 30: the loads Triton 3.6 puts before griddepcontrol.wait in the fragment GEMV built without weight
       # prefetch (the assertion lists them), and rope_kv_store against Inductor's unfused chain.
       timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -x tests/test_kernels_gemv_frag.py \
