@@ -53,8 +53,9 @@ at the mean decode context C = prompt_len + new_tokens // 2; `roofline_tok_s` = 
 bandwidth measured in this run (bytes read + written per second) / decode_bytes_per_step; a backend's
 `roofline_fraction` = its median decode tok/s / roofline_tok_s. Null on CPU.
 
-Prefill runs on the eager module for every backend (`generate(compiled_prefill=False)`, gpt-fast style: only
-the static-shape decode step is compiled), so `prefill_tok_s` measures the same code for every row.
+Prefill runs on the eager module for every backend (gpt-fast style), so `prefill_tok_s` measures the same code for
+every row; with `compiled_prefill` it goes through each row's compiled model in `PREFILL_CHUNKS`-token chunks.
+Rows carry `ttft_s`; the top level `prefill_floor_tok_s` (FLOP floor, `bench_protocol.prefill_floor`).
 
 Result JSON (extend, don't rename; `null` where not measured, with the reason in the row's `note`):
 top level `date`, `gpu`, `driver`, `torch`, `triton`, `cuda`, `host`, `preset`, `weight_mode`, `dtype`,
@@ -99,7 +100,8 @@ from .bench_context import context_sweep as _context_sweep
 from .bench_context import decode_from_context  # noqa: F401
 from .bench_protocol import (DEFINITIONS, alternation_order, decode_bytes_per_step, decode_context,  # noqa: F401
                              fill_rows, identical_rows, launches_by_name, max_rel_logit_err, measure_alternating, roofline,
-                             round_phase_medians, summarize, summarize_runs, tensor_digest)
+                             prefill_floor, round_phase_medians, summarize, summarize_runs, tensor_digest)
+from .model.prefill import PREFILL_CHUNKS
 from .bench_protocol import cudagraph_skips as _cudagraph_skips
 from .bench_protocol import empty_row as _empty_row
 from .bench_protocol import fail_text as _fail
@@ -140,7 +142,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                   tp: Mapping[str, Any] | None = None, regional: bool = False, shared_cache: bool = False,
                   precompile: int = 0, cache_dir: str | None = None, precompile_only: bool = False,
                   on_update: Callable[[dict], None] | None = None, eager_new_tokens: int | None = None,
-                  row_new_tokens: Mapping[str, int] | None = None) -> dict:
+                  row_new_tokens: Mapping[str, int] | None = None, compiled_prefill: bool = False) -> dict:
     """Run the protocol of the module docstring and return the result dict (schema there).
 
     Args:
@@ -196,6 +198,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
         on_update: called with a finalised copy of the result so far (`partial: true`) after the eager reference
             and after each backend's cold compile, warm-up and kernel count, after the measured runs and after the
             context sweep, so a run killed by a time limit still leaves what it measured.
+        compiled_prefill: every timed run prefills through its runner in chunks (`generate(compiled_prefill=True)`).
     Raises:
         UsageError (a ValueError): a bad request, before anything is built (`dsv41.bench_plan.check_request`:
             sizes, rows, token counts, contexts, workers, dtype, weight mode, cache positions).
@@ -264,6 +267,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
            "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "logit_err_vs_fp32_eager": None,
            "fp32_reference": None, "backends": {}}
     res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
+    cpk = {"compiled_prefill": True} if compiled_prefill else {}  # only when asked: test stand-ins of timed_run lack it
+    res.update(prefill_floor(b.active_params_decode, prompt_len, harness.tensor_core_rate() if cuda else None),
+               compiled_prefill=compiled_prefill, prefill_chunks=list(PREFILL_CHUNKS) if compiled_prefill else None)
     if tp_info is not None:
         res["tp"] = tp_info
     rows = res["backends"]
@@ -426,7 +432,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     say(f"{n}: cold compile + first run ...")
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
-                    cold_wall[n] = timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
+                    cold_wall[n] = timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n], **cpk)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
                     rows[n]["compile_cache_misses"] = _cache_misses() - misses
@@ -471,9 +477,9 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
                         runners[n] = make_runner(model, n, options, regional)
-                        warm_wall[n] = timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])["wall_s"]
+                        warm_wall[n] = timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n], **cpk)["wall_s"]
                     else:
-                        timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n])
+                        timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n], **cpk)
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -543,7 +549,7 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: timed_run(r, prompt, t, cuda, e))
+            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: timed_run(r, prompt, t, cuda, e, **cpk))
                    for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():

@@ -70,6 +70,9 @@ def parser():
                    help="also measure decode tok/s at these contexts (synthetic caches, e.g. 4096,32768,131072)")
     p.add_argument("--context-tokens", type=int_at_least(2), default=32,
                    help="decode steps per context point (default 32)")
+    p.add_argument("--compiled-prefill", action="store_true",
+                   help="prefill through each row's compiled model in fixed-size chunks (dsv41/model/prefill.py) "
+                        "instead of the eager module")
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument("--png", nargs="?", const="", default=None,
                    help="write the plot; without a path, next to --json with .png (else out/dsv41_bench.png)")
@@ -253,7 +256,8 @@ def _bench_from_args(a) -> int:
                           contexts=a.contexts_list, context_tokens=a.context_tokens, tp=tp, regional=a.regional,
                           shared_cache=a.shared_cache, precompile=a.precompile, cache_dir=a.cache_dir,
                           precompile_only=a.precompile_only, on_update=write_json,
-                          eager_new_tokens=a.eager_new_tokens, row_new_tokens=a.row_new_tokens_map)
+                          eager_new_tokens=a.eager_new_tokens, row_new_tokens=a.row_new_tokens_map,
+                          compiled_prefill=a.compiled_prefill)
     if rank != 0:
         return 0
     console = _console()

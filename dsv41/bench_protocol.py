@@ -19,12 +19,20 @@ from .bench_rows import base_backend
 __all__ = ["DEFINITIONS", "summarize", "alternation_order", "measure_alternating", "roofline", "decode_context",
            "decode_bytes_per_step", "round_phase_medians", "launches_by_name", "tensorrt_import_error",
            "use_cache_dir", "max_rel_logit_err", "summarize_runs", "cudagraph_skips", "empty_row", "tensor_digest",
-           "identical_rows", "fail_text", "fill_rows"]
+           "identical_rows", "fail_text", "fill_rows", "prefill_floor"]
 
 DEFINITIONS = {
     "decode_tok_s": "tokens after the first / (time of the last token - time of the first), per run; median, "
                     "min, max over the measured runs (BENCHMARK.md 'Metric')",
-    "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend",
+    "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend, "
+                     "unless `compiled_prefill` (then through the row's compiled model in chunks of "
+                     "`prefill_chunks` tokens, dsv41/model/prefill.py)",
+    "ttft_s": "time to first token (the prefill and the first token's argmax), seconds; median over the measured "
+              "runs",
+    "prefill_floor_tok_s": "prompt tokens / (prefill_flops / the dense tensor-core rate measured in the same run, "
+                           "`tensor_core_rate`: an FP8 e4m3 8192^3 torch._scaled_mm where the GPU runs it, else bf16 "
+                           "torch.mm); prefill_flops = 2 x active parameters per token x prompt tokens (the "
+                           "projections and experts; attention's own FLOPs left out); null on CPU",
     "kernels_per_step": "GPU kernel activities recorded by torch.profiler during one decode step after warm-up "
                         "(memcpy/memset activities are memcpy_memset_per_step); CUDA only",
     "kernels_per_step_by_role": "dsv41 rows: static launches of one decode step (generated code of the cold "
@@ -152,6 +160,18 @@ def roofline(decode_bytes: float, bandwidth_tb_s: float) -> float:
     return bandwidth_tb_s * 1e12 / decode_bytes
 
 
+def prefill_floor(active_params: int, prompt_len: int, rate: dict | None) -> dict:
+    """Result keys of the prefill's FLOP floor (`DEFINITIONS["prefill_floor_tok_s"]`): {"prefill_flops",
+    "tensor_core_rate" (`harness.tensor_core_rate`'s dict, or None on CPU), "prefill_floor_tok_s" (None without a
+    rate)}. Raises: ValueError for non-positive parameters or prompt length."""
+    if active_params < 1 or prompt_len < 1:
+        raise ValueError(f"prefill_floor needs positive parameters and prompt length, got {active_params}, "
+                         f"{prompt_len}")
+    flops = 2 * active_params * prompt_len
+    floor = prompt_len / (flops / (rate["tflops"] * 1e12)) if rate else None
+    return {"prefill_flops": flops, "tensor_core_rate": rate, "prefill_floor_tok_s": floor}
+
+
 def decode_context(prompt_len: int, new_tokens: int) -> int:
     """Mean context of the decode steps, tokens: prompt_len + new_tokens // 2 (the roofline's KV read)."""
     return prompt_len + new_tokens // 2
@@ -240,6 +260,8 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
         raise ValueError("summarize_runs needs at least one run")
     dec = summarize(o.decode_tok_s for o in outs)
     row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
+           "ttft_s": None if any(getattr(o, "prefill_s", None) is None for o in outs)
+           else summarize(o.prefill_s for o in outs)["median"],
            "tokens_match_eager": None, "matching_prefix_tokens": None,
            "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
     if ref_tokens is not None:
@@ -264,7 +286,8 @@ def cudagraph_skips() -> int:
 
 def empty_row() -> dict:
     """A result row with every figure of BENCHMARK.md "Recorded with every result" null (filled as the run goes)."""
-    return {"decode_tok_s": None, "prefill_tok_s": None, "kernels_per_step": None, "memcpy_memset_per_step": None,
+    return {"decode_tok_s": None, "prefill_tok_s": None, "ttft_s": None, "kernels_per_step": None,
+            "memcpy_memset_per_step": None,
             "roofline_fraction": None, "compile_s": None, "compile_warm_s": None, "compile_phases_s": None,
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
             "logit_err_vs_fp32": None, "logit_err_vs_fp32_over_eager": None, "teacher_forced_logits_sha256": None,

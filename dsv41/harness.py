@@ -185,11 +185,16 @@ def cache_positions(cfg, prompt_len: int, new_tokens: int, contexts: Sequence[in
     return need
 
 
-def timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None) -> dict:
+def timed_run(runner, prompt, new_tokens: int, cuda: bool, speculative: float | None = None,
+              compiled_prefill: bool = False) -> dict:
     """One `generate` run: {"out": GenerateResult, "wall_s": seconds incl. sync, "peak_gb": float | None}.
-    `speculative`: DSpark speculative decoding with simulated "match-expected" acceptance of that mean length."""
+    `speculative`: DSpark speculative decoding with simulated "match-expected" acceptance of that mean length.
+    `compiled_prefill`: the prompt goes through `runner` in fixed-size chunks (`model.prefill`), not the eager
+    module."""
     from .model import generate
     spec = {} if speculative is None else dict(speculative=True, simulate_acceptance=speculative)
+    if compiled_prefill:
+        spec["compiled_prefill"] = True
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -221,6 +226,35 @@ def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return 2 * src.numel() / statistics.median(times) / 1e12
+
+
+def tensor_core_rate(n: int = 8192, reps: int = 10) -> dict:
+    """Dense matmul rate of the current CUDA device: {"tflops": median of `reps` [n, n] x [n, n] products, "dtype":
+    "float8_e4m3fn" (`torch._scaled_mm`, per-tensor scales, bf16 out) where the device and torch run it, else
+    "bfloat16" (`torch.mm`)}. The prefill's FLOP floor divides by it (issue [prefill]). Raises: RuntimeError without
+    CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("tensor_core_rate needs a CUDA device")
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    one = torch.ones((), device="cuda")
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        run, dtype = (lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)), "float8_e4m3fn"
+        run()
+    except (RuntimeError, AttributeError, TypeError):  # no FP8 tensor cores (pre-sm_89) or another signature
+        run, dtype = (lambda: torch.mm(a, b)), "bfloat16"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return {"tflops": 2 * n ** 3 / statistics.median(times) / 1e12, "dtype": dtype}
 
 
 @torch.no_grad()

@@ -12,7 +12,13 @@ the context starts below tiny's sliding_window = 16 and index_topk = 8 and cross
 empty ring slots and -1 selections), recorded as `short_eager_tokens`, `short_compiled_tokens`,
 `short_max_rel_logit_error` and `short_teacher_forced_argmax_equal` (teacher-forced along eager's tokens, like the
 long keys), and `short_new_graphs`: Dynamo graphs compiled by the short run (0 when the static decode graph is
-reused: the cache is reset in place, positions are tensors). The package `dsv41` itself is imported
+reused: the cache is reset in place, positions are tensors).
+
+Then the chunked compiled prefill (issue [prefill]): `generate(compiled_prefill=True, prefill_chunks=CHUNKS)` on the
+40-token prompt (`chunked_compiled_tokens`), the last prompt position's logits of `prefill(compiled, ...)` against
+one eager call over the whole prompt (`chunked_prefill_max_rel_logit_error`, relative to the largest |logit|), and
+`chunked_new_graphs` (1: the 16-token chunk; the 1-token chunks reuse the decode graph). `report` is the decode
+graph's, taken before. The package `dsv41` itself is imported
 (the model lives there) but never its compiler: the backend must be found through the entry point.
 """
 
@@ -33,6 +39,8 @@ model = DeepseekV41Flash(cfg, "checkpoint", torch.float32).init_random(0).eval()
 prompt = benchmark_prompt(cfg, 40)
 #: Short-prompt run: 5 tokens < sliding_window (16) and < index_topk (8); 12 new tokens cross both.
 SHORT_PROMPT, SHORT_NEW = 5, 12
+#: Chunk sizes of the compiled chunked prefill of the 40-token prompt: 16, 16, then eight 1-token chunks.
+CHUNKS = (16, 1)
 compiler_imported_before = "dsv41.compiler" in sys.modules
 
 with torch.no_grad():
@@ -51,10 +59,19 @@ with torch.no_grad():
     short_ref = teacher_forced_logits(model, short_prompt, short_eager.tokens).double()
     short_tf = teacher_forced_logits(compiled, short_prompt, short_eager.tokens).double()
     short_new_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before_short
+    import dsv41  # noqa: E402
 
-import dsv41  # noqa: E402
-
-report = dsv41.last_report()
+    report = dsv41.last_report()  # the decode graph's; the chunked prefill below compiles one more graph
+    # Chunked compiled prefill (issue [prefill]): chunks of 16 and 1 tokens, the 1-token ones through the decode graph.
+    from dsv41.model.prefill import prefill  # noqa: E402
+    graphs_before_chunked = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    chunked = generate(compiled, prompt, n_tokens, compiled_prefill=True, prefill_chunks=CHUNKS)
+    positions = torch.arange(prompt.numel())[None]
+    model.reset_cache()
+    prefill_ref = model(prompt[None], positions, last_only=True)[:, -1].double()
+    model.reset_cache()
+    prefill_got = prefill(compiled, prompt[None], positions, CHUNKS)[:, -1].double()
+    chunked_new_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before_chunked
 scale = ref.abs().amax(-1)
 result = {
     "compiler_imported_before_compile": compiler_imported_before,
@@ -71,6 +88,9 @@ result = {
     "short_max_rel_logit_error": float(((short_tf - short_ref).abs().amax(-1) / short_ref.abs().amax(-1)).max()),
     "short_teacher_forced_argmax_equal": bool(torch.equal(short_tf.argmax(-1), short_ref.argmax(-1))),
     "short_new_graphs": short_new_graphs,
+    "chunked_compiled_tokens": chunked.tokens.tolist(),
+    "chunked_prefill_max_rel_logit_error": float((prefill_got - prefill_ref).abs().max() / prefill_ref.abs().max()),
+    "chunked_new_graphs": chunked_new_graphs,
     "report": report.to_dict(),
 }
 with open(out_path, "w") as f:

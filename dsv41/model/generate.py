@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .config import ModelConfig
+from .prefill import PREFILL_CHUNKS, check_chunk_sizes, prefill
 from .results import Clock, GenerateResult, base_model
 
 __all__ = ["GenerateResult", "generate", "benchmark_prompt"]
@@ -32,7 +35,8 @@ def benchmark_prompt(config: ModelConfig, length: int, batch_size: int = 1, seed
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
              speculative: bool = False, simulate_acceptance: float | None = None, drafter=None,
-             return_logits: bool = False, round_phases: bool = False) -> GenerateResult:
+             return_logits: bool = False, round_phases: bool = False,
+             prefill_chunks: Sequence[int] = PREFILL_CHUNKS) -> GenerateResult:
     """Greedy decode: prefill `prompt_ids`, then `max_new_tokens - 1` decode steps of one token each.
 
     With `speculative=True`: DSpark speculative decoding instead (`speculative.generate_speculative`): each round
@@ -44,27 +48,32 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
     Args:
         model: a `DeepseekV41Flash` or a `torch.compile` wrapper of one. Decode steps go through `model`;
             prefill runs on the eager module underneath unless `compiled_prefill` (gpt-fast style: only the
-            static-shape decode step is compiled, so a new prompt length never triggers a compile).
+            static-shape decode step is compiled, so a new prompt length never triggers a compile). With
+            `compiled_prefill` the prompt goes through `model` in chunks of the fixed `prefill_chunks` sizes
+            (`prefill.chunk_plan`): one static compiled graph per size, whatever the prompt length.
             Caches are reset in place when big enough, else (re)allocated with `setup_cache`.
         prompt_ids: int64 [P] or [B, P].
         max_new_tokens: tokens to produce (>= 1). EOS is ignored.
         return_logits: also keep each decode step's last-position logits (float32, cloned, since a CUDA-graph
             output is overwritten by the next replay); costs a copy per step, so timed runs leave it off.
         round_phases: (speculative only) time each round's phases (`speculative.generate_speculative`).
+        prefill_chunks: chunk sizes of a compiled prefill (default `PREFILL_CHUNKS`; must include 1).
     Returns:
         `GenerateResult` with tokens [B, max_new_tokens] and per-token timestamps (CUDA events on GPU).
     Raises:
-        ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings;
+        ValueError: empty prompt, max_new_tokens < 1, or a total length beyond max_position_embeddings; bad
+        `prefill_chunks` (`prefill.check_chunk_sizes`);
         `simulate_acceptance`, `drafter` or `round_phases` without `speculative`; `return_logits` with
         `speculative` or with max_new_tokens < 2 (no decode step).
     """
     if return_logits and (speculative or max_new_tokens < 2):
         raise ValueError("return_logits needs plain decoding (speculative=False) and max_new_tokens >= 2")
+    prefill_chunks = check_chunk_sizes(prefill_chunks)
     if speculative:
         from .speculative import generate_speculative
         return generate_speculative(model, prompt_ids, max_new_tokens, compiled_prefill=compiled_prefill,
                                     simulate_acceptance=simulate_acceptance, drafter=drafter,
-                                    round_phases=round_phases)
+                                    round_phases=round_phases, prefill_chunks=prefill_chunks)
     if simulate_acceptance is not None or drafter is not None or round_phases:
         raise ValueError("simulate_acceptance, drafter and round_phases need speculative=True")
     base = base_model(model)
@@ -85,7 +94,10 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_pref
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=dev)
     mark()
     pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
-    logits = (model if compiled_prefill else base)(ids, pos, last_only=True)
+    if compiled_prefill:
+        logits = prefill(model, ids, pos, prefill_chunks)
+    else:
+        logits = base(ids, pos, last_only=True)
     tok = logits[:, -1].argmax(-1)
     out[:, 0] = tok
     mark()

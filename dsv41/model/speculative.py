@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import List
+from typing import List, Sequence
 
 import torch
 
 from .csa import SPEC_TRAIL_ROWS
 from .results import Clock, GenerateResult, base_model
+from .prefill import PREFILL_CHUNKS, prefill
 
 __all__ = ["CacheJournal", "RoundJournal", "journal_for", "forget_journals", "greedy_acceptance", "MatchExpected",
            "generate_speculative", "ROUND_PHASES"]
@@ -266,12 +267,13 @@ class MatchExpected:
 @torch.no_grad()
 def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, compiled_prefill: bool = False,
                          simulate_acceptance: float | None = None, drafter=None, seed: int = 0,
-                         round_phases: bool = False):
+                         round_phases: bool = False, prefill_chunks: Sequence[int] = PREFILL_CHUNKS):
     """Greedy DSpark speculative decoding (module docstring); called by `generate(..., speculative=True)`.
 
     Args:
         model: a `DeepseekV41Flash` with DSpark stages, or a `torch.compile` wrapper of one (verify rows go through
-            it; the prefill runs on the eager module unless `compiled_prefill`).
+            it; the prefill runs on the eager module unless `compiled_prefill`, which prefills through `model` in
+            chunks of the fixed `prefill_chunks` sizes, as `generate` does).
         prompt_ids: int64 [P] or [B, P]. max_new_tokens: tokens to produce (>= 1).
         simulate_acceptance: None for greedy acceptance, else the "match-expected" mean length (e.g. 5.5).
         drafter: callable with the signature of `DSpark.forward` (e.g. `torch.compile(model.mtp)`); default the
@@ -317,11 +319,18 @@ def generate_speculative(model, prompt_ids: torch.Tensor, max_new_tokens: int, c
     clock.mark()
     ids = prompt_ids.to(dev)
     pos = torch.arange(p, device=dev)[None].expand(b, p).contiguous()
-    logits, feats = (model if compiled_prefill else base)(ids, pos, last_only=True, return_features=True)
+    if compiled_prefill:
+        chunks: list = []
+        logits, feats = prefill(model, ids, pos, prefill_chunks, each=lambda o, cp: chunks.append((o[1], cp)),
+                                return_features=True)
+    else:
+        logits, feats = base(ids, pos, last_only=True, return_features=True)
+        chunks = [(feats, pos)]
     y = logits[:, -1].argmax(-1)
     out: List[List[int]] = [[t] for t in y.tolist()]
     clock.mark()
-    base.mtp.commit(feats, pos, torch.ones(b, p, dtype=torch.bool, device=dev))
+    for f, fp in chunks:  # one commit per prefill chunk writes the ring as one commit of the whole prompt does
+        base.mtp.commit(f, fp, torch.ones(fp.shape, dtype=torch.bool, device=dev))
     start = torch.full((b,), p, dtype=torch.int64, device=dev)
     offs = torch.arange(m, device=dev)
     none = torch.zeros(b, m, dtype=torch.bool, device=dev)
