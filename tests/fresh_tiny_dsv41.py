@@ -66,11 +66,12 @@ with torch.no_grad():
     from dsv41.model.prefill import prefill  # noqa: E402
     graphs_before_chunked = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     chunked = generate(compiled, prompt, n_tokens, compiled_prefill=True, prefill_chunks=CHUNKS)
-    positions = torch.arange(prompt.numel())[None]
+    ids = prompt.reshape(1, -1)
+    positions = torch.arange(ids.shape[1])[None]
     model.reset_cache()
-    prefill_ref = model(prompt[None], positions, last_only=True)[:, -1].double()
+    prefill_ref = model(ids, positions, last_only=True)[:, -1].double()
     model.reset_cache()
-    prefill_got = prefill(compiled, prompt[None], positions, CHUNKS)[:, -1].double()
+    prefill_got = prefill(compiled, ids, positions, CHUNKS)[:, -1].double()
     chunked_new_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before_chunked
 scale = ref.abs().amax(-1)
 result = {
