@@ -105,3 +105,25 @@ def test_dsv41_compiled_chunked_prefill_equals_eager(tiny_dsv41):
     assert tiny_dsv41["chunked_prefill_max_rel_logit_error"] < 1e-4
     assert tiny_dsv41["chunked_compiled_tokens"] == tiny_dsv41["eager_tokens"]
     assert tiny_dsv41["chunked_new_graphs"] == 1
+
+
+def test_speculative_decoding_after_a_chunked_prefill(tiny_model):
+    """DSpark commits the prompt's features to its drafter ring: chunk by chunk it must leave the ring as one commit
+    of the whole prompt does, so the speculative tokens (greedy: equal to plain greedy) and the natural acceptance
+    agree with an eager whole-prompt prefill."""
+    ids = benchmark_prompt(tiny_model.config, 27)
+    with torch.no_grad():
+        plain = generate(tiny_model, ids, 9)
+        whole = generate(tiny_model, ids, 9, speculative=True)
+        chunked = generate(tiny_model, ids, 9, speculative=True, compiled_prefill=True, prefill_chunks=(8, 3, 1))
+    assert chunked.tokens.tolist() == whole.tokens.tolist() == plain.tokens.tolist()
+    assert chunked.natural_acceptance == whole.natural_acceptance
+
+    def rings(**kw):
+        """Every DSpark stage's context ring right after the prompt's commit (one new token: no round ran)."""
+        with torch.no_grad():
+            generate(tiny_model, ids, 1, speculative=True, **kw)
+        return [t.clone() for st in tiny_model.mtp for t in (st.attn.ring_codes, st.attn.ring_scales)]
+
+    want, got = rings(), rings(compiled_prefill=True, prefill_chunks=(8, 3, 1))
+    assert len(want) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(want, got))
