@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust llama generic waitcheck (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama generic waitcheck prefill (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -196,6 +196,13 @@ for s in $sections; do
           --new-tokens ${GENERIC_NEW_TOKENS:-128} --repeats 2 --no-warm-compile --backends $rows $opt \
           --json "$OUTDIR/generic_${fam}.json" 2>&1 | grep -v Warning | tail -7 | cut -c1-200
       done ;;
+    prefill)
+      # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against
+      # the eager prefill, one lease: ttft_s / prefill_tok_s per row and the FLOP floor at the top level.
+      timeout ${PREFILL_TIMEOUT:-420} python3 -m dsv41.bench --preset ${PREFILL_PRESET:-small} --backends ${PREFILL_ROWS:-eager,dsv41} \
+        --prompt-len ${PREFILL_PROMPT_LEN:-1024} --new-tokens 8 --repeats ${PREFILL_REPEATS:-2} --no-warm-compile \
+        ${PREFILL_FLAGS:---regional} --compiled-prefill --json "$OUTDIR/prefill_${PREFILL_PRESET:-small}.json" 2>&1 \
+        | grep -v Warning | tail -12 | cut -c1-200 ;;
     waitcheck)
       # Session 30: the loads Triton 3.6 puts before griddepcontrol.wait in the fragment GEMV built without weight
       # prefetch (the assertion lists them), and rope_kv_store against Inductor's unfused chain.

@@ -443,3 +443,37 @@ def test_a_weight_region_reading_another_graph_input_is_a_near_miss():
         assert "c_1" in rec.near_misses[0].reason
         gm.recompile()
         assert torch.equal(gm(x, w, s, c), fn(x, w, s, c))
+
+
+def test_codes_held_k_by_n_and_used_as_stored_are_an_orientation_near_miss():
+    """`x @ dequantize(codes [K, N])` (a checkpoint that stores the matmul's right operand as is): the fused ops read
+    [N, K] rows, so the matmul stays unfused, and the report says so by name instead of only noting a materialised
+    weight; the same codes read as nn.Linear's [N, K] still fuse."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dsv41.model.formats import dequantize_fp8_block
+    from dsv41.passes import dispatch
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 120, (64, 96), dtype=torch.uint8, generator=gen)  # [K, N], no NaN encodings
+    s = torch.randint(120, 130, (2, 3), dtype=torch.uint8, generator=gen)
+    x = torch.randn(2, 64)
+
+    def as_stored(x, w, s):
+        return x @ dequantize_fp8_block(w, s, torch.float32)
+
+    gm = make_fx(as_stored, tracing_mode="fake")(x, w, s)
+    rec = dispatch.DispatchFamily().run(gm)
+    assert len(rec.matches) == 0
+    assert [m.check for m in rec.near_misses] == ["orientation"], rec.near_misses
+    assert "[K, N]" in rec.near_misses[0].reason
+    gm.recompile()
+    assert torch.equal(gm(x, w, s), as_stored(x, w, s))
+
+    wt, st = w.t().contiguous(), s.t().contiguous()  # the same weight held as nn.Linear holds it
+
+    def linear(x, w, s):
+        return F.linear(x, dequantize_fp8_block(w, s, torch.float32))
+
+    rec = dispatch.DispatchFamily().run(make_fx(linear, tracing_mode="fake")(x, wt, st))
+    assert len(rec.matches) == 1 and not rec.near_misses

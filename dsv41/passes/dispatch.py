@@ -86,7 +86,7 @@ _WEIGHT_ROLES = (Role("x", "[.., K]"), Role("codes", "[N, K] / [N, K/2]", "uint8
                  Role("scale", "[N/32, K/32] / [N, K/32]", "uint8"))
 _WEIGHT_CHECKS = ("ue8m0_scale_rule", "scale_missing", "ue8m0_exponent_bias", "e2m1_nibble_order", "dequant_values",
                   "weight_shape", "scale_range", "region_closed", "op_shape", "weight_source", "static_shapes",
-                  "gpu_unvalidated", "op_registered")
+                  "gpu_unvalidated", "op_registered", "orientation")
 #: What each dispatch chain looks for (`dsv41 report --patterns`).
 SPEC = register_family(
     "dispatch", "dequantize(block-FP8 / FP4 weight) [+ FP8 1x32 activation fake-quant] -> matmul; "
@@ -187,6 +187,14 @@ class DispatchFamily(FusionFamily):
                     misses.append(NearMiss(self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", check, reason,
                                            SourceLocation.from_node(u)))
                 continue
+            if not cand.transposed:
+                for u in matmuls:  # x @ W with W held [K, N]: everything else fits, so say why it stays
+                    misses.append(NearMiss(
+                        self.name, f"dequantize({cand.fmt}) -> {node_label(u)}", "orientation",
+                        f"the weight is used as stored, x @ W with its codes held [K, N] = [{cand.n}, {cand.k}]; the "
+                        "fused linear ops read codes as [N, K] rows (nn.Linear's layout, x @ W.t()), so this matmul "
+                        "stays with Inductor (storing the codes and scale grid transposed would fuse it)",
+                        SourceLocation.from_node(u)))
             op_name = dict(params).get("op", WEIGHT_FORMATS[cand.fmt])
             op = dsv41_op(op_name)
             for u in mm_users:
