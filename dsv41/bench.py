@@ -113,6 +113,8 @@ from .bench_reports import PROFILE_STEPS  # noqa: F401
 from .bench_reports import REPORTS as _REPORTS
 from .bench_reports import attach_report as _attach_report
 from .bench_reports import set_breakdown as _set_breakdown
+from .bench_reports import profiled_row as _profiled_row
+from .bench_reports import set_prefill_breakdown as _set_prefill_breakdown
 from .bench_reports import with_origins as _with_origins
 from .bench_rows import (CORE_BACKENDS, DSPARK, DSPARK_ACCEPTANCE, ablation_families, base_backend,  # noqa: F401
                          expand_backends, parse_row_new_tokens, row_options, row_speculation)
@@ -496,22 +498,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         # eager: one step (an eager `h200` step is ~0.7 s and tens of thousands of profiler events)
                         k = profile_decode_step(runners[n], prompt, new_tokens,
                                                 1 if base_backend(n) == "eager" else PROFILE_STEPS)
-                        _set_breakdown(rows[n], k["step_events"], res["copy_bandwidth_tb_s"], say, n, notes[n],
-                                       res["decode_bytes_per_step"])
-                        rows[n]["kernels_per_step"] = k["kernels"]
-                        rows[n]["memcpy_memset_per_step"] = k["memcpy_memset"]
-                        rows[n]["step_gpu_busy_us"] = k["gpu_busy_us"]
-                        rows[n]["step_span_us"] = k["span_us"]
-                        rows[n]["kernel_time_top"] = _with_origins(k["top_us"], _ORIGINS.get(id(rows[n]), {}))
-                        rows[n]["kernel_launches_by_name"] = launches_by_name(k["names"])
-                        say(f"{n}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us "
-                            "span; top: " + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
-                                                      + (f" [{t['origin'][0][:70]}]" if t.get("origin") else "")
-                                                      for t in rows[n]["kernel_time_top"][:8]))
-                        if rows[n].get("kernels_per_step_static") is not None:
-                            rows[n]["kernels_static_minus_profiler"] = rows[n]["kernels_per_step_static"] - k["kernels"]
+                        _profiled_row(rows[n], k, res, say, n, notes[n])
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
+                    _set_prefill_breakdown(rows[n], runners[n], prompt, compiled_prefill, notes[n])
                 if rows[n].get("step_breakdown") is None:  # CPU, or the profile failed: static counts only
                     _set_breakdown(rows[n], None, res["copy_bandwidth_tb_s"], say, n, notes[n],
                                    res["decode_bytes_per_step"])

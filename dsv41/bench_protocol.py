@@ -27,6 +27,9 @@ DEFINITIONS = {
     "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend, "
                      "unless `compiled_prefill` (then through the row's compiled model in chunks of "
                      "`prefill_chunks` tokens, dsv41/model/prefill.py)",
+    "prefill_breakdown": "where one prefill goes (CUDA; issue [prefill]): the GPU kernels of generate(runner, "
+                         "prompt, 1) (cache reset, prefill, first argmax) per op class as step_breakdown tables a "
+                         "decode step, without byte floors; null on CPU",
     "ttft_s": "time to first token (the prefill and the first token's argmax), seconds; median over the measured "
               "runs",
     "prefill_floor_tok_s": "prompt tokens / (prefill_flops / the dense tensor-core rate measured in the same run, "
@@ -292,6 +295,7 @@ def empty_row() -> dict:
             "peak_mem_gb": None, "tokens_match_eager": None, "matching_prefix_tokens": None, "max_rel_logit_err": None,
             "logit_err_vs_fp32": None, "logit_err_vs_fp32_over_eager": None, "teacher_forced_logits_sha256": None,
             "same_tokens_as": None, "same_logits_as": None, "step_breakdown": None, "gap_per_boundary_us": None,
+            "prefill_breakdown": None,
             "options": None, "new_tokens": None, "note": None}
 
 

@@ -9,9 +9,10 @@ before the split).
 
 from __future__ import annotations
 
-from .bench_protocol import fail_text
+from .bench_protocol import fail_text, launches_by_name
 
-__all__ = ["ORIGINS", "REPORTS", "PROFILE_STEPS", "set_breakdown", "with_origins", "attach_report"]
+__all__ = ["ORIGINS", "REPORTS", "PROFILE_STEPS", "set_breakdown", "with_origins", "attach_report", "profiled_row",
+           "set_prefill_breakdown"]
 
 #: id(result row) -> {Inductor kernel name: origins} of the row's cold compile (`FusionReport.kernel_origins`).
 ORIGINS: dict = {}
@@ -50,6 +51,41 @@ def set_breakdown(row: dict, step_events, copy_tb_s, say, name: str, notes: list
         gap = bd["gap_per_boundary_us"]
         say(f"{name}: where the step goes ({bd['steps_profiled']} steps): {top}; gap per boundary "
             + ("-" if gap is None else f"{gap:.3f}") + " us")
+
+
+def profiled_row(row: dict, k: dict, res: dict, say, name: str, notes: list) -> None:
+    """Fill a row from `harness.profile_decode_step`'s result `k`: the step breakdown (`set_breakdown`, with the
+    result's copy bandwidth and decode bytes), `kernels_per_step`, `memcpy_memset_per_step`, `step_gpu_busy_us`,
+    `step_span_us`, `kernel_time_top` (with the compile's source lines), `kernel_launches_by_name` and, where a static
+    count exists, `kernels_static_minus_profiler`; says one line with the costliest kernels."""
+    set_breakdown(row, k["step_events"], res["copy_bandwidth_tb_s"], say, name, notes, res["decode_bytes_per_step"])
+    row["kernels_per_step"] = k["kernels"]
+    row["memcpy_memset_per_step"] = k["memcpy_memset"]
+    row["step_gpu_busy_us"] = k["gpu_busy_us"]
+    row["step_span_us"] = k["span_us"]
+    row["kernel_time_top"] = with_origins(k["top_us"], ORIGINS.get(id(row), {}))
+    row["kernel_launches_by_name"] = launches_by_name(k["names"])
+    say(f"{name}: one step: GPU busy {k['gpu_busy_us']:.0f} us over a {k['span_us'] or 0:.0f} us span; top: "
+        + ", ".join(f"{t['name'][:40]} x{t['count']} {t['total_us']:.0f} us"
+                    + (f" [{t['origin'][0][:70]}]" if t.get("origin") else "") for t in row["kernel_time_top"][:8]))
+    if row.get("kernels_per_step_static") is not None:
+        row["kernels_static_minus_profiler"] = row["kernels_per_step_static"] - k["kernels"]
+
+
+def set_prefill_breakdown(row: dict, runner, prompt, compiled_prefill: bool, notes: list) -> None:
+    """`prefill_breakdown` of a row on CUDA (issue [prefill] "profile first"): the GPU kernels of one prefill of
+    `prompt` (`generate(runner, prompt, 1)`: the cache reset, the prefill, eager or through `runner` in chunks with
+    `compiled_prefill`, and the first token's argmax) per op class, as `compiler.breakdown.step_breakdown` tables a
+    decode step (`launches`, `time_us`, the timeline's `span_us`, `busy_us`, `gap_per_boundary_us`), without byte
+    floors (the report's bytes are a decode step's). A failure becomes a note, never a number."""
+    from .compiler.breakdown import step_breakdown
+    from .harness import profiled_steps
+    from .model import generate
+    try:
+        steps = profiled_steps([lambda: generate(runner, prompt, 1, compiled_prefill=compiled_prefill)])
+        row["prefill_breakdown"] = step_breakdown(steps, None, None)
+    except Exception as e:  # diagnostic: the row keeps every other figure
+        notes.append("prefill breakdown " + fail_text(e))
 
 
 def with_origins(top: list, origins: dict) -> list:

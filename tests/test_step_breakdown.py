@@ -400,3 +400,36 @@ def test_an_h200_sized_table_fits_a_narrow_window(tmp_path):
     assert "Where the step goes" in page and "_frag_x_kernel (shared)" in page
     m = layout._measure(tmp_path, page, 800)
     assert m["scrollWidth"] <= 800 and not m["wide"], m
+
+
+def test_a_prefill_breakdown_profiles_one_generate_of_one_token(monkeypatch):
+    """`prefill_breakdown` with the GPU taken out: the profiled call is `generate(runner, prompt, 1)` with the row's
+    prefill mode, its kernels become a step table without byte floors; a failing profile is a note, not a table."""
+    from dsv41 import bench_reports, harness
+    import dsv41.model as model_pkg
+    calls = []
+
+    def fake_generate(runner, prompt, n, compiled_prefill=False):
+        calls.append((runner, n, compiled_prefill))
+
+    def fake_profiled_steps(fns):
+        for f in fns:
+            f()
+        return [one_step()]
+
+    monkeypatch.setattr(model_pkg, "generate", fake_generate)
+    monkeypatch.setattr(harness, "profiled_steps", fake_profiled_steps)
+    row, notes = {}, []
+    bench_reports.set_prefill_breakdown(row, "runner", torch.zeros(1, 4), True, notes)
+    assert calls == [("runner", 1, True)] and notes == []
+    t = row["prefill_breakdown"]
+    assert t["steps_profiled"] == 1 and t["total"]["launches"] == 8  # the memcpy counts in `copies`
+    assert all(c.get("floor_us") is None for c in t["classes"].values())
+
+    def broken(fns):
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(harness, "profiled_steps", broken)
+    row = {}
+    bench_reports.set_prefill_breakdown(row, "runner", torch.zeros(1, 4), False, notes)
+    assert "prefill_breakdown" not in row and "prefill breakdown" in notes[0] and "no CUDA" in notes[0]
