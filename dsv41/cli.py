@@ -68,6 +68,9 @@ def _cmd_run(args) -> int:
     # Simulated acceptance emits drafts the target did not choose: its tokens are not compared with eager.
     check = args.check and args.simulate_acceptance is None
     result.update(speculative=args.speculative, simulated_acceptance=args.simulate_acceptance)
+    if getattr(args, "compiled_prefill", False):  # the prompt through the compiled model, in fixed-size chunks
+        spec["compiled_prefill"] = True
+    result["compiled_prefill"] = bool(spec.get("compiled_prefill"))
 
     ref = None
     if (args.backend != "eager" or args.speculative) and check:
@@ -163,6 +166,9 @@ def _run_parser(sub) -> None:
                    help="the fusion report page: a .html path, or a folder for dsv41_report.html (default out/)")
     r.add_argument("--regional", action="store_true",
                    help="compile the embedding, each layer variant and the head as separate regions (faster compile)")
+    r.add_argument("--compiled-prefill", action="store_true",
+                   help="prefill through the compiled model in fixed-size chunks (512, 64, 8, 1 tokens) instead of "
+                        "the eager module")
     r.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a dsv41 backend option (repeatable), VALUE as JSON where it parses: --option streams=false")
     r.add_argument("--speculative", action="store_true",

@@ -17,8 +17,8 @@ reused: the cache is reset in place, positions are tensors).
 Then the chunked compiled prefill (issue [prefill]): `generate(compiled_prefill=True, prefill_chunks=CHUNKS)` on the
 40-token prompt (`chunked_compiled_tokens`), the last prompt position's logits of `prefill(compiled, ...)` against
 one eager call over the whole prompt (`chunked_prefill_max_rel_logit_error`, relative to the largest |logit|), and
-`chunked_new_graphs` (1: the 16-token chunk; the 1-token chunks reuse the decode graph). `report` is the decode
-graph's, taken before. The package `dsv41` itself is imported
+`chunked_new_graphs` (1: the 16-token chunk; the 1-token chunks reuse the decode graph). `report` and
+`unique_graphs` are the decode graph's, taken before. The package `dsv41` itself is imported
 (the model lives there) but never its compiler: the backend must be found through the entry point.
 """
 
@@ -59,9 +59,11 @@ with torch.no_grad():
     short_ref = teacher_forced_logits(model, short_prompt, short_eager.tokens).double()
     short_tf = teacher_forced_logits(compiled, short_prompt, short_eager.tokens).double()
     short_new_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before_short
+    unique_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # before the chunked prefill's
     import dsv41  # noqa: E402
 
-    report = dsv41.last_report()  # the decode graph's; the chunked prefill below compiles one more graph
+    # The decode graph's report, as JSON now: the chunked prefill below compiles one more graph into the same report.
+    report = dsv41.last_report().to_dict()
     # Chunked compiled prefill (issue [prefill]): chunks of 16 and 1 tokens, the 1-token ones through the decode graph.
     from dsv41.model.prefill import prefill  # noqa: E402
     graphs_before_chunked = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -81,7 +83,7 @@ result = {
     "compiled_tokens": got.tokens.tolist(),
     "max_rel_logit_error": float(((tf - ref).abs().amax(-1) / scale).max()),
     "teacher_forced_argmax_equal": bool(torch.equal(tf.argmax(-1), ref.argmax(-1))),
-    "unique_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+    "unique_graphs": unique_graphs,
     "compile_and_decode_s": compile_and_decode_s,
     "short_prompt_len": SHORT_PROMPT,
     "short_eager_tokens": short_eager.tokens.tolist(),
@@ -92,7 +94,7 @@ result = {
     "chunked_compiled_tokens": chunked.tokens.tolist(),
     "chunked_prefill_max_rel_logit_error": float((prefill_got - prefill_ref).abs().max() / prefill_ref.abs().max()),
     "chunked_new_graphs": chunked_new_graphs,
-    "report": report.to_dict(),
+    "report": report,
 }
 with open(out_path, "w") as f:
     json.dump(result, f, default=str)

@@ -60,3 +60,29 @@ def test_option_flags_become_the_backend_options_dict():
         backend_options(["streams"])
     with pytest.raises(ValueError, match="dsv41 backend only"):
         compile_model(torch.nn.Linear(2, 2), "inductor", {"streams": False})
+
+
+def test_compiled_prefill_flag_sends_the_prompt_through_the_runner_in_chunks(tmp_path, monkeypatch):
+    """`dsv41 run --compiled-prefill`: the prompt (11 tokens: chunks 8, 1, 1, 1) goes through the runner, not the
+    eager module, and the tokens are still checked against an eager whole-prompt run."""
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, ids, pos, last_only=False):
+            seen.append(ids.shape[1])
+            return self._orig_mod(ids, pos, last_only=last_only)
+
+    monkeypatch.setattr(harness, "compile_model", lambda model, backend, options=None, regional=False: Spy(model))
+    out = tmp_path / "run.json"
+    with torch.no_grad():
+        rc = cli.main(["run", "--device", "cpu", "--prompt-len", "11", "--new-tokens", "3", "--compiled-prefill",
+                       "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["compiled_prefill"] is True and r["tokens_match_eager"] is True
+    # two runs (first + measured), each: chunks 8, 1, 1, 1 then two decode steps
+    assert seen == [8, 1, 1, 1, 1, 1] * 2
