@@ -269,7 +269,6 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
            "ablations_note": ablation_note, "definitions": dict(DEFINITIONS), "logit_err_vs_fp32_eager": None,
            "fp32_reference": None, "backends": {}}
     res["roofline_tok_s"] = roofline(decode_bytes, res["copy_bandwidth_tb_s"]) if cuda else None
-    cpk = {"compiled_prefill": True} if compiled_prefill else {}  # only when asked: test stand-ins of timed_run lack it
     res.update(prefill_floor(b.active_params_decode, prompt_len, harness.tensor_core_rate() if cuda else None),
                compiled_prefill=compiled_prefill, prefill_chunks=list(PREFILL_CHUNKS) if compiled_prefill else None)
     if tp_info is not None:
@@ -434,7 +433,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     say(f"{n}: cold compile + first run ...")
                     skips, phases, hits = _cudagraph_skips(), _compile_phase_totals(), _cache_hits()
                     misses = _cache_misses()
-                    cold_wall[n] = timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n], **cpk)["wall_s"]
+                    cold_wall[n] = timed_run(runner, prompt, tokens_of[n], cuda, spec_of[n],
+                                             compiled_prefill)["wall_s"]
                     rows[n]["cudagraph_skips"] = _cudagraph_skips() - skips
                     rows[n]["compile_cache_hits"] = {k: v - hits[k] for k, v in _cache_hits().items()}
                     rows[n]["compile_cache_misses"] = _cache_misses() - misses
@@ -479,9 +479,10 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                     if warm_compile:
                         _use_cache_dir(row_cache(n))
                         runners[n] = make_runner(model, n, options, regional)
-                        warm_wall[n] = timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n], **cpk)["wall_s"]
+                        warm_wall[n] = timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n],
+                                                 compiled_prefill)["wall_s"]
                     else:
-                        timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n], **cpk)
+                        timed_run(runners[n], prompt, tokens_of[n], cuda, spec_of[n], compiled_prefill)
                     say(f"{n}: {what} done" + (f" {warm_wall[n]:.1f} s" if n in warm_wall else ""))
                 except Exception as e:
                     notes[n].append(_fail(e))
@@ -501,7 +502,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                         _profiled_row(rows[n], k, res, say, n, notes[n])
                     except Exception as e:
                         notes[n].append("kernel count " + _fail(e))
-                    _set_prefill_breakdown(rows[n], runners[n], prompt, compiled_prefill, notes[n])
+                    if compiled_prefill:  # prefill runs only: an eager h200 prefill profiles slowly
+                        _set_prefill_breakdown(rows[n], runners[n], prompt, True, notes[n])
                 if rows[n].get("step_breakdown") is None:  # CPU, or the profile failed: static counts only
                     _set_breakdown(rows[n], None, res["copy_bandwidth_tb_s"], say, n, notes[n],
                                    res["decode_bytes_per_step"])
@@ -539,8 +541,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
                 prog.advance(task)
 
             task = prog.add_task("measured runs (alternating)", total=len(runnable) * repeats)
-            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]: timed_run(r, prompt, t, cuda, e, **cpk))
-                   for n in runnable}
+            fns = {n: (lambda r=runners[n], e=spec_of[n], t=tokens_of[n]:
+                       timed_run(r, prompt, t, cuda, e, compiled_prefill)) for n in runnable}
             outs, errors, order = measure_alternating(fns, repeats, on_run=lambda n: prog.advance(task))
             for n, err in errors.items():
                 notes[n].append("measured run failed: " + err)

@@ -27,9 +27,10 @@ DEFINITIONS = {
     "prefill_tok_s": "prompt tokens / time to first token; prefill runs on the eager module for every backend, "
                      "unless `compiled_prefill` (then through the row's compiled model in chunks of "
                      "`prefill_chunks` tokens, dsv41/model/prefill.py)",
-    "prefill_breakdown": "where one prefill goes (CUDA; issue [prefill]): the GPU kernels of generate(runner, "
-                         "prompt, 1) (cache reset, prefill, first argmax) per op class as step_breakdown tables a "
-                         "decode step, without byte floors; null on CPU",
+    "prefill_breakdown": "where one prefill goes (CUDA, with compiled_prefill; issue [prefill]): the GPU kernels "
+                         "of generate(runner, prompt, 1) (cache reset, prefill, first argmax) per op class as "
+                         "step_breakdown tables a decode step, without byte floors; null on CPU and without "
+                         "compiled_prefill",
     "ttft_s": "time to first token (the prefill and the first token's argmax), seconds; median over the measured "
               "runs",
     "prefill_floor_tok_s": "prompt tokens / (prefill_flops / the dense tensor-core rate measured in the same run, "
@@ -263,8 +264,7 @@ def summarize_runs(outs: Sequence, ref_tokens: torch.Tensor | None, roofline_tok
         raise ValueError("summarize_runs needs at least one run")
     dec = summarize(o.decode_tok_s for o in outs)
     row = {"decode_tok_s": dec, "prefill_tok_s": summarize(o.prefill_tok_s for o in outs),
-           "ttft_s": None if any(getattr(o, "prefill_s", None) is None for o in outs)
-           else summarize(o.prefill_s for o in outs)["median"],
+           "ttft_s": summarize(o.prefill_s for o in outs)["median"],
            "tokens_match_eager": None, "matching_prefix_tokens": None,
            "roofline_fraction": dec["median"] / roofline_tok_s if roofline_tok_s else None}
     if ref_tokens is not None:

@@ -523,9 +523,9 @@ def test_every_row_runs_on_one_cache_allocation_sized_for_the_longest_run(monkey
     seen = []
     real = bench.timed_run
 
-    def timed(runner, prompt, new_tokens, cuda, speculative=None):
+    def timed(runner, prompt, new_tokens, cuda, speculative=None, compiled_prefill=False):
         seen.append((speculative, base_model(runner).max_seq_len))
-        return real(runner, prompt, new_tokens, cuda, speculative)
+        return real(runner, prompt, new_tokens, cuda, speculative, compiled_prefill)
 
     monkeypatch.setattr(bench, "timed_run", timed)
     r = bench.run_benchmark("tiny", "eager,eager+dspark", prompt_len=8, new_tokens=6, repeats=1, device="cpu",
@@ -556,8 +556,8 @@ def test_eager_new_tokens_shorten_eager_and_compare_the_others_over_that_prefix(
     lengths = {}
     real = bench.timed_run
 
-    def timed(runner, prompt, new_tokens, cuda, speculative=None):
-        out = real(runner, prompt, new_tokens, cuda, speculative)
+    def timed(runner, prompt, new_tokens, cuda, speculative=None, compiled_prefill=False):
+        out = real(runner, prompt, new_tokens, cuda, speculative, compiled_prefill)
         lengths.setdefault(type(runner).__name__, set()).add(out["out"].tokens.shape[1])
         return out
 
@@ -582,8 +582,8 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
     lengths, forced = {}, {}
     real, real_tf = bench.timed_run, bench.teacher_forced_logits
 
-    def timed(runner, prompt, new_tokens, cuda, speculative=None):
-        out = real(runner, prompt, new_tokens, cuda, speculative)
+    def timed(runner, prompt, new_tokens, cuda, speculative=None, compiled_prefill=False):
+        out = real(runner, prompt, new_tokens, cuda, speculative, compiled_prefill)
         lengths.setdefault(getattr(runner, "tag", "eager"), []).append(out["out"].tokens.shape[1])
         return out
 
@@ -623,13 +623,13 @@ def test_row_new_tokens_shorten_one_row_and_compare_it_over_its_own_length(monke
     ref = torch.tensor(r["reference_tokens"])
     wrong = ref[:, :3].clone()
     wrong[0, 1] += 1
-    run = types.SimpleNamespace(tokens=wrong, decode_tok_s=1.0, prefill_tok_s=1.0)
+    run = types.SimpleNamespace(tokens=wrong, decode_tok_s=1.0, prefill_tok_s=1.0, prefill_s=1.0)
     row = bench.summarize_runs([run], ref, None)
     assert row["tokens_match_eager"] is False and row["matching_prefix_tokens"] == 1
     # nor can a run with nothing to compare, or one of another length than asked, pass
-    empty = types.SimpleNamespace(tokens=ref[:, :0], decode_tok_s=1.0, prefill_tok_s=1.0)
+    empty = types.SimpleNamespace(tokens=ref[:, :0], decode_tok_s=1.0, prefill_tok_s=1.0, prefill_s=1.0)
     assert bench.summarize_runs([empty], ref, None)["tokens_match_eager"] is False
-    right = types.SimpleNamespace(tokens=ref[:, :3].clone(), decode_tok_s=1.0, prefill_tok_s=1.0)
+    right = types.SimpleNamespace(tokens=ref[:, :3].clone(), decode_tok_s=1.0, prefill_tok_s=1.0, prefill_s=1.0)
     assert bench.summarize_runs([right], ref, None, expected_tokens=3)["tokens_match_eager"] is True
     assert bench.summarize_runs([right], ref, None, expected_tokens=5)["tokens_match_eager"] is False
 

@@ -16,9 +16,9 @@ def test_compiled_prefill_rows_chunk_and_report_ttft(monkeypatch):
     seen = []
     real = bench.timed_run
 
-    def timed(runner, prompt, new_tokens, cuda, speculative=None, **kw):
-        seen.append(kw.get("compiled_prefill", False))
-        return real(runner, prompt, new_tokens, cuda, speculative, **kw)
+    def timed(runner, prompt, new_tokens, cuda, speculative=None, compiled_prefill=False):
+        seen.append(compiled_prefill)
+        return real(runner, prompt, new_tokens, cuda, speculative, compiled_prefill)
 
     monkeypatch.setattr(bench, "timed_run", timed)
     r = bench.run_benchmark("tiny", "eager", prompt_len=19, new_tokens=4, repeats=1, device="cpu",
