@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust llama generic waitcheck prefill (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +26,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $sections; do
   case $s in
     tests)
-      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_kernels_gpu_fp8_scaled.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
+      python3 -m pytest -q tests/test_kernels_gpu.py tests/test_kernels_gpu_families.py tests/test_kernels_gpu_attention.py tests/test_kernels_gpu_fp8_scaled.py tests/test_kernels_gpu_mhc_fold.py ${GPU_TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUTDIR/gpu_tests.log" ;;
     robust)
       # Issue [robust]: the GPU tests of the new kernels (mhc_mixes with an RMS weight, the fp32-scaled block-FP8
       # GEMV of real checkpoint layouts) with their outputs poisoned first, the byte-floor probe of that GEMV, and
@@ -36,6 +36,21 @@ for s in $sections; do
       timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/fp8_layouts_probe.py --out "$OUTDIR/fp8_layouts.json" 2>&1 | tail -30
       timeout ${E2E_TINY_TIMEOUT:-200} python3 -m dsv41 run --preset tiny --device cuda --dtype fp32 --prompt-len 40 \
         --new-tokens 16 --json "$OUTDIR/run_tiny_fp32_dsv41.json" 2>&1 | tail -12 ;;
+    mhcfold)
+      # Issue [decode] #37: mhc_fold (expand + the next site's coefficients in one launch). Its GPU tests, the kernel
+      # probe (fused against the two launches, h200 width, CUDA graph + PDL), then `small` regional, three rows in one
+      # run: streams on (V4.1's mixes on the side stream, no fold), streams off with the fold, streams off without it
+      # (precompiled by 3 workers into .bench_cache/mhcfold).
+      python3 -m pytest -q tests/test_kernels_gpu_mhc_fold.py 2>&1 | tail -8 | tee "$OUTDIR/gpu_tests_mhc_fold.log"
+      timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/latency_ops_probe.py "$OUTDIR/latency_ops_probe.json" 2>&1 | tail -8
+      rows=${FOLD_BACKENDS:-'dsv41,dsv41[streams=false],dsv41[streams=false;disable=["mhc_fold"]]'}
+      timeout ${FOLD_TIMEOUT:-400} python3 -m dsv41.bench --preset ${FOLD_PRESET:-small} --regional --backends "$rows" \
+        --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile \
+        --precompile ${PRECOMPILE:-3} --cache-dir .bench_cache/mhcfold \
+        ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/mhc_fold_${FOLD_PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
+    router)
+      # Issue [decode] #37: where the router's time goes at the h200 decode shape (plans, warps, k, a plain GEMV).
+      timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/router_sweep_probe.py "$OUTDIR/router_sweep.json" 2>&1 | tail -14 ;;
     regional)
       # The regional wrapper's whole-step CUDA graph (no faulthandler_timeout: its dump segfaulted inside Dynamo here).
       timeout ${REGIONAL_TIMEOUT:-240} python3 -m pytest -q -x -s tests/test_regional_gpu.py \

@@ -117,7 +117,7 @@ from .bench_reports import profiled_row as _profiled_row
 from .bench_reports import set_prefill_breakdown as _set_prefill_breakdown
 from .bench_reports import with_origins as _with_origins
 from .bench_rows import (CORE_BACKENDS, DSPARK, DSPARK_ACCEPTANCE, ablation_families, base_backend,  # noqa: F401
-                         expand_backends, parse_row_new_tokens, row_options, row_speculation)
+                         cache_dir_name, expand_backends, parse_row_new_tokens, row_options, row_speculation)
 from .bench_table import print_context_table, print_table  # noqa: F401
 from .compile_stats import COMPILE_PHASES as _COMPILE_PHASES  # noqa: F401
 from .compile_stats import cache_hits as _cache_hits
@@ -301,8 +301,8 @@ def run_benchmark(preset: str, backends, prompt_len: int, new_tokens: int, repea
     res["cache_dir"] = cache_dir
 
     def row_cache(n: str) -> str:
-        """Inductor cache dir of row `n`: `<cache_root>/<n>`, or `<cache_root>/shared` with shared_cache."""
-        return os.path.join(cache_root, "shared" if shared_cache else n)
+        """Inductor cache dir of row `n`: `<cache_root>/<n as a file name>`, or `<cache_root>/shared`."""
+        return os.path.join(cache_root, "shared" if shared_cache else cache_dir_name(n))
 
     compiled_rows = [n for n in names if base_backend(n) not in ("eager", "torch_tensorrt")]
     precompiler, pre_ok = None, {}

@@ -34,6 +34,7 @@ import torch
 from .bench_protocol import (decode_context, fail_text, max_rel_logit_err, measure_alternating, roofline,
                              summarize, use_cache_dir)
 from .usage import UsageError
+from .bench_rows import cache_dir_name
 
 __all__ = ["LLAMA_MODELS", "LLAMA_ROWS", "ZOO_FILE", "checkout_root", "load_llama_zoo", "check_llama_request",
            "DecodeStep", "llama_decode_bytes", "greedy_decode", "teacher_forced_logits", "run_llama_benchmark"]
@@ -312,7 +313,7 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
                 try:
                     if warm_compile:
                         torch.compiler.reset()
-                    use_cache_dir(os.path.join(cache_root, n))
+                    use_cache_dir(os.path.join(cache_root, cache_dir_name(n)))
                     runners[n] = compiled(n)
                     out = greedy_decode(runners[n], net, prompt, new_tokens,
                                         after_first_step=lambda n=n: first_graphs.__setitem__(n, _graphs()))
@@ -330,7 +331,7 @@ def run_llama_benchmark(model: str, backends=None, prompt_len: int = 16, new_tok
             for n in list(runnable):  # warm compile (from the row's cache) + the discarded warm-up run
                 try:
                     if warm_compile and n != "eager":
-                        use_cache_dir(os.path.join(cache_root, n))
+                        use_cache_dir(os.path.join(cache_root, cache_dir_name(n)))
                         runners[n] = compiled(n)
                         out = greedy_decode(runners[n], net, prompt, new_tokens,
                                             after_first_step=lambda n=n: first_graphs.__setitem__(n, _graphs()))

@@ -11,7 +11,7 @@ from typing import Sequence
 
 __all__ = ["CORE_BACKENDS", "ABLATION", "DSPARK", "DSPARK_ACCEPTANCE", "TOGGLES", "ablation_families",
            "variant_options", "base_backend", "row_speculation", "expand_backends", "row_options",
-           "parse_row_new_tokens"]
+           "parse_row_new_tokens", "cache_dir_name"]
 
 #: Backends of BENCHMARK.md "Side by side", in the order they run; ablations go after `dsv41`.
 CORE_BACKENDS = ("eager", "inductor", "inductor-cudagraphs", "dsv41", "torch_tensorrt")
@@ -158,3 +158,14 @@ def parse_row_new_tokens(items: Sequence[str]) -> dict:
             raise ValueError(f"argument --row-new-tokens: row {name!r} given twice")
         out[name] = int(val)
     return out
+
+
+def cache_dir_name(row: str) -> str:
+    """A directory name for row `row`'s compile caches: the name itself when it holds only letters, digits and
+    `_ . + -`; else those characters with the rest as `_`, plus 8 hex digits of its SHA-1 so that two rows stay
+    apart. (A name such as `dsv41[streams=false;disable=["mhc_fold"]]` in a path breaks the C++ compiler command
+    Inductor runs on CPU.)"""
+    import hashlib
+    import re
+    safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", row)
+    return row if safe == row else f"{safe}-{hashlib.sha1(row.encode()).hexdigest()[:8]}"

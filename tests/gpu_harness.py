@@ -47,6 +47,10 @@ def load_bench(name: str):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bench_dir = os.path.join(root, "bench")
+    # A package of the same name imported earlier (PyPI `kernels`, which transformers imports) would be what the
+    # script's `import kernels` finds: set it aside while the script loads, and put it back after.
+    siblings = {f[:-3] for f in os.listdir(bench_dir) if f.endswith(".py")}
+    shadowed = {k: sys.modules.pop(k) for k in siblings & set(sys.modules)}
     path, modules = list(sys.path), set(sys.modules)
     try:
         return _load(os.path.join(bench_dir, f"{name}.py"), f"_dsv41_bench_{name}")
@@ -56,6 +60,7 @@ def load_bench(name: str):
             origin = getattr(sys.modules[key], "__file__", None) or ""
             if os.path.abspath(origin).startswith(bench_dir + os.sep):
                 del sys.modules[key]
+        sys.modules.update(shadowed)
 
 
 def tiny_cuda_reference(steps: int, prompt_len: int = 40):

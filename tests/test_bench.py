@@ -6,6 +6,7 @@ roofline from a worked example, and the result schema from BENCHMARK.md / the is
 
 import json
 import os
+import re
 import struct
 import types
 import zlib
@@ -403,12 +404,15 @@ def test_shared_cache_points_every_backend_at_one_cache_dir(monkeypatch):
     for shared in (True, False):
         monkeypatch.setattr(bench, "_use_cache_dir", lambda path, s=shared: seen[s].append(os.path.basename(path)))
         monkeypatch.setattr(bench, "make_runner", lambda model, name, options, regional=False: model)
-        r = bench.run_benchmark("tiny", "eager,dsv41[pdl=false]", prompt_len=8, new_tokens=2, repeats=1,
-                                device="cpu", warm_compile=False, shared_cache=shared)
+        r = bench.run_benchmark("tiny", 'eager,dsv41[pdl=false;disable=["moe"]]', prompt_len=8, new_tokens=2,
+                                repeats=1, device="cpu", warm_compile=False, shared_cache=shared)
         assert r["shared_cache"] is shared
-        assert r["backends"]["dsv41[pdl=false]"]["options"] == {"pdl": False}
+        assert r["backends"]['dsv41[pdl=false;disable=["moe"]]']["options"] == {"pdl": False, "disable": ["moe"]}
     assert seen[True] == ["shared", "shared"]
-    assert seen[False] == ["eager", "dsv41[pdl=false]"]
+    # One directory per row, named so that a shell command holding the path survives it (Inductor's C++ compile
+    # line on CPU broke on `[`, `;` and `"` in a row's name).
+    assert seen[False][0] == "eager" and len(set(seen[False])) == 2
+    assert re.fullmatch(r"[A-Za-z0-9_.+-]+", seen[False][1]) and seen[False][1].startswith("dsv41_pdl_false")
 
 
 def test_compile_phase_totals_grow_with_a_compile():

@@ -78,7 +78,7 @@ def test_report_patterns_prints_every_chain(capsys):
 # ------------------------------------------------------------------------------------------- the registry
 #: The pass order (the 13 families from before the registry found them by itself, then half_gemv, the first family
 #: added as only its spec file, kernel file and tests); the declarations' after / before must give it.
-_ORDER = ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "moe", "sparse_attention", "indexer",
+_ORDER = ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer",
           "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention")
 
 
@@ -199,7 +199,8 @@ def test_a_new_family_is_its_spec_file_and_its_kernel_file(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["file"].startswith(str(tmp_path))
-    assert tuple(out["order"]) == _ORDER[:11] + ("zz_demo",) + _ORDER[11:]
+    at = _ORDER.index("dispatch") + 1  # after dispatch, before grouped_pair
+    assert tuple(out["order"]) == _ORDER[:at] + ("zz_demo",) + _ORDER[at:]
     assert "zz_demo_double" in out["ops"] and out["registered"] is True
 
 

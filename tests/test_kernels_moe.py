@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs
+from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs, sm90_ttir
 
 from dsv41.kernels import moe as mk
 
@@ -174,6 +174,35 @@ def test_triton_router_last_program_sees_every_expert_block(split, poisoned_outp
     assert_router(got, ref_router(x, W, bias, 4), f"split {split}")
     # The arrival counters are left at zero: a second launch on the same stream is just as right.
     assert_router(mk.triton_moe_router(x, W, bias, 4, 1.0, 1.5, EPS, split=split), ref_router(x, W, bias, 4))
+
+
+@interpreted
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_triton_router_with_and_without_the_weight_prefetch(prefetch, poisoned_outputs):
+    # d = 200 is not a multiple of the channel block: the peeled first block and the loop's last one are masked.
+    x, W, bias = make_router_inputs((2,), 24, 200, torch.bfloat16, 5)
+    got = mk.triton_moe_router(x, W, bias, 3, 1.0, 1.5, EPS, prefetch=prefetch)
+    assert_router(got, ref_router(x, W, bias, 3), f"prefetch {prefetch}")
+
+
+def test_router_warp_count_is_checked_before_any_launch():
+    x, W, bias = make_router_inputs((1,), 16, 64, torch.float32, 3)
+    with pytest.raises(ValueError, match="num_warps"):
+        mk.triton_moe_router(x, W, bias, 2, 1.0, 1.5, EPS, num_warps=3)
+
+
+def test_router_reads_its_first_weight_block_before_the_pdl_wait():
+    # Built offline for sm_90 at the h200 decode plan (E = 384, d = 5120: 4 experts x 1024 channels a program):
+    # with PREFETCH one bf16 weight load precedes griddepcontrol.wait and x only follows it; without, none does.
+    ptrs = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="fp32", logit_ptr="fp32", wout_ptr="fp32", ids_ptr="i64",
+                cnt_ptr="i32")
+    consts = dict(K=6, BLOCK_R=1, BLOCK_E=4, BLOCK_D=1024, E_PAD=512, K_PAD=8, HAS_BIAS=True, USE_PDL=True)
+    scalars = {"gate_temp": "fp32", "route_scale": "fp32", "norm_eps": "fp32"}
+    for prefetch, before in ((True, 1), (False, 0)):
+        lines = sm90_ttir(mk._moe_router_kernel, ptrs, dict(consts, PREFETCH=prefetch), scalars).splitlines()
+        wait = next(i for i, ln in enumerate(lines) if "tt.grid_dependency_wait" in ln)
+        loads = [i for i, ln in enumerate(lines) if "tt.load" in ln and "!tt.ptr<bf16>" in ln]
+        assert sum(i < wait for i in loads) == before and len(loads) >= 4
 
 
 @interpreted

@@ -339,8 +339,10 @@ def test_auto_on_cpu_plans_the_same_schedule_without_applying(zoo_streams):
 
     torch._dynamo.reset()
     m = TwoSublayers().eval()
+    # mhc_fold folds coefficients the schedule would hide only where the schedule is not applied (here): off, so
+    # that both compiles plan over the same graph.
     with torch.no_grad():
-        torch.compile(m, backend="dsv41", options={"debug": True})(*_zoo_inputs(0))
+        torch.compile(m, backend="dsv41", options={"debug": True, "disable": ["mhc_fold"]})(*_zoo_inputs(0))
     d = dsv41.last_report().to_dict()
     s = d["schedule"]
     assert s["applied"] is False and s["streams"] == 1 and "CPU" in s["reason"]
@@ -356,7 +358,11 @@ def test_tiny_report_has_the_schedule(tiny_dsv41):
     layers = 8
     assert s["applied"] is False and s["streams"] == 1  # CPU, auto: planned only
     moved = [r["op"] for r in s["regions"]]
-    assert moved.count("dsv41.mhc_mixes.default") >= layers, moved
+    # Every coefficient site left apart goes to the side stream: on CPU the schedule is not applied, so `mhc_fold`
+    # merged the others into their expand (on CUDA with the schedule it leaves V4.1's sites apart: test_pass_mhc_fold).
+    left = tiny_dsv41["report"]["graphs"][0]["graph_after"].count("torch.ops.dsv41.mhc_mixes.default(")
+    folded = tiny_dsv41["report"]["families"]["mhc_fold"]["matches"]
+    assert left + folded == 2 * layers and moved.count("dsv41.mhc_mixes.default") == left >= 1, moved
     assert not any("c10d" in op for op in moved)
     assert s["after_us"] < s["before_us"] and s["critical_path_us"] <= s["after_us"]
     for r in s["regions"]:

@@ -211,7 +211,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     prev = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
     gated = opts.gated_families(on_cuda)
     manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated,
-                          strict=opts.strict, gated_ops=opts.gated_ops(on_cuda))
+                          strict=opts.strict, gated_ops=opts.gated_ops(on_cuda),
+                          side_stream=apply_streams)
     patches = {"post_grad_custom_post_pass": manager}
     if "emulate_precision_casts" in inductor_config.get_config_copy():
         # Inductor keeps fused bf16/fp16 intermediates in FP32, which is not what eager computes: measured on

@@ -64,7 +64,7 @@ __all__ = [
     "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand_op",
     "reference_mhc_mixes", "reference_mhc_collapse_rmsnorm", "reference_mhc_expand",
     "triton_mhc_mixes", "triton_mhc_collapse_rmsnorm", "triton_mhc_expand",
-    "mixes_plan", "N_MIX", "MAX_D", "MAX_ITERS",
+    "mixes_plan", "mixes_finish", "check_mixes_args", "check_expand_args", "N_MIX", "MAX_D", "MAX_ITERS",
 ]
 
 #: Coefficients per token: 4 pre + 4 post + 16 comb ((2 + n) * n for n = 4 streams).
@@ -91,7 +91,8 @@ def _check_h(H):
         raise ValueError(f"H has an empty hidden dim: {tuple(H.shape)}")
 
 
-def _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None):
+def check_mixes_args(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=None):
+    """The argument checks of `mhc_mixes` (shared with `mhc_fold`): TypeError / ValueError naming the bad one."""
     _check_h(H)
     check_tensor("fn", fn, dtypes=(torch.float32,), ndim=2)
     check_tensor("base", base, dtypes=(torch.float32,), ndim=1)
@@ -130,7 +131,8 @@ def _check_collapse(H, pre, weight, eps):
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
-def _check_expand(y, H, post, comb):
+def check_expand_args(y, H, post, comb):
+    """The argument checks of `mhc_expand` (shared with `mhc_fold`): TypeError / ValueError naming the bad one."""
     _check_h(H)
     check_tensor("y", y, dtypes=_FLOAT_DTYPES, ndim=3)
     check_tensor("post", post, dtypes=_FLOAT_DTYPES, ndim=3)
@@ -163,7 +165,7 @@ def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     Raises: TypeError / ValueError naming the bad argument (dtype, shape, iters out of range, negative eps).
     Source: MODEL.md §2.3 steps 1-6; dsv41/ref/mhc.py.
     """
-    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
+    check_mixes_args(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
     return _ref.mhc_mixes_normed(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
 
 
@@ -188,7 +190,7 @@ def reference_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, c
     Raises: TypeError / ValueError naming the bad argument.
     Source: MODEL.md §2.3 "expand"; dsv41/ref/mhc.py `mhc_expand`.
     """
-    _check_expand(y, H, post, comb)
+    check_expand_args(y, H, post, comb)
     return _ref.mhc_expand(y, H, post, comb).contiguous()
 
 
@@ -256,6 +258,19 @@ def _mhc_mixes_kernel(
     d_pre = tl.sum(acc_pre, axis=1)
     d_post = tl.sum(acc_post, axis=1)
     d_comb = tl.sum(acc_comb, axis=2)
+    mixes_finish(ss, d_pre, d_post, d_comb, row, split, part_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
+                 post_ptr, comb_ptr, norm_eps, hc_eps, iters, SPLIT, K, SPLIT_POW2)
+
+
+@triton.jit
+def mixes_finish(ss, d_pre, d_post, d_comb, row, split, part_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                 comb_ptr, norm_eps, hc_eps, iters, SPLIT, K: tl.constexpr, SPLIT_POW2: tl.constexpr):
+    """The end of an mHC coefficient reduction, shared by `_mhc_mixes_kernel` and `mhc_fold`'s fused kernel:
+    program `split` of token `row` holds its partial sums (ss: sum of z^2; d_pre / d_post [4], d_comb [4, 4]: fn
+    rows times z over its part of the K = 4d elements). With SPLIT > 1 they go to the workspace (`part_ptr`, 32
+    floats per split and row) and the last program of the row to arrive (`cnt_ptr` counter) sums every split in a
+    fixed tree; that program (or the only one) writes pre, post and the Sinkhorn comb of the row."""
+    i4 = tl.arange(0, 4)
     is_last = split == 0
     if SPLIT > 1:
         # Workspace row layout (32 floats): [sumsq, pre 0..3, post 0..3, comb 0..15].
@@ -421,7 +436,7 @@ def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     the same loop as fn, one [4d] vector per program's chunk; without it the kernel is the unweighted one
     (constexpr HAS_W False). Raises RuntimeError for CPU tensors without the interpreter.
     """
-    _check_mixes(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
+    check_mixes_args(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight)
     require_launchable(_mhc_mixes_kernel, H.device, "triton_mhc_mixes")
     b, t, _, d = H.shape
     pre = _empty((b, t, HC_MULT), torch.float32, H.device)
@@ -485,7 +500,7 @@ def triton_mhc_expand(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb
 
     Same arguments, result and errors as `reference_mhc_expand`. One launch over (token, BLOCK_D channels).
     """
-    _check_expand(y, H, post, comb)
+    check_expand_args(y, H, post, comb)
     require_launchable(_mhc_expand_kernel, H.device, "triton_mhc_expand")
     b, t, _, d = H.shape
     out = _empty((b, t, HC_MULT, d), H.dtype, H.device)

@@ -181,7 +181,7 @@ def _moe_router_kernel(
     x_ptr, w_ptr, bias_ptr, logit_ptr, wout_ptr, ids_ptr, cnt_ptr,
     R, E, D, sx_r, sw_e, gate_temp, route_scale, norm_eps, SPLIT_E,
     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, E_PAD: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = True,
 ):
     # Program (row block, expert block): logits of BLOCK_R tokens x BLOCK_E experts over all of d, stored to the
     # [R, E] workspace; the last program of the row block to arrive runs the selection for its rows.
@@ -194,10 +194,17 @@ def _moe_router_kernel(
     dd = tl.arange(0, BLOCK_D)
     x_rows = x_ptr + rows.to(tl.int64)[:, None, None] * sx_r
     w_rows = w_ptr + es.to(tl.int64)[None, :, None] * sw_e
+    # PREFETCH: the first block of W (a weight, never the previous kernel's output) is loaded before the PDL wait,
+    # so its DRAM round trip overlaps that kernel's tail, as the mixes kernel does with fn (mhc.py).
+    d_ok = (dd < D)[None, None, :]
+    if PREFETCH:
+        w_first = tl.load(w_rows + dd[None, None, :], mask=e_ok[None, :, None] & d_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    if not PREFETCH:
+        w_first = tl.load(w_rows + dd[None, None, :], mask=e_ok[None, :, None] & d_ok, other=0.0).to(tl.float32)
+    acc = tl.load(x_rows + dd[None, None, :], mask=r_ok[:, None, None] & d_ok, other=0.0).to(tl.float32) * w_first
+    for d0 in range(BLOCK_D, D, BLOCK_D):
         d = d0 + dd
         d_ok = (d < D)[None, None, :]
         xv = tl.load(x_rows + d[None, None, :], mask=r_ok[:, None, None] & d_ok, other=0.0).to(tl.float32)
@@ -311,14 +318,19 @@ def combine_plan(rows: int, d: int) -> int:
 
 
 def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int,
-                      gate_temp: float, route_scale: float, norm_eps: float, split: int | None = None):
+                      gate_temp: float, route_scale: float, norm_eps: float, split: int | None = None,
+                      prefetch: bool = True, num_warps: int = 4):
     """Triton `dsv41::moe_router` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, results (to FP32 rounding, see the module docstring) and errors as `reference_moe_router`;
-    `split` forces the number of expert blocks (`router_plan`). One launch. Raises RuntimeError for CPU tensors
-    without the interpreter.
+    `split` forces the number of expert blocks (`router_plan`); `prefetch=False` loads W's first block after the
+    PDL wait instead of before (the order before issue 37, kept for the probe's comparison; results are the same);
+    `num_warps` per program (a power of two, 1..16; the probe's sweep). One launch. Raises RuntimeError for CPU
+    tensors without the interpreter, ValueError for a bad `num_warps`.
     """
     _check_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be a power of two in 1..16, got {num_warps!r}")
     require_launchable(_moe_router_kernel, x.device, "triton_moe_router")
     lead = tuple(x.shape[:-1])
     e, d = weight.shape
@@ -346,7 +358,7 @@ def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         plan["SPLIT_E"],
         K=topk, BLOCK_R=plan["BLOCK_R"], BLOCK_E=plan["BLOCK_E"], BLOCK_D=plan["BLOCK_D"],
         E_PAD=next_power_of_2(e), K_PAD=next_power_of_2(topk), HAS_BIAS=bias is not None, USE_PDL=pdl,
-        num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
+        PREFETCH=bool(prefetch), num_warps=num_warps, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return wts, ids
 
 

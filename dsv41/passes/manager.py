@@ -255,13 +255,15 @@ class PassManager(CustomGraphPass):
         strict: re-raise a family's exception (as `FamilyFailed`) instead of undoing its changes and recording a
             `family_failed` finding.
         gated_ops: fused op names no family may emit on these graphs (`FusionFamily.gated_ops`).
+        side_stream: whether the side-stream schedule will be applied to these graphs (`FusionFamily.side_stream`:
+            a family may leave work apart that the schedule can overlap).
     Raises:
         ValueError: a name in `disabled` that is not a family.
         FamilyFailed: (when called, strict only) a family raised on the graph.
     """
 
     def __init__(self, disabled: Iterable[str] = (), debug: bool = False, chained=None, notes=None,
-                 strict: bool = False, gated_ops: Iterable[str] = ()):
+                 strict: bool = False, gated_ops: Iterable[str] = (), side_stream: bool = False):
         disabled = frozenset(disabled)
         self.notes = dict(notes or {})
         unknown = sorted(disabled - set(FAMILY_ORDER))
@@ -271,6 +273,7 @@ class PassManager(CustomGraphPass):
         self.debug = bool(debug)
         self.strict = bool(strict)
         self.gated_ops = frozenset(gated_ops)
+        self.side_stream = bool(side_stream)
         if chained is None:
             self.chained: tuple = ()
         elif isinstance(chained, (list, tuple)):
@@ -290,7 +293,7 @@ class PassManager(CustomGraphPass):
                 continue
             t0 = time.perf_counter()
             family = FAMILIES[name]()
-            family.gated_ops = self.gated_ops
+            family.gated_ops, family.side_stream = self.gated_ops, self.side_stream
             rec = self._guarded(graph, family, lambda: family.run(gm))
             records.append(dataclasses.replace(rec, elapsed_s=time.perf_counter() - t0))
         restored = self._guarded(graph, FAMILIES["normalize"](), lambda: restore_batch1_mm(gm))
@@ -336,7 +339,7 @@ class PassManager(CustomGraphPass):
             with open(path, "rb") as f:
                 h.update(os.path.relpath(path, _PACKAGE_PARENT).replace(os.sep, "/").encode() + b"\0" + f.read())
         state = {"disabled": sorted(self.disabled), "debug": self.debug, "strict": self.strict,
-                 "gated_ops": sorted(self.gated_ops),
+                 "gated_ops": sorted(self.gated_ops), "side_stream": self.side_stream,
                  "torch": torch.__version__, "ops": [op for op in _FUSED_OPS if hasattr(torch.ops.dsv41, op)]}
         h.update(json.dumps(state, sort_keys=True).encode())
         for p in self.chained:

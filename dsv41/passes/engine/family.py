@@ -30,6 +30,9 @@ class FusionFamily(abc.ABC):
     #: Fused ops this family must not emit on this graph (set by the pass manager: ops whose kernels have not yet
     #: run on a GPU, for a graph on CUDA); a chain that would become one is a near-miss `gpu_unvalidated`.
     gated_ops: frozenset = frozenset()
+    #: Whether the side-stream schedule will be applied to this graph (set by the pass manager from the `streams`
+    #: option): work off the critical path then overlaps other kernels, so a family may leave it apart.
+    side_stream: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
