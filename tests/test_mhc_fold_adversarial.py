@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interp_harness import IN_INTERPRETER, InterpreterHarness, poison_outputs
+from test_pass_mhc_fold import sinkhorn_columns_last
 
 from dsv41.kernels import mhc_fold as fold_kernels
 from dsv41.passes.testing import capture_graphs, ops_after
@@ -38,14 +39,8 @@ FUSED, MIXES, EXPAND = "dsv41.mhc_expand_mixes", "dsv41.mhc_mixes", "dsv41.mhc_e
 
 
 # =========================================================================================== graph-level models
-def stochastic(logits, rounds, eps):
-    """Sinkhorn of [..., 4, 4] logits ending on the column (source-axis) normalisation."""
-    p = torch.softmax(logits, dim=-1) + eps
-    p = p / (p.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(rounds - 1):
-        p = p / (p.sum(dim=-1, keepdim=True) + eps)
-        p = p / (p.sum(dim=-2, keepdim=True) + eps)
-    return p
+# Sinkhorn of [..., 4, 4] logits ending on the column (source-axis) normalisation, as the other mhc_fold test spells it.
+stochastic = sinkhorn_columns_last
 
 
 class Coefficients(nn.Module):

@@ -64,7 +64,7 @@ __all__ = [
     "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand_op",
     "reference_mhc_mixes", "reference_mhc_collapse_rmsnorm", "reference_mhc_expand",
     "triton_mhc_mixes", "triton_mhc_collapse_rmsnorm", "triton_mhc_expand",
-    "mixes_plan", "mixes_finish", "check_mixes_args", "check_expand_args", "N_MIX", "MAX_D", "MAX_ITERS",
+    "mixes_plan", "mixes_finish", "mixes_workspace", "check_mixes_args", "check_expand_args", "N_MIX", "MAX_D", "MAX_ITERS",
 ]
 
 #: Coefficients per token: 4 pre + 4 post + 16 comb ((2 + n) * n for n = 4 streams).
@@ -425,6 +425,14 @@ def mixes_plan(rows: int, d: int, split: int | None = None) -> dict:
     return {"SPLIT": -(-n_blocks // blocks_per), "CHUNK": chunk}
 
 
+def mixes_workspace(rows: int, n_split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums fp32 [rows, n_split, 32], arrival counters int32) of a split coefficient reduction
+    (`mixes_finish`); with one split neither is read and both are one-element placeholders."""
+    if n_split > 1:
+        return _empty((rows, n_split, 32), torch.float32, device), split_k_counters(device, rows)
+    return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+
+
 def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                      norm_eps: float, hc_eps: float, iters: int, split: int | None = None,
                      norm_weight: torch.Tensor | None = None):
@@ -454,12 +462,7 @@ def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     block_k = min(_MIXES_BLOCK_K, next_power_of_2(k))
     plan = mixes_plan(b * t, d, split=split)
     n_split, chunk = plan["SPLIT"], plan["CHUNK"]
-    if n_split > 1:
-        part = _empty((b * t, n_split, 32), torch.float32, H.device)
-        cnt = split_k_counters(H.device, b * t)
-    else:  # not read when SPLIT == 1
-        part = torch.empty(1, dtype=torch.float32, device=H.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=H.device)
+    part, cnt = mixes_workspace(b * t, n_split, H.device)
     pdl = use_pdl_for(_mhc_mixes_kernel, H.device)
     _mhc_mixes_kernel[(b * t, n_split)](
         H, fn, base, scale, pre, post, comb, part, cnt, nw,

@@ -38,8 +38,9 @@ import triton.language as tl
 
 from dsv41.ref.mhc import HC_MULT
 
-from ._common import next_power_of_2, register_cuda, require_launchable, round_to, split_k_counters, use_pdl_for
-from .mhc import check_expand_args, check_mixes_args, mixes_finish, reference_mhc_expand, reference_mhc_mixes
+from ._common import next_power_of_2, register_cuda, require_launchable, round_to, use_pdl_for
+from .mhc import (check_expand_args, check_mixes_args, mixes_finish, mixes_workspace, reference_mhc_expand,
+                  reference_mhc_mixes)
 
 __all__ = ["mhc_expand_mixes", "reference_mhc_expand_mixes", "triton_mhc_expand_mixes", "expand_mixes_plan"]
 
@@ -201,12 +202,7 @@ def triton_mhc_expand_mixes(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor
     nw = norm_weight.contiguous() if has_w else fn  # not read when HAS_W is False
     plan = expand_mixes_plan(b * t, d, split)
     n_split = plan["SPLIT"]
-    if n_split > 1:
-        part = _empty((b * t, n_split, 32), torch.float32, H.device)
-        cnt = split_k_counters(H.device, b * t)
-    else:  # not read when SPLIT == 1
-        part = torch.empty(1, dtype=torch.float32, device=H.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=H.device)
+    part, cnt = mixes_workspace(b * t, n_split, H.device)
     pdl = use_pdl_for(_mhc_expand_mixes_kernel, H.device)
     _mhc_expand_mixes_kernel[(b * t, n_split)](
         y, H, post, comb, out, fn, base, scale, pre2, post2, comb2, part, cnt, nw,
