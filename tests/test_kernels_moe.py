@@ -265,12 +265,16 @@ def test_triton_combine_reads_strided_rows_and_spreads_wide_rows(poisoned_output
 
 
 def test_plans_spread_the_decode_work():
-    # V4.1 at decode: 384 experts over 96 programs of 4 (each reads 4 rows of W); prefill rows need fewer splits.
-    assert mk.router_plan(1, 384, 5120) == {"BLOCK_R": 1, "BLOCK_E": 4, "BLOCK_D": 1024, "SPLIT_E": 96}
+    # V4.1 at decode: 384 experts over 384 programs of one (each reads one row of W), 8 warps (the fastest plan on
+    # an H100, bench/results/2026-12-07_h100_s31/router_plans.txt); prefill rows need fewer splits.
+    assert mk.router_plan(1, 384, 5120) == {"BLOCK_R": 1, "BLOCK_E": 1, "BLOCK_D": 1024, "SPLIT_E": 384,
+                                            "NUM_WARPS": 8}
     p = mk.router_plan(4096, 384, 5120)
     assert p["BLOCK_R"] * 512 <= 4096 and p["BLOCK_R"] * p["BLOCK_E"] * p["BLOCK_D"] <= 4096
     assert p["SPLIT_E"] * p["BLOCK_E"] >= 384
-    assert mk.router_plan(1, 40, 64, split=3) == {"BLOCK_R": 1, "BLOCK_E": 16, "BLOCK_D": 64, "SPLIT_E": 3}
+    assert mk.router_plan(1, 40, 64, split=3) == {"BLOCK_R": 1, "BLOCK_E": 16, "BLOCK_D": 64, "SPLIT_E": 3,
+                                                  "NUM_WARPS": 8}
+    assert p["NUM_WARPS"] == 4
     assert mk.combine_plan(1, 5120) == 128 and mk.combine_plan(64, 5120) == 1024
     with pytest.raises(ValueError, match="split"):
         mk.router_plan(1, 8, 64, split=0)

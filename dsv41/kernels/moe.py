@@ -27,9 +27,12 @@ selected scores are distinct. The CPU reference and the Triton kernel both follo
 Why the gate GEMV is inside the router kernel. At decode the router's logits are a 384 x 5120 BF16 GEMV (3.9 MB,
 ~1 us of HBM time on an H200) whose output (384 floats) only feeds the selection: a separate GEMV launch costs as
 much as its bytes, and the logits would round-trip through memory for a second launch. Here the GEMV is split over
-~128 programs (expert blocks x row blocks, `router_plan`); each writes its logits to a small workspace and the
-last program of a row block to arrive (split-K arrival counter, as in quant_gemv / mhc) runs softplus, sqrt, the
-top-k and the normalisation for those rows. One launch, W read once.
+up to 384 programs (expert blocks x row blocks, `router_plan`; at decode one expert each); each writes its logits to
+a small workspace and the last program of a row block to arrive (split-K arrival counter, as in quant_gemv / mhc)
+runs softplus, sqrt, the top-k and the normalisation for those rows. One launch, W read once. Each program reads its
+first W block before the PDL wait. On an H100 at the h200 shape (bench/results/2026-12-07_h100_s31) the launch takes
+8.56 us (12.69 us before this plan and the prefetch; `torch.mv` of the same W alone 7.71 us); the selection's six
+rounds cost about 2 us of it (k = 1: 10.24 against 12.36 us on the old plan), and a launch reading 8 experts 6.0 us.
 
 `moe_combine` is one program per (token row, BLOCK_D channels): it sums the k expert rows in order 0..k-1 in FP32
 (optionally weighted), adds the shared row and rounds once. Under tensor parallelism the all-reduce of the MoE
@@ -68,8 +71,12 @@ MAX_EXPERTS = 4096
 MAX_TOPK = 64
 #: Above this logit softplus(l) is l in FP32 (torch.nn.functional.softplus's default threshold).
 SOFTPLUS_THRESHOLD = 20.0
-#: Programs a router launch aims for (about one per SM of an H200).
-_ROUTER_TARGET_PROGRAMS = 128
+#: Programs a router launch aims for: at decode one expert each (E = 384). H100, h200 shape, CUDA graph + PDL
+#: (bench/results/2026-12-07_h100_s31/router_plans.txt): 96 programs of 4 experts, 4 warps 12.34 us; 192 of 2,
+#: 4 warps 9.26 us; 384 of 1, 4 warps 9.05 us, 8 warps 8.56 us.
+_ROUTER_TARGET_PROGRAMS = 384
+#: Warps of a program whose row block is one token (decode; see above); 4 otherwise (not measured otherwise).
+_ROUTER_DECODE_WARPS = 8
 #: Register budget (FP32 elements) of the router's [BLOCK_R, BLOCK_E, BLOCK_D] product tile and of the
 #: [BLOCK_R, next_pow2(E)] selection tile.
 _ROUTER_TILE = 4096
@@ -289,11 +296,12 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def router_plan(rows: int, n_experts: int, d: int, split: int | None = None) -> dict:
-    """Launch shape of the router: {"BLOCK_R", "BLOCK_E", "BLOCK_D", "SPLIT_E"} (programs = row blocks x SPLIT_E).
+    """Launch shape of the router: {"BLOCK_R", "BLOCK_E", "BLOCK_D", "SPLIT_E", "NUM_WARPS"} (programs = row blocks
+    x SPLIT_E).
 
     Rows per program: as many as the [BLOCK_R, next_pow2(E)] selection tile allows in `_ROUTER_TILE` registers
     (at most 16). Experts per program: the expert range is spread so that about `_ROUTER_TARGET_PROGRAMS` programs
-    share the GEMV (decode, E = 384: 96 programs of 4 experts, each reading 4 rows of W); `split` forces the
+    share the GEMV (decode, E = 384: 384 programs of one expert, each reading one row of W); `split` forces the
     number of expert blocks (tests), rounded to what power-of-two blocks allow. BLOCK_D fills the rest of the
     product tile. Raises ValueError for split < 1.
     """
@@ -307,7 +315,8 @@ def router_plan(rows: int, n_experts: int, d: int, split: int | None = None) -> 
     # A product tile of at least 16 channels must fit the budget: many rows leave room for fewer experts.
     block_e = min(next_power_of_2(-(-n_experts // min(split, n_experts))), max(1, _ROUTER_TILE // (block_r * 16)))
     block_d = max(16, min(_ROUTER_MAX_BLOCK_D, next_power_of_2(d), _ROUTER_TILE // (block_r * block_e)))
-    return {"BLOCK_R": block_r, "BLOCK_E": block_e, "BLOCK_D": block_d, "SPLIT_E": -(-n_experts // block_e)}
+    return {"BLOCK_R": block_r, "BLOCK_E": block_e, "BLOCK_D": block_d, "SPLIT_E": -(-n_experts // block_e),
+            "NUM_WARPS": _ROUTER_DECODE_WARPS if block_r == 1 else 4}
 
 
 def combine_plan(rows: int, d: int) -> int:
@@ -319,17 +328,17 @@ def combine_plan(rows: int, d: int) -> int:
 
 def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int,
                       gate_temp: float, route_scale: float, norm_eps: float, split: int | None = None,
-                      prefetch: bool = True, num_warps: int = 4):
+                      prefetch: bool = True, num_warps: int | None = None):
     """Triton `dsv41::moe_router` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, results (to FP32 rounding, see the module docstring) and errors as `reference_moe_router`;
     `split` forces the number of expert blocks (`router_plan`); `prefetch=False` loads W's first block after the
     PDL wait instead of before (the order before issue 37, kept for the probe's comparison; results are the same);
-    `num_warps` per program (a power of two, 1..16; the probe's sweep). One launch. Raises RuntimeError for CPU
+    `num_warps` per program (a power of two, 1..16; default the plan's `NUM_WARPS`). One launch. Raises RuntimeError for CPU
     tensors without the interpreter, ValueError for a bad `num_warps`.
     """
     _check_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps)
-    if num_warps not in (1, 2, 4, 8, 16):
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be a power of two in 1..16, got {num_warps!r}")
     require_launchable(_moe_router_kernel, x.device, "triton_moe_router")
     lead = tuple(x.shape[:-1])
@@ -358,7 +367,7 @@ def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         plan["SPLIT_E"],
         K=topk, BLOCK_R=plan["BLOCK_R"], BLOCK_E=plan["BLOCK_E"], BLOCK_D=plan["BLOCK_D"],
         E_PAD=next_power_of_2(e), K_PAD=next_power_of_2(topk), HAS_BIAS=bias is not None, USE_PDL=pdl,
-        PREFETCH=bool(prefetch), num_warps=num_warps, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
+        PREFETCH=bool(prefetch), num_warps=num_warps or plan["NUM_WARPS"], enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return wts, ids
 
 
