@@ -6,6 +6,7 @@ of `harness.py`; imports none of them.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Sequence
 
@@ -165,7 +166,5 @@ def cache_dir_name(row: str) -> str:
     `_ . + -`; else those characters with the rest as `_`, plus 8 hex digits of its SHA-1 so that two rows stay
     apart. (A name such as `dsv41[streams=false;disable=["mhc_fold"]]` in a path breaks the C++ compiler command
     Inductor runs on CPU.)"""
-    import hashlib
-    import re
     safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", row)
     return row if safe == row else f"{safe}-{hashlib.sha1(row.encode()).hexdigest()[:8]}"

@@ -64,7 +64,7 @@ __all__ = [
     "mhc_mixes", "mhc_collapse_rmsnorm", "mhc_expand_op",
     "reference_mhc_mixes", "reference_mhc_collapse_rmsnorm", "reference_mhc_expand",
     "triton_mhc_mixes", "triton_mhc_collapse_rmsnorm", "triton_mhc_expand",
-    "mixes_plan", "mixes_finish", "mixes_workspace", "check_mixes_args", "check_expand_args", "N_MIX", "MAX_D", "MAX_ITERS",
+    "mixes_plan", "block_split", "mixes_finish", "mixes_workspace", "check_mixes_args", "check_expand_args", "N_MIX", "MAX_D", "MAX_ITERS",
 ]
 
 #: Coefficients per token: 4 pre + 4 post + 16 comb ((2 + n) * n for n = 4 streams).
@@ -415,14 +415,21 @@ def mixes_plan(rows: int, d: int, split: int | None = None) -> dict:
     """
     k = HC_MULT * d
     block_k = min(_MIXES_BLOCK_K, next_power_of_2(k))
-    n_blocks = -(-k // block_k)
+    n_split, blocks_per = block_split(-(-k // block_k), rows, _MIXES_TARGET_PROGRAMS, split)
+    return {"SPLIT": n_split, "CHUNK": blocks_per * block_k}
+
+
+def block_split(n_blocks: int, rows: int, target: int, split: int | None = None) -> tuple[int, int]:
+    """(programs per row, blocks each) spreading `n_blocks` blocks of a per-row reduction so that about `target`
+    programs share `rows` rows (`split` forces a number of splits; the split used may be smaller, as every program
+    takes the same whole number of blocks). Shared by `mixes_plan` and `mhc_fold.expand_mixes_plan`.
+    Raises ValueError for split < 1."""
     if split is None:
-        split = max(1, min(n_blocks, _MIXES_TARGET_PROGRAMS // max(rows, 1)))
+        split = max(1, min(n_blocks, target // max(rows, 1)))
     elif split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
-    blocks_per = -(-n_blocks // min(split, n_blocks))
-    chunk = blocks_per * block_k
-    return {"SPLIT": -(-n_blocks // blocks_per), "CHUNK": chunk}
+    per = -(-n_blocks // min(split, n_blocks))
+    return -(-n_blocks // per), per
 
 
 def mixes_workspace(rows: int, n_split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ import triton.language as tl
 from dsv41.ref.mhc import HC_MULT
 
 from ._common import next_power_of_2, register_cuda, require_launchable, round_to, use_pdl_for
-from .mhc import (check_expand_args, check_mixes_args, mixes_finish, mixes_workspace, reference_mhc_expand,
+from .mhc import (block_split, check_expand_args, check_mixes_args, mixes_finish, mixes_workspace, reference_mhc_expand,
                   reference_mhc_mixes)
 
 __all__ = ["mhc_expand_mixes", "reference_mhc_expand_mixes", "triton_mhc_expand_mixes", "expand_mixes_plan"]
@@ -168,13 +168,8 @@ def expand_mixes_plan(rows: int, d: int, split: int | None = None) -> dict:
     multiple of the block, so the split used may be smaller. Raises ValueError for split < 1.
     """
     block_d = min(_BLOCK_D, next_power_of_2(d))
-    n_blocks = -(-d // block_d)
-    if split is None:
-        split = max(1, min(n_blocks, _TARGET_PROGRAMS // max(rows, 1)))
-    elif split < 1:
-        raise ValueError(f"split must be >= 1, got {split}")
-    per = -(-n_blocks // min(split, n_blocks))
-    return {"SPLIT": -(-n_blocks // per), "CHUNK": per * block_d, "BLOCK_D": block_d}
+    n_split, per = block_split(-(-d // block_d), rows, _TARGET_PROGRAMS, split)
+    return {"SPLIT": n_split, "CHUNK": per * block_d, "BLOCK_D": block_d}
 
 
 def triton_mhc_expand_mixes(y: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

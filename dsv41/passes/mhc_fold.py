@@ -44,6 +44,7 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
 import torch.fx as fx
 
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
@@ -52,6 +53,7 @@ from .engine import (Chain, FusionFamily, Role, concrete_shape, insert_node, nod
 
 __all__ = ["MhcFoldFamily", "SPEC"]
 
+aten = torch.ops.aten
 _PATTERN = "mhc_expand -> mhc_mixes of its result"
 
 #: The family as data (`dsv41 report --patterns`).
@@ -161,15 +163,14 @@ def _mismatch(e: fx.Node, m: fx.Node, order: dict, side_stream: bool):
 
 
 #: aten matmuls: work a side-stream op can overlap (besides any dsv41 op).
-_MATMULS = ("mm", "bmm", "addmm", "baddbmm", "_scaled_mm", "matmul", "linear")
+_MATMULS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten._scaled_mm})
 
 
 def _is_heavy(n: fx.Node) -> bool:
     """A kernel worth overlapping: a dsv41 op or an aten matmul."""
-    if n.op != "call_function" or not hasattr(n.target, "namespace"):
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
-    ns, name = n.target.namespace, getattr(n.target, "_opname", "")
-    return ns == "dsv41" or (ns == "aten" and name in _MATMULS)
+    return n.target.namespace == "dsv41" or n.target.overloadpacket in _MATMULS
 
 
 def _between(a: fx.Node, b: fx.Node, order: dict) -> list:
