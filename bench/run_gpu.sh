@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
-#                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router (default: tests kernels eager backends)
+#                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
+#                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -48,6 +49,28 @@ for s in $sections; do
         --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile \
         --precompile ${PRECOMPILE:-3} --cache-dir .bench_cache/mhcfold \
         ${BENCH_OPTIONS:---option gpu_unvalidated=true} --json "$OUTDIR/mhc_fold_${FOLD_PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
+    window)
+      # Issue [decode] #37: sparse_attention reads the window in two parts (no cat launches) and takes the SWA
+      # layers' window-only attention. GPU tests, the op probe at h200 shape, then `small` regional dsv41 decode with
+      # this tree and, when .bench_cache/base.tar holds `git archive` of the commit before (carried), with that
+      # tree, one after the other on this lease.
+      python3 -m pytest -q tests/test_kernels_gpu_window.py tests/test_kernels_gpu_attention.py 2>&1 | tail -8 \
+        | tee "$OUTDIR/gpu_tests_window.log"
+      timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/window_parts_probe.py "$OUTDIR/window_parts_probe.json" 2>&1 \
+        | tail -6
+      wargs=(--preset ${WINDOW_PRESET:-small} --regional --backends ${WINDOW_BACKENDS:-dsv41} --prompt-len
+             ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile)
+      if [ -f .bench_cache/base.tar ]; then
+        rm -rf /tmp/dsv41_base && mkdir -p /tmp/dsv41_base && tar xf .bench_cache/base.tar -C /tmp/dsv41_base
+        absout=$(cd "$OUTDIR" && pwd)
+        (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base python3 -c "import dsv41; print('base tree:', dsv41.__file__)"
+         cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base timeout ${WINDOW_TIMEOUT:-240} python3 -m dsv41.bench \
+          "${wargs[@]}" --cache-dir /tmp/dsv41_base/.bench_cache --json "$absout/window_base.json" 2>&1 | tail -14)
+      fi
+      timeout ${WINDOW_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" --cache-dir .bench_cache/window \
+        --json "$OUTDIR/window_new.json" 2>&1 | tail -14
+      timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/layer_launches_probe.py "$OUTDIR/layer_launches_tiny.json" \
+        tiny cuda 2>&1 | tail -10 ;;
     router)
       # Issue [decode] #37: where the router's time goes at the h200 decode shape (plans, warps, k, a plain GEMV).
       timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/router_sweep_probe.py "$OUTDIR/router_sweep.json" 2>&1 | tail -14 ;;

@@ -157,8 +157,8 @@ def test_tensor_core_precision_per_query_dtype():
     consts = {"D2": 256, "HALF_R": 32, "BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D2": 256, "SPLIT": 8, "USE_PDL": False}
     got = {}
     for q_type, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        ptrs = {"q_ptr": q_type, "wc_ptr": "u8", "ws_ptr": "u8", "wok_ptr": "u8", "bc_ptr": "u8", "bs_ptr": "u8",
-                "idx_ptr": "i64", "sink_ptr": "fp32", "cos_ptr": "fp32", "sin_ptr": "fp32", "o_ptr": q_type,
+        ptrs = {"q_ptr": q_type, "wc_ptr": "u8", "ws_ptr": "u8", "wc2_ptr": "u8", "ws2_ptr": "u8", "wok_ptr": "u8",
+                "bc_ptr": "u8", "bs_ptr": "u8", "idx_ptr": "i64", "sink_ptr": "fp32", "cos_ptr": "fp32", "sin_ptr": "fp32", "o_ptr": q_type,
                 "part_ptr": "fp32"}
         pv = sa.pv_precision_for(dtype)
         ttir = sm90_ttir(sa._sparse_fp4_attention_kernel, ptrs, {**consts, "PV_PRECISION": pv},

@@ -17,8 +17,8 @@ References are written here in float64. The fused op runs its CPU reference unde
 outputs equal the float64 references to FP32 rounding (bf16: one rounding of the output).
 
 The `tiny` test reads the session's fresh-interpreter dsv41 run (fixture `tiny_dsv41`): the family fuses one site
-per attention layer that reads a bank (roles full / reindex / reuse; the SWA-only layers have no bank), reported
-per role through each match's module path, and the compiled model equals eager for the 40-token prompt and for a
+per attention layer (roles full / reindex / reuse with their bank; the SWA-only layers over the window alone),
+reported per role through each match's module path, and the compiled model equals eager for the 40-token prompt and for a
 5-token prompt (below the window 16 and top-k 8, crossing both) decoded by the same compiled graph, without a
 recompile.
 """
@@ -294,29 +294,33 @@ def _layer_of(module_path: str):
 
 def test_tiny_fuses_every_sparse_attention_layer_and_matches_eager(tiny_dsv41, tiny_model):
     cfg = tiny_model.config
-    # Expected count from the config roles (MODEL.md §2.5): every backbone layer whose role is not `swa` reads a
-    # bank and takes the sparse path, once per decode step (tiny: roles swa, swa, full, reuse, full, reuse,
-    # reindex, reuse -> 6). SWA-only layers attend over the window alone: no bank gather, not this family.
+    # Expected from the config roles (MODEL.md §2.5): every backbone layer attends once per decode step. Layers
+    # whose role is not `swa` read a bank (top-k slots); `swa` layers attend over the window alone and get the same
+    # op with an empty bank (tiny: roles swa, swa, full, reuse, full, reuse, reindex, reuse -> 6 + 2).
     roles = [cfg.layer_role(i) for i in range(cfg.num_hidden_layers)]
-    sparse_layers = [i for i, r in enumerate(roles) if r != "swa"]
     report = tiny_dsv41["report"]
     fam = report["families"]["sparse_attention"]
-    assert fam["enabled"] and fam["matches"] == len(sparse_layers)
+    assert fam["enabled"] and fam["matches"] == len(roles)
     assert fam["near_misses"] == []
     per_role: dict = {}
     for s in fam["sites"]:
         layer = _layer_of(s["detail"]["module"])
-        per_role.setdefault(roles[layer] if layer is not None else "?", []).append(layer)
+        role = roles[layer] if layer is not None else "?"
+        per_role.setdefault(role, []).append(layer)
         assert s["location"]["file"].endswith("attention.py")
         assert s["detail"]["heads"] == cfg.num_attention_heads and s["detail"]["head_dim"] == cfg.head_dim
-        assert s["detail"]["topk"] == cfg.index_topk and s["detail"]["window_rows"] == cfg.sliding_window + 1
+        banked = role != "swa"
+        assert s["detail"]["bank"] is banked
+        assert s["detail"]["topk"] == (cfg.index_topk if banked else 0)
+        # The ring and the step's own row, read as two parts (no concatenated copy).
+        assert s["detail"]["window_rows"] == cfg.sliding_window + 1 and s["detail"]["window_parts"] == 2
         assert s["detail"]["sink"] is True and s["detail"]["softmax_scale"] == pytest.approx(cfg.head_dim ** -0.5)
     want = {}
-    for i in sparse_layers:
-        want.setdefault(roles[i], []).append(i)
+    for i, r in enumerate(roles):
+        want.setdefault(r, []).append(i)
     assert {r: sorted(v) for r, v in per_role.items()} == want
     (graph,) = report["graphs"]
-    assert ops_after(graph)["dsv41.sparse_fp4_attention.default"] == len(sparse_layers)  # printed code in the JSON
+    assert ops_after(graph)["dsv41.sparse_fp4_attention.default"] == len(roles)  # printed code in the JSON
     # Long prompt (40 tokens > window 16 > top-k 8) and short prompt (5 tokens, 12 new: starts below both).
     assert tiny_dsv41["compiled_tokens"] == tiny_dsv41["eager_tokens"]
     assert tiny_dsv41["max_rel_logit_error"] < 1e-4

@@ -8,7 +8,7 @@ gathered and dequantised bank rows [B, T, K, D] in FP32, two score tensors, the 
 and two value products, then the inverse RoPE. This op computes the same numbers in one kernel:
 
 - `dsv41::sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
-  sink, cos, sin, softmax_scale) -> o`
+  sink, cos, sin, softmax_scale, new_codes=None, new_scales=None) -> o`
     q              [B, T, H, D] fp32 / bf16 / fp16 (post-RoPE queries; D % 32 == 0)
     window_codes   uint8 [B, S, D]      FP8 E4M3 bytes of the window rows (S >= 0)
     window_scales  uint8 [B, S, D/32]   UE8M0 exponents (value 2^(e-127)), one per 32 channels
@@ -19,6 +19,9 @@ and two value products, then the inverse RoPE. This op computes the same numbers
     sink           fp32 [H]             per-head sink logit (finite)
     cos, sin       fp32 [B, T, R/2]     RoPE angles of the query positions; R = 2 * cos.shape[-1] <= D
     softmax_scale  float                scores are (q . kv) * softmax_scale (the model: D^-0.5)
+    new_codes      uint8 [B, S2, D] or None   FP8 rows that follow window_codes' S rows (the step's own entries
+    new_scales     uint8 [B, S2, D/32] or None  next to the ring; read in place instead of a concatenated copy);
+                                        window_ok then covers S + S2 rows. Both or neither.
     o              [B, T, H, D] in q.dtype
 
   Per head h and query t, with rows k over [visible window rows ; valid selected bank rows] and K = V:
@@ -88,8 +91,9 @@ _COMBINE_ELEMENTS = 4096
 
 # ------------------------------------------------------------------------------------------- checks
 def _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink, cos, sin,
-                softmax_scale):
-    """Validate dtypes and shapes (errors name the argument); return (B, T, H, D, S, N, K, R)."""
+                softmax_scale, new_codes=None, new_scales=None):
+    """Validate dtypes and shapes (errors name the argument); return (B, T, H, D, S, N, K, R) with S the window
+    rows of both parts."""
     check_tensor("q", q, dtypes=_FLOAT_DTYPES, ndim=4)
     check_tensor("window_codes", window_codes, dtypes=(torch.uint8,), ndim=3)
     check_tensor("window_scales", window_scales, dtypes=(torch.uint8,), ndim=3)
@@ -110,9 +114,19 @@ def _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scal
     s = window_codes.shape[1]
     n = bank_codes.shape[1]
     k = indices.shape[2]
-    want = {"window_codes": (window_codes, (b, s, d)), "window_scales": (window_scales, (b, s, d // 32)),
-            "window_ok": (window_ok, (b, t, s)), "bank_codes": (bank_codes, (b, n, d // 2)),
-            "bank_scales": (bank_scales, (b, n, d // 16)), "indices": (indices, (b, t, k)), "sink": (sink, (h,))}
+    want = {"window_codes": (window_codes, (b, s, d)), "window_scales": (window_scales, (b, s, d // 32))}
+    if (new_codes is None) != (new_scales is None):
+        raise ValueError("new_codes and new_scales go together: pass both or neither")
+    if new_codes is not None:
+        check_tensor("new_codes", new_codes, dtypes=(torch.uint8,), ndim=3)
+        check_tensor("new_scales", new_scales, dtypes=(torch.uint8,), ndim=3)
+        check_same_device(q=q, new_codes=new_codes, new_scales=new_scales)
+        s2 = new_codes.shape[1]
+        want.update(new_codes=(new_codes, (b, s2, d)), new_scales=(new_scales, (b, s2, d // 32)))
+        s += s2
+    want.update({"window_ok": (window_ok, (b, t, s)), "bank_codes": (bank_codes, (b, n, d // 2)),
+                 "bank_scales": (bank_scales, (b, n, d // 16)), "indices": (indices, (b, t, k)),
+                 "sink": (sink, (h,))})
     for name, (ten, shape) in want.items():
         if tuple(ten.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(ten.shape)}; expected {shape} for q {tuple(q.shape)}")
@@ -129,7 +143,8 @@ def _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scal
 def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                                    window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                                    indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                   softmax_scale: float) -> torch.Tensor:
+                                   softmax_scale: float, new_codes: torch.Tensor | None = None,
+                                   new_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch `dsv41::sparse_fp4_attention` (shapes and dtypes: module docstring).
 
     Follows dsv41/model/attention.py `Attention.forward` op for op: window rows dequantised into q.dtype, bank
@@ -140,7 +155,9 @@ def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, 
     Source: MODEL.md §2.4 steps 3-6, §2.1 (FP8 1x32 UE8M0, FP4 1x16 E4M3), §2.2 (inverse RoPE).
     """
     _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink, cos, sin,
-                softmax_scale)
+                softmax_scale, new_codes, new_scales)
+    if new_codes is not None:
+        window_codes, window_scales = torch.cat((window_codes, new_codes), 1), torch.cat((window_scales, new_scales), 1)
     return _ref.sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
                                      cos, sin, softmax_scale)
 
@@ -162,9 +179,9 @@ def _e4m3_value(byte):
 
 @triton.jit
 def _sparse_fp4_attention_kernel(
-    q_ptr, wc_ptr, ws_ptr, wok_ptr, bc_ptr, bs_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, part_ptr,
-    T, H, S, K, N, n_win_tiles, tiles_per_split, softmax_scale,
-    sq_b, sq_t, sq_h, swc_b, swc_s, sws_b, sws_s, sok_b, sok_t, sok_s,
+    q_ptr, wc_ptr, ws_ptr, wc2_ptr, ws2_ptr, wok_ptr, bc_ptr, bs_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr,
+    part_ptr, T, H, S, S1, K, N, n_win_tiles, tiles_per_split, softmax_scale,
+    sq_b, sq_t, sq_h, swc_b, swc_s, sws_b, sws_s, swc2_b, swc2_s, sws2_b, sws2_s, sok_b, sok_t, sok_s,
     sbc_b, sbc_n, sbs_b, sbs_n, si_b, si_t, si_k, scs_b, scs_t, ssn_b, ssn_t,
     D2: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PV_PRECISION: tl.constexpr,
@@ -197,17 +214,26 @@ def _sparse_fp4_attention_kernel(
         tile = split * tiles_per_split + it
         if tile < n_win_tiles:
             # Window tile: FP8 E4M3 rows, UE8M0 scale per 32 channels (channel 2i and 2i+1 -> scale i // 16),
-            # dequantised into q.dtype like the eager ring.
+            # dequantised into q.dtype like the eager ring. Rows from S1 on come from the second part (the step's
+            # own entries), read where they are instead of from a concatenated copy.
             srow = tile * BLOCK_N + n_loc
             ok = srow < S
             vis = tl.load(wok_ptr + b * sok_b + t * sok_t + srow.to(tl.int64) * sok_s, mask=ok, other=0)
             ok = ok & (vis != 0)
             lmask = ok[:, None] & i_ok[None, :]
-            base = wc_ptr + b * swc_b + srow[:, None].to(tl.int64) * swc_s + 2 * i[None, :]
-            c_e = tl.load(base, mask=lmask, other=0).to(tl.int32)
-            c_o = tl.load(base + 1, mask=lmask, other=0).to(tl.int32)
-            e = tl.load(ws_ptr + b * sws_b + srow[:, None].to(tl.int64) * sws_s + (i // 16)[None, :], mask=lmask,
-                        other=0).to(tl.int32)
+            first = (srow < S1)[:, None]
+            m1 = lmask & first
+            m2 = lmask & (srow >= S1)[:, None]
+            r1 = srow[:, None].to(tl.int64)
+            r2 = tl.maximum(r1 - S1, 0)
+            base1 = wc_ptr + b * swc_b + r1 * swc_s + 2 * i[None, :]
+            base2 = wc2_ptr + b * swc2_b + r2 * swc2_s + 2 * i[None, :]
+            # A row is in one part: the other part's masked load gives 0, so OR-ing the two is a select.
+            c_e = (tl.load(base1, mask=m1, other=0) | tl.load(base2, mask=m2, other=0)).to(tl.int32)
+            c_o = (tl.load(base1 + 1, mask=m1, other=0) | tl.load(base2 + 1, mask=m2, other=0)).to(tl.int32)
+            sc_i = (i // 16)[None, :]
+            e = (tl.load(ws_ptr + b * sws_b + r1 * sws_s + sc_i, mask=m1, other=0)
+                 | tl.load(ws2_ptr + b * sws2_b + r2 * sws2_s + sc_i, mask=m2, other=0)).to(tl.int32)
             scale = exp2_int(e)
             kv_e = round_to(_e4m3_value(c_e) * scale, Q_DT)
             kv_o = round_to(_e4m3_value(c_o) * scale, Q_DT)
@@ -395,7 +421,8 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
                                 indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                 softmax_scale: float, split: int | None = None,
                                 block_n: int | None = None, pv_precision: str | None = None,
-                                num_warps: int | None = None) -> torch.Tensor:
+                                num_warps: int | None = None, new_codes: torch.Tensor | None = None,
+                                new_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `dsv41::sparse_fp4_attention` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, result (to FP32 rounding, module docstring) and errors as `reference_sparse_fp4_attention`,
@@ -406,7 +433,7 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
     Raises RuntimeError for CPU tensors without the interpreter.
     """
     b, t, h, d, s, n, k, r = _check_args(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
-                                         indices, sink, cos, sin, softmax_scale)
+                                         indices, sink, cos, sin, softmax_scale, new_codes, new_scales)
     pv = pv_precision_for(q.dtype) if pv_precision is None else pv_precision
     if pv not in ("ieee", "tf32x3"):
         raise ValueError(f"pv_precision must be 'ieee' or 'tf32x3', got {pv_precision!r}")
@@ -422,6 +449,10 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
     q, window_codes, window_scales = last_contig(q), last_contig(window_codes), last_contig(window_scales)
+    s1 = window_codes.shape[1]
+    if new_codes is None:  # one part: the second part's pointers are never selected
+        new_codes, new_scales = window_codes, window_scales
+    new_codes, new_scales = last_contig(new_codes), last_contig(new_scales)
     bank_codes, bank_scales = last_contig(bank_codes), last_contig(bank_scales)
     cos, sin, sink = last_contig(cos), last_contig(sin), sink.contiguous()
     ok = window_ok.view(torch.uint8)
@@ -436,10 +467,11 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         part = torch.empty(1, dtype=torch.float32, device=q.device)
     pdl = use_pdl_for(_sparse_fp4_attention_kernel, q.device)
     _sparse_fp4_attention_kernel[plan["grid"]](
-        q, window_codes, window_scales, ok, bank_codes, bank_scales, indices, sink, cos, sin, out, part,
-        t, h, s, k, n, plan["n_win_tiles"], plan["tiles_per_split"], float(softmax_scale),
+        q, window_codes, window_scales, new_codes, new_scales, ok, bank_codes, bank_scales, indices, sink, cos, sin,
+        out, part, t, h, s, s1, k, n, plan["n_win_tiles"], plan["tiles_per_split"], float(softmax_scale),
         q.stride(0), q.stride(1), q.stride(2), window_codes.stride(0), window_codes.stride(1),
-        window_scales.stride(0), window_scales.stride(1), ok.stride(0), ok.stride(1), ok.stride(2),
+        window_scales.stride(0), window_scales.stride(1), new_codes.stride(0), new_codes.stride(1),
+        new_scales.stride(0), new_scales.stride(1), ok.stride(0), ok.stride(1), ok.stride(2),
         bank_codes.stride(0), bank_codes.stride(1), bank_scales.stride(0), bank_scales.stride(1),
         indices.stride(0), indices.stride(1), indices.stride(2), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1),
@@ -461,20 +493,21 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
 def sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                          window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                          indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         softmax_scale: float) -> torch.Tensor:
+                         softmax_scale: float, new_codes: torch.Tensor | None = None,
+                         new_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse FP4 attention with sink and inverse RoPE; see `reference_sparse_fp4_attention` (module docstring)."""
     return reference_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
-                                          indices, sink, cos, sin, softmax_scale)
+                                          indices, sink, cos, sin, softmax_scale, new_codes, new_scales)
 
 
 @register_cuda(sparse_fp4_attention, "dsv41::sparse_fp4_attention")
 def _sparse_fp4_attention_cuda(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
-                               cos, sin, softmax_scale):
+                               cos, sin, softmax_scale, new_codes=None, new_scales=None):
     return triton_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
-                                       sink, cos, sin, softmax_scale)
+                                       sink, cos, sin, softmax_scale, new_codes=new_codes, new_scales=new_scales)
 
 
 @sparse_fp4_attention.register_fake
 def _sparse_fp4_attention_fake(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
-                               cos, sin, softmax_scale):
+                               cos, sin, softmax_scale, new_codes=None, new_scales=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -8,8 +8,11 @@ dsv41/model/attention.py `Attention.forward`):
     s     = [where(window_ok, q . keys, -inf) ; where(idx >= 0, q . bank, -inf)] * softmax_scale
     p     = softmax([s ; sink])[..., :-1]                                # the sink only enlarges the denominator
     o     = apply_rope((p_window @ keys + p_bank @ bank).to(q.dtype), cos, sin, inverse=True)
-      -> o = dsv41::sparse_fp4_attention(q, cat(codes_i), cat(scales_i), window_ok, bank_codes, bank_scales, idx,
-                                         sink, cos, sin, softmax_scale)
+      -> o = dsv41::sparse_fp4_attention(q, codes_0, scales_0, window_ok, bank_codes, bank_scales, idx,
+                                         sink, cos, sin, softmax_scale, codes_1, scales_1)
+
+    (the window parts read in place, no concatenated copy). Without a bank (an SWA layer: no gathers) the same
+    region over the window alone -> the op with an empty bank and no selected slots (`window_ends`).
 
 Structure (cheap, spelling-independent). The anchor is a pair of gathers `aten.index.Tensor(src, [b, rows])` of
 two 3-D uint8 tensors sharing one index list: packed codes [B, N, D/2] and scales [B, N, D/g]. The dequantised
@@ -53,7 +56,7 @@ from .engine import (ByteTally, Chain, FusionFamily, RegionEvaluator, RegionNotC
 from .rope_match import rope_structure
 from .sparse_attention_structure import (FORWARD_LIMIT, MATMULS, PRIORITY, Leaves, attention_close, bank_tensor,
                                          candidate_scales, discover, forward_within, gather_pairs, module_path,
-                                         sel_candidates, to_bts, why_no_end)
+                                         sel_candidates, to_bts, why_no_end, window_ends)
 
 __all__ = ["SparseAttentionFamily", "OP_NAME", "SPEC"]
 
@@ -64,7 +67,7 @@ OP_NAME = "sparse_fp4_attention"
 #: What the sparse-attention chain looks for (`dsv41 report --patterns`).
 SPEC = register_family(
     "sparse_attention", "gather FP4 bank rows (-1 = empty) -> dequantize -> scores with the FP8 window -> softmax "
-    "with sink -> weighted sum of the same rows -> inverse RoPE", (
+    "with sink -> weighted sum of the same rows -> inverse RoPE (or the FP8 window alone)", (
     Chain("attention", OP_NAME, "two gathers (index.Tensor with the same two index nodes) of uint8 [B, N, W] banks, "
           "codes twice as wide as scales per 16", (Role("q", "[B, T, H, D]"), Role("window", "FP8 codes + scales"),
                                                    Role("mask", "[B, T, S] bool"), Role("bank", "FP4 codes + scales"),
@@ -75,6 +78,15 @@ SPEC = register_family(
           ("random FP8 window, FP4 bank on every E4M3 scale byte",),
           ("static_shapes", "bank_format", "attention_sink", "inverse_rope", "intermediate_used", "window_layout",
            "attention_values", "op_registered")),
+    Chain("window attention", OP_NAME, "an inverse-RoPE-like [B, T, H, D] tensor computed from uint8 [B, S, D] "
+          "FP8 window codes and from no bank gather (an SWA layer)",
+          (Role("q", "[B, T, H, D]"), Role("window", "FP8 codes + scales"), Role("mask", "[B, T, S] bool"),
+           Role("sink", "[H] (optional)"), Role("cos / sin", "[.., R/2]")),
+          "dsv41.ref.sparse_attention:sparse_fp4_attention",
+          ("softmax scale", "window layout", "mask polarity", "inverse RoPE layout"),
+          ("random FP8 window, empty bank",),
+          ("static_shapes", "attention_sink", "inverse_rope", "intermediate_used", "window_layout", "attention_values",
+           "op_registered")),
 ),
     # order: before indexer, so the attention chain is matched intact from the indices it reads; before
     # small_ops, which would share its visibility-mask math, and dispatch, which rewrites the matmuls around it
@@ -98,8 +110,11 @@ class SparseAttentionFamily(FusionFamily):
         ev = RegionEvaluator(gm, extra_ops=MATMULS)
         sourced = sourced_nodes(graph)
         sites, misses = [], []
+        pairs = list(gather_pairs(graph))
+        # Everything computed from a bank gather belongs to a banked site (fused or a near-miss already named).
+        banked = set(forward_within([g for pair in pairs for g in pair], FORWARD_LIMIT * max(1, len(pairs))))
         # Each pair is matched on the graph the rewrites of the pairs before it left (one dead-code pass at the end).
-        for gc, gs in list(gather_pairs(graph)):
+        for gc, gs in pairs:
             found, near = _match(gm, ev, sourced, gc, gs)
             misses.extend(near)
             for site in found:  # sites sharing one gather (a Reuse layer and its source) are all rewritten
@@ -116,10 +131,43 @@ class SparseAttentionFamily(FusionFamily):
                 _rewrite(graph, site, op)
                 sites.append(site)
         eliminate_dead_code(graph)
+        self._window_only(gm, ev, op, banked, sites, misses)
+        eliminate_dead_code(graph)
         # A removed node shared by several sites (CSE'd gathers) counts for the first one only.
         matches = records_of(self.name, sites, start - set(graph.nodes), _bytes)
         note = "" if op is not None else f"op not registered: {OP_NAME}"
         return PassRecord(self.name, True, matches, tuple(misses), (), note)
+
+
+    def _window_only(self, gm, ev, op, banked: set, sites: list, misses: list) -> None:
+        """Attention over the FP8 window alone (an SWA layer: no bank rows): the same op with an empty bank and
+        no selected slots. Sites already matched or named through a bank gather (`banked`) are skipped."""
+        from ..ref.sparse_attention import sparse_fp4_attention as ref_op
+
+        graph = gm.graph
+        sourced = sourced_nodes(graph)
+        for end, x, trig, computed in window_ends(graph, sourced, banked):
+            if end.graph is not graph or not end.users:  # inside a site rewritten just before
+                continue
+            b, t, h, d = shape_of(end)
+            leaves = discover(x, set(trig), computed, None, sourced, d, (b, t, h))
+            if leaves is None or not leaves.codes:
+                continue
+            res = _verify(ev, gm, end, None, None, None, leaves, trig, (b, t, h, d, 0), ref_op, sourced)
+            if res is None:
+                continue
+            if not isinstance(res, Site):
+                misses.append(NearMiss(self.name, "window attention", res[0], res[1],
+                                       SourceLocation.from_node(end)))
+                continue
+            refused = static_refusal(self.name, "window attention", [*res.args, end, *res.region],
+                                     SourceLocation.from_node(end), f"dsv41::{OP_NAME}")
+            if refused is not None or op is None:
+                misses.append(refused or NearMiss(self.name, "window attention", "op_registered",
+                                                  f"dsv41::{OP_NAME} is not registered", SourceLocation.from_node(end)))
+                continue
+            _rewrite(graph, res, op)
+            sites.append(res)
 
 
 def _probe_window(shape, gen, device):
@@ -259,13 +307,18 @@ def _verify(ev, gm, end, gc, gs, sel, lv: Leaves, trig, dims, ref_op, sourced):
         env[c] = _probe_window(shape_of(c), gen, device)[0]
     for s in lv.scales:  # scales get their own values; the pairing decides which codes they belong to
         env[s] = _probe_window((*shape_of(s)[:2], d), gen, device)[1]
-    bank_c, bank_s = _probe_bank(concrete_shape(tensor_val(gc.args[0])), concrete_shape(tensor_val(gs.args[0])),
-                                 gen, device)
-    env[gc.args[0]], env[gs.args[0]] = bank_c, bank_s
-    n_rows = concrete_shape(tensor_val(gc.args[0]))[1]
-    selv = tensor_val(sel)
-    sel_p = torch.randint(-1, n_rows, concrete_shape(selv), generator=gen, dtype=torch.int64)
-    env[sel] = sel_p.to(selv.dtype).to(device)
+    if gc is None:  # window only: the op reads an empty bank and no selected rows
+        bank_c = torch.zeros(b, 0, d // 2, dtype=torch.uint8)
+        bank_s = torch.zeros(b, 0, d // 16, dtype=torch.uint8)
+        sel_p = torch.zeros(b, t, 0, dtype=torch.int64)
+    else:
+        bank_c, bank_s = _probe_bank(concrete_shape(tensor_val(gc.args[0])), concrete_shape(tensor_val(gs.args[0])),
+                                     gen, device)
+        env[gc.args[0]], env[gs.args[0]] = bank_c, bank_s
+        n_rows = concrete_shape(tensor_val(gc.args[0]))[1]
+        selv = tensor_val(sel)
+        sel_p = torch.randint(-1, n_rows, concrete_shape(selv), generator=gen, dtype=torch.int64)
+        env[sel] = sel_p.to(selv.dtype).to(device)
     sink = sinks[0] if sinks else None
     if sink is not None:
         env[sink] = torch.randn(concrete_shape(tensor_val(sink)), generator=gen, dtype=torch.float64) \
@@ -307,7 +360,7 @@ def _verify(ev, gm, end, gc, gs, sel, lv: Leaves, trig, dims, ref_op, sourced):
         ws_ = torch.cat([env[s] for _, s in order], 1).cpu()
         m = ~wmask if inv else wmask
         sn_ = tvals[sn] if inverse else -tvals[sn]
-        return ref_op(qp.cpu(), wc_, ws_, m.contiguous(), bank_c.cpu(), bank_s.cpu(), env[sel].cpu(), sink_v,
+        return ref_op(qp.cpu(), wc_, ws_, m.contiguous(), bank_c.cpu(), bank_s.cpu(), sel_p, sink_v,
                       tvals[cs].contiguous(), sn_.contiguous(), sc)
 
     # Codes and scales got independent probes: whichever scales a part is paired with, the reference reads the
@@ -346,6 +399,9 @@ def _verify(ev, gm, end, gc, gs, sel, lv: Leaves, trig, dims, ref_op, sourced):
                                 "R channels (MODEL.md §2.4 step 6)")
                     except (RuntimeError, IndexError, ValueError):
                         continue
+    if gc is None:
+        return "attention_values", ("the region reads q, FP8 window rows and a visibility mask but does not compute "
+                                    "attention over the window with sink and inverse RoPE (MODEL.md §2.4 steps 3-6)")
     return "attention_values", ("the region reads q, FP8 window rows, a visibility mask, gathered FP4 bank rows, "
                                 "indices and a sink but does not compute sparse attention with sink and inverse RoPE "
                                 "(MODEL.md §2.4 steps 3-6)")
@@ -367,10 +423,15 @@ def _site(end, gc, gs, sel, q_op, q_leaf, order, mask, inv, sink, cs, sn, sc, re
         if n.op == "call_function" and any(u not in inside for u in n.users):
             return "intermediate_used", (f"{n.name} ({node_label(n)}) inside the attention site is also read "
                                          "elsewhere; fusing would compute it twice")
+    # Window only: the first product of the region (the scores' einsum / matmul in the user's attention code)
+    # names the site; the end is often a shared RoPE helper's line.
+    products = [n for n in region if n.op == "call_function" and n.target in MATMULS]
+    anchor = gc if gc is not None else products[0] if products else end
     detail = (("heads", h), ("head_dim", d), ("window_rows", s_rows), ("topk", k), ("window_parts", len(order)),
               ("rope_dim", 2 * shape_of(cs)[-1]), ("softmax_scale", sc), ("sink", sink is not None),
-              ("mask", "inverted" if inv else "as is"), ("module", module_path(gc)))
-    return Site(OP_NAME, OP_NAME, gc, (q_op, order, mask, inv, gc.args[0], gs.args[0], sel, sink, cs, sn, sc),
+              ("mask", "inverted" if inv else "as is"), ("bank", gc is not None), ("module", module_path(anchor)))
+    bank = (None, None) if gc is None else (gc.args[0], gs.args[0])
+    return Site(OP_NAME, OP_NAME, anchor, (q_op, order, mask, inv, *bank, sel, sink, cs, sn, sc),
                 (end,), region, (q_op, sel), detail)
 
 
@@ -389,9 +450,12 @@ def _rewrite(graph: fx.Graph, site: Site, op) -> None:
 
     codes = [c for c, _ in order]
     scales = [s for _, s in order]
-    wc = codes[0] if len(codes) == 1 else ins(aten.cat.default, (codes, 1))
-    ws = scales[0] if len(scales) == 1 else ins(aten.cat.default, (scales, 1))
-    s_rows = shape_of(wc)[1]
+    # The op reads two parts in place (the ring and the step's own rows): no concatenated copy, which Inductor
+    # would launch as its own kernels. Parts after the second are concatenated onto it.
+    wc, ws = codes[0], scales[0]
+    nc = None if len(codes) == 1 else codes[1] if len(codes) == 2 else ins(aten.cat.default, (codes[1:], 1))
+    ns = None if len(scales) == 1 else scales[1] if len(scales) == 2 else ins(aten.cat.default, (scales[1:], 1))
+    s_rows = sum(shape_of(c)[1] for c in codes)
 
     def bts(node, last):
         """`node` viewed as [b, t, last] (select the head dim, then expand) for the op's arguments."""
@@ -420,7 +484,15 @@ def _rewrite(graph: fx.Graph, site: Site, op) -> None:
     half = shape_of(cs)[-1]
     cos_in, sin_in = bts(cs, half), bts(sn, half)
     idx = sel
-    out = ins(op, (q, wc, ws, ok, bc, bs, idx, sk, cos_in, sin_in, float(sc)))
+    if bc is None:  # window only (an SWA layer): zero bank rows, zero selected slots; allocations, no kernel
+        dev = {"device": tensor_val(q).device}
+        bc = insert_node(graph, end, aten.empty.memory_format, ([b, 0, d // 2],), {"dtype": torch.uint8, **dev},
+                         like=like)
+        bs = insert_node(graph, end, aten.empty.memory_format, ([b, 0, d // 16],), {"dtype": torch.uint8, **dev},
+                         like=like)
+        idx = insert_node(graph, end, aten.empty.memory_format, ([b, t, 0],), {"dtype": torch.int64, **dev},
+                          like=like)
+    out = ins(op, (q, wc, ws, ok, bc, bs, idx, sk, cos_in, sin_in, float(sc), nc, ns))
     end.replace_all_uses_with(out)
 
 
@@ -428,7 +500,7 @@ def _bytes(site: Site, gone: list):
     """(before, after, symbol values): eager traffic of the removed ops vs the fused op's reads and writes."""
     b, t, h, d = shape_of(site.end)
     q, sel = site.activations
-    per_token = per_token_closure((q, sel), site.region, site.inputs_of)
+    per_token = per_token_closure(tuple(a for a in (q, sel) if a is not None), site.region, site.inputs_of)
     tally = ByteTally((b, t), per_token.__contains__)
     tally.add_removed(gone, site.inputs_of, lambda key, n, a: None if is_view_op(a) else tally.add(key, a))
 
@@ -437,13 +509,14 @@ def _bytes(site: Site, gone: list):
         v = tensor_val(n)
         return 0 if v is None else v.numel() * v.element_size()
 
-    k = shape_of(sel)[-1]
+    k = 0 if sel is None else shape_of(sel)[-1]
     _, order, mask, *_rest = site.args
     cs = site.args[8]
     qb = nbytes(q) // (b * t)
     win = sum(nbytes(c) + nbytes(s) for c, s in order)
     s_rows = sum(shape_of(c)[1] for c, _ in order)
-    per_tok_after = 2 * qb + s_rows + k * (tensor_val(sel).element_size() + d // 2 + d // 16) + 8 * shape_of(cs)[-1]
+    idx_bytes = 0 if sel is None else tensor_val(sel).element_size()
+    per_tok_after = 2 * qb + s_rows + k * (idx_bytes + d // 2 + d // 16) + 8 * shape_of(cs)[-1]
     tally.totals["after"] = [per_tok_after, win + 4 * h]
     return tally.result()
 
