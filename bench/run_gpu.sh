@@ -2,6 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
+#                                           collapse
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -24,6 +25,22 @@ read -ra _rnt <<< "${ROW_NEW_TOKENS:-}"
 for x in "${_rnt[@]}"; do rowtok+=(--row-new-tokens "$x"); done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUTDIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUTDIR/gpu.txt"
+# ab_small STEM: `small` regional dsv41 decode (one row, BENCH_OPTIONS) with the tree in .bench_cache/base.tar
+# (`git archive` of the commit before, carried) and then with this tree, one after the other on this lease:
+# $OUTDIR/STEM_base.json and STEM_new.json.
+ab_small() {
+  local wargs=(--preset ${AB_PRESET:-small} --regional --backends ${AB_BACKENDS:-dsv41} --prompt-len ${PROMPT_LEN:-128}
+               --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile ${BENCH_OPTIONS:-})
+  if [ -f .bench_cache/base.tar ]; then
+    rm -rf /tmp/dsv41_base && mkdir -p /tmp/dsv41_base && tar xf .bench_cache/base.tar -C /tmp/dsv41_base
+    local absout; absout=$(cd "$OUTDIR" && pwd)
+    (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base python3 -c "import dsv41; print('base tree:', dsv41.__file__)"
+     PYTHONPATH=/tmp/dsv41_base timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" \
+       --cache-dir /tmp/dsv41_base/.bench_cache --json "$absout/$1_base.json" 2>&1 | tail -14)
+  fi
+  timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" --cache-dir .bench_cache/$1 \
+    --json "$OUTDIR/$1_new.json" 2>&1 | tail -14
+}
 for s in $sections; do
   case $s in
     tests)
@@ -58,19 +75,16 @@ for s in $sections; do
         | tee "$OUTDIR/gpu_tests_window.log"
       timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/window_parts_probe.py "$OUTDIR/window_parts_probe.json" 2>&1 \
         | tail -6
-      wargs=(--preset ${WINDOW_PRESET:-small} --regional --backends ${WINDOW_BACKENDS:-dsv41} --prompt-len
-             ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile)
-      if [ -f .bench_cache/base.tar ]; then
-        rm -rf /tmp/dsv41_base && mkdir -p /tmp/dsv41_base && tar xf .bench_cache/base.tar -C /tmp/dsv41_base
-        absout=$(cd "$OUTDIR" && pwd)
-        (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base python3 -c "import dsv41; print('base tree:', dsv41.__file__)"
-         cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base timeout ${WINDOW_TIMEOUT:-240} python3 -m dsv41.bench \
-          "${wargs[@]}" --cache-dir /tmp/dsv41_base/.bench_cache --json "$absout/window_base.json" 2>&1 | tail -14)
-      fi
-      timeout ${WINDOW_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" --cache-dir .bench_cache/window \
-        --json "$OUTDIR/window_new.json" 2>&1 | tail -14
+      ab_small window
       timeout ${PROBE_TIMEOUT:-120} python3 bench/probes/layer_launches_probe.py "$OUTDIR/layer_launches_tiny.json" \
         tiny cuda 2>&1 | tail -10 ;;
+    collapse)
+      # Issue [decode] #37: mhc_collapse_rmsnorm reads a bf16 H through its upcast and writes the downcast itself
+      # (widened; torch < 2.13 graphs): its GPU tests, then ab_small with the variant let through.
+      python3 -m pytest -q tests/test_kernels_gpu_collapse.py tests/test_kernels_gpu.py -k "collapse" 2>&1 | tail -6 \
+        | tee "$OUTDIR/gpu_tests_collapse.log"
+      BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
+        ab_small collapse ;;
     router)
       # Issue [decode] #37: where the router's time goes at the h200 decode shape (plans, warps, k, a plain GEMV).
       timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/router_sweep_probe.py "$OUTDIR/router_sweep.json" 2>&1 | tail -14 ;;

@@ -12,9 +12,12 @@ four-stream residual H [B, T, 4, d]; each becomes one op here:
   source stream i in destination stream j). With `norm_weight` w [4d] (fp32/bf16/fp16; schema `Tensor?
   norm_weight=None`) m = ((z * w) @ fn^T) * r, the spelling `F.linear(rms_norm(flatten(H), (4d,), w, eps), fn)`
   (the statistic r stays unweighted). Reference: `dsv41.ref.mhc.mhc_mixes` (with fn * w for the weight).
-- `dsv41::mhc_collapse_rmsnorm(H, pre, weight, eps) -> x`: x = rms_norm(sum_i pre_i H_i, weight, eps) with the
+- `dsv41::mhc_collapse_rmsnorm(H, pre, weight, eps, widened=False) -> x`: x = rms_norm(sum_i pre_i H_i, weight, eps) with the
   collapse accumulated in FP32 and rounded to H.dtype before the norm (as the eager code does), the norm in FP32;
   x [B, T, d] in H.dtype, pre fp32 [B, T, 4], weight [d] any float dtype. Reference: `rms_norm(mhc_collapse(...))`.
+  With `widened=True` the row is not rounded between the collapse and the norm (the reference of H.float(), then
+  one rounding of x to H.dtype): the graph torch < 2.13 leaves, which reads H through an upcast and writes x
+  through a downcast, without either copy.
 - `dsv41::mhc_expand(y, H, post, comb) -> H'`: H'_j = post_j * y + sum_i comb[i, j] H_i in FP32, rounded to
   H.dtype; y [B, T, d] any float dtype, post fp32 [B, T, 4], comb fp32 [B, T, 4, 4]. Reference: `mhc_expand`.
 
@@ -118,8 +121,10 @@ def check_mixes_args(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=No
             raise ValueError(f"{name} must be a non-negative float, got {v!r}")
 
 
-def _check_collapse(H, pre, weight, eps):
+def _check_collapse(H, pre, weight, eps, widened=False):
     _check_h(H)
+    if not isinstance(widened, bool):
+        raise TypeError(f"widened must be a bool, got {type(widened).__name__}")
     check_tensor("pre", pre, dtypes=_FLOAT_DTYPES, ndim=3)
     check_tensor("weight", weight, dtypes=_FLOAT_DTYPES, ndim=1)
     check_same_device(H=H, pre=pre, weight=weight)
@@ -170,15 +175,20 @@ def reference_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
 
 
 def reference_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
-                                   eps: float) -> torch.Tensor:
+                                   eps: float, widened: bool = False) -> torch.Tensor:
     """Plain-PyTorch `dsv41::mhc_collapse_rmsnorm`: `rms_norm(mhc_collapse(H, pre), weight, eps)`.
 
-    Args: H [B, T, 4, d] fp32/bf16/fp16; pre [B, T, 4] (fp32 from mhc_mixes); weight [d]; eps (1e-20 in V4.1).
+    Args: H [B, T, 4, d] fp32/bf16/fp16; pre [B, T, 4] (fp32 from mhc_mixes); weight [d]; eps (1e-20 in V4.1);
+    widened: compute as for `H.float()` (the collapsed row is not rounded to H.dtype before the norm) and round
+    only the result to H.dtype: what a graph computes once Inductor has removed the FP32 -> H.dtype -> FP32 round
+    trip between the collapse and the norm (torch < 2.13).
     Returns: [B, T, d] in H.dtype.
     Raises: TypeError / ValueError naming the bad argument.
     Source: MODEL.md §2.2, §2.3 "collapse"; dsv41/ref/mhc.py `mhc_collapse`, dsv41/ref/norm.py `rms_norm`.
     """
-    _check_collapse(H, pre, weight, eps)
+    _check_collapse(H, pre, weight, eps, widened)
+    if widened:
+        return _ref.mhc_collapse_rmsnorm(H.float(), pre, weight, eps).to(H.dtype)
     return _ref.mhc_collapse_rmsnorm(H, pre, weight, eps)
 
 
@@ -337,7 +347,7 @@ def mixes_finish(ss, d_pre, d_post, d_comb, row, split, part_ptr, cnt_ptr, base_
 def _mhc_collapse_rmsnorm_kernel(
     h_ptr, pre_ptr, w_ptr, x_ptr,
     T, sh_b, sh_t, sh_s, sp_b, sp_t, sp_s, eps,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, ROUND_X: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // T
@@ -356,8 +366,12 @@ def _mhc_collapse_rmsnorm_kernel(
         acc = acc + p * tl.load(h_row + s * sh_s + cols, mask=ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # mhc_collapse casts to H.dtype; rms_norm reads that tensor back in FP32.
-    x = round_to(acc, x_ptr.dtype.element_ty)
+    if ROUND_X:
+        # mhc_collapse casts to H.dtype; rms_norm reads that tensor back in FP32.
+        x = round_to(acc, x_ptr.dtype.element_ty)
+    else:
+        # widened: the collapse and the norm run on H.float() (no rounding between), only y is rounded.
+        x = acc
     ms = tl.math.div_rn(tl.sum(x * x, axis=0), D * 1.0)
     r = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
     y = round_to((x * r) * w, x_ptr.dtype.element_ty)
@@ -479,13 +493,14 @@ def triton_mhc_mixes(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return pre, post, comb
 
 
-def triton_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def triton_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                                widened: bool = False) -> torch.Tensor:
     """Triton `dsv41::mhc_collapse_rmsnorm` on the tensors' device (interpreted on CPU).
 
     Same arguments, result and errors as `reference_mhc_collapse_rmsnorm`, plus ValueError for d > MAX_D (the
     row is one tile). One launch, one program per token.
     """
-    _check_collapse(H, pre, weight, eps)
+    _check_collapse(H, pre, weight, eps, widened)
     require_launchable(_mhc_collapse_rmsnorm_kernel, H.device, "triton_mhc_collapse_rmsnorm")
     b, t, _, d = H.shape
     if d > MAX_D:
@@ -500,7 +515,7 @@ def triton_mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torc
     _mhc_collapse_rmsnorm_kernel[(b * t,)](
         H, pre, weight, x,
         t, H.stride(0), H.stride(1), H.stride(2), pre.stride(0), pre.stride(1), pre.stride(2), float(eps),
-        D=d, BLOCK_D=block_d, USE_PDL=pdl,
+        D=d, BLOCK_D=block_d, USE_PDL=pdl, ROUND_X=not widened,
         num_warps=max(1, min(16, block_d // 512)), enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return x
 
@@ -553,18 +568,19 @@ def _mhc_mixes_fake(H, fn, base, scale, norm_eps, hc_eps, iters, norm_weight=Non
 
 
 @torch.library.custom_op("dsv41::mhc_collapse_rmsnorm", mutates_args=(), device_types="cpu")
-def mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def mhc_collapse_rmsnorm(H: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                         widened: bool = False) -> torch.Tensor:
     """mHC collapse with `pre` followed by RMSNorm; see `reference_mhc_collapse_rmsnorm`."""
-    return reference_mhc_collapse_rmsnorm(H, pre, weight, eps)
+    return reference_mhc_collapse_rmsnorm(H, pre, weight, eps, widened)
 
 
 @register_cuda(mhc_collapse_rmsnorm, "dsv41::mhc_collapse_rmsnorm")
-def _mhc_collapse_rmsnorm_cuda(H, pre, weight, eps):
-    return triton_mhc_collapse_rmsnorm(H, pre, weight, eps)
+def _mhc_collapse_rmsnorm_cuda(H, pre, weight, eps, widened=False):
+    return triton_mhc_collapse_rmsnorm(H, pre, weight, eps, widened)
 
 
 @mhc_collapse_rmsnorm.register_fake
-def _mhc_collapse_rmsnorm_fake(H, pre, weight, eps):
+def _mhc_collapse_rmsnorm_fake(H, pre, weight, eps, widened=False):
     return H.new_empty((H.shape[0], H.shape[1], H.shape[3]))
 
 

@@ -56,7 +56,7 @@ from ..ref.mhc import HC_MULT, mhc_collapse, mhc_expand, mhc_mixes
 from ..ref.norm import rms_norm
 from .records import NearMiss, SourceLocation
 from .engine import (ByteTally, Chain, ChainFamily, RegionEvaluator, RegionNotClosed, Role, Site, ancestors_within,
-                     casts_after, close, close_rounded, collect, concrete_shape, discover, eps_candidates,
+                     casts_after, close, close_rounded, collect, concrete_shape, discover, dtype_of, eps_candidates,
                      is_dataflow_op, is_float, node_label, op_inputs, per_token_closure, positions, probe_runs,
                      randn_probe, real_tensors, register_family, resolve_replaced, rewrite_outputs, rms_eps_reason,
                      rms_norm_eps_outside, shape_of, sort_region, static_refusal, tensor_val)
@@ -68,6 +68,8 @@ __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED", "SPEC"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+#: Gate name of the collapse op reading a half H through its upcast (not yet run on a GPU: `GPU_UNVALIDATED_OPS`).
+WIDENED = "mhc_collapse_rmsnorm(widened)"
 #: Sinkhorn round counts the semantic check tries.
 MAX_ITERS_SEARCHED = 64
 _FORWARD_NORM = 12      # nodes searched forward from an RMS reduction for the norm's output
@@ -99,6 +101,13 @@ SPEC = register_family(
           "dsv41.ref.mhc:mhc_collapse + dsv41.ref.norm:rms_norm", ("eps",),
           ("random H at magnitudes 1 and 1e-4 (pins eps)",),
           ("rms_eps", "collapse_rmsnorm_values", "static_shapes", "op_registered")),
+    Chain("collapse_rmsnorm (widened)", "mhc_collapse_rmsnorm",
+          "the collapse_rmsnorm chain read through an FP32 upcast of a half H and ending at its downcast back",
+          (Role("H", "[B, T, 4, d]", "bf16 / fp16"), Role("pre", "[B, T, 4]"), Role("weight", "[d]")),
+          "dsv41.ref.mhc:mhc_collapse + dsv41.ref.norm:rms_norm on H.float()", ("eps",),
+          ("random H at magnitudes 1 and 1e-4 (pins eps)",),
+          ("rms_eps", "collapse_rmsnorm_values", "static_shapes", "gpu_unvalidated", "op_registered"),
+          variants=(WIDENED,), gpu_validated=False),
 ),
     # order: after rope_fp4: the place it has always run (no dependency between the two is known;
     # tests/test_chain_specs.py pins the order)
@@ -361,9 +370,7 @@ def _find_collapse_norms(graph: fx.Graph, ev: RegionEvaluator):
                     break
                 eps, why = _verify_collapse_norm(ev, end, cut, region)
                 if eps is not None:
-                    sites.append(Site("mhc_collapse_rmsnorm", "mhc_collapse_rmsnorm", end,
-                                       (cut["H"], cut["pre"], cut["weight"], eps), (end,), region,
-                                       (cut["H"], cut["pre"]), (("eps", eps), ("d", d))))
+                    sites.append(_collapse_site(end, cut, region, eps, d))
                     done.update(region)
                     done.add(end)
                     matched = True
@@ -377,6 +384,33 @@ def _find_collapse_norms(graph: fx.Graph, ev: RegionEvaluator):
             misses.append(NearMiss("mhc", "mhc collapse -> rmsnorm", *why, SourceLocation.from_node(end)))
             done.update(e for _, e in reasons)
     return sites, misses
+
+
+def _exact_upcast_source(n: fx.Node):
+    """The bf16 / fp16 tensor `n` is an FP32 upcast of (same shape), else None."""
+    if n.op != "call_function" or n.target != prims.convert_element_type.default or n.args[1] != torch.float32:
+        return None
+    src = n.args[0]
+    if not isinstance(src, fx.Node) or dtype_of(src) not in (torch.bfloat16, torch.float16):
+        return None
+    return src if shape_of(src) == shape_of(n) else None
+
+
+def _collapse_site(end, cut, region, eps, d) -> Site:
+    """The verified collapse + RMSNorm site; widened when H is an FP32 upcast of a half tensor and the result's
+    only use is its downcast back to that dtype (the graph torch < 2.13 leaves once Inductor removed the round trip
+    between the collapse and the norm): the op then reads the half H and writes the half result itself, the two
+    casts' copies gone. Exact: it computes what the FP32 op computes, rounded once as the downcast rounds."""
+    h, out, region, variant = cut["H"], end, list(region), None
+    half = _exact_upcast_source(h)
+    users = list(end.users)
+    if half is not None and len(users) == 1 and users[0].op == "call_function" \
+            and users[0].target == prims.convert_element_type.default and users[0].args[1] == dtype_of(half):
+        h, out, variant = half, users[0], WIDENED
+        region += [out] + ([cut["H"]] if cut["H"] not in region else [])
+    args = (h, cut["pre"], cut["weight"], eps) + ((True,) if variant else ())
+    return Site("mhc_collapse_rmsnorm", "mhc_collapse_rmsnorm", end, args, (out,), region, (h, cut["pre"]),
+                (("eps", eps), ("d", d), ("widened", variant is not None)), variant=variant)
 
 
 @real_tensors()
