@@ -34,6 +34,7 @@ def exact(H, pre, w, eps=EPS):
 
 
 def within_one_rounding(got, want64, dtype):
+    """got (dtype) is within one rounding of the float64 value, elementwise, and has no NaN."""
     assert got.dtype == dtype and not torch.isnan(got.float()).any()
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     err = (got.double() - want64).abs()
@@ -41,6 +42,7 @@ def within_one_rounding(got, want64, dtype):
 
 
 def make(b=1, t=1, d=96, dtype=torch.bfloat16, seed=0):
+    """(H [b, t, 4, d] in dtype, pre [b, t, 4] fp32, weight [d] in dtype), seeded."""
     g = torch.Generator().manual_seed(seed)
     H = (torch.randn(b, t, 4, d, generator=g) * 3).to(dtype)
     pre = torch.rand(b, t, 4, generator=g) + 0.2

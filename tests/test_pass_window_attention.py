@@ -30,6 +30,7 @@ B, H, D, R, RING = 1, 4, 64, 16, 24
 
 
 def fp8_rows(codes, scales):
+    """FP8 E4M3 rows times 2^(e - 127) per 32 channels, through ldexp (FP32)."""
     mant = codes.view(torch.float8_e4m3fn).to(torch.float32)
     return torch.ldexp(mant, (scales.to(torch.int32) - 127).repeat_interleave(32, dim=-1))
 
@@ -48,6 +49,7 @@ def rotate_out(o, cos, sin, sign):
 
 
 def window_attention(q, ring_c, ring_s, new_c, new_s, visible, sink, cos, sin, sign=-1.0, rotate=True):
+    """Attention of q [B, 1, H, D] over the ring and the new row (sink optional), then the output rotation."""
     kv = torch.cat([fp8_rows(ring_c, ring_s).to(q.dtype), fp8_rows(new_c, new_s).to(q.dtype)], dim=1)
     logits = torch.einsum("bqhd,bkd->bqhk", q.float(), kv.float()) / math.sqrt(D)
     logits = logits.masked_fill(~visible[:, :, None, :], float("-inf"))
@@ -61,6 +63,7 @@ def window_attention(q, ring_c, ring_s, new_c, new_s, visible, sink, cos, sin, s
 
 
 def inputs(dtype=torch.float32, seed=0):
+    """(q, ring codes / scales, new codes / scales, visibility, sink, cos, sin), seeded."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, 1, H, D, generator=g).to(dtype)
     rc, rs = quantize_fp8_1x32(torch.randn(B, RING, D, generator=g))
@@ -95,6 +98,7 @@ def reference(q, rc, rs, nc, ns, vis, sink, cos, sin):
 
 
 def compile_case(fn, args):
+    """Compile fn with dsv41 (static shapes): (output, sparse_attention records, ops after the passes)."""
     torch._dynamo.reset()
     with torch.no_grad(), capture_graphs() as graphs:
         out = torch.compile(fn, backend="dsv41", dynamic=False)(*args)

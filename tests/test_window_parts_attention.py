@@ -77,6 +77,7 @@ def expected(q, parts, ok, sink, cos, sin, scale):
 
 
 def build(b=1, t=1, h=5, d=64, ring=19, new=1, r=16, dtype=torch.float32, seed=0):
+    """The op's inputs as a dict: q, ring and new FP8 parts, mask, sink, angles, an empty bank, the scale."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, h, d, generator=g).to(dtype)
     rc, rs = quantize_fp8_1x32(torch.randn(b, ring, d, generator=g) * 3)
@@ -92,6 +93,7 @@ def build(b=1, t=1, h=5, d=64, ring=19, new=1, r=16, dtype=torch.float32, seed=0
 
 
 def call(fn, x, split=None, parts=True):
+    """fn (the op or its Triton launcher) on `build`'s inputs: two window parts, or one concatenated."""
     bc, bs, idx = x["bank"]
     if parts:
         extra = dict(new_codes=x["new"][0], new_scales=x["new"][1])
@@ -104,6 +106,7 @@ def call(fn, x, split=None, parts=True):
 
 
 def close(got, want, dtype):
+    """No NaN left, and within FP32 rounding (FP32 q) or one bf16 rounding of the float64 reference."""
     assert not torch.isnan(got).any(), "an output element was never written"
     tol = 1e-5 * (1 + want.abs()) if dtype == torch.float32 else 2 ** -7 * want.abs() + 1e-3
     err = (got.double() - want).abs()

@@ -45,18 +45,21 @@ for _ in range(copies):
 
 
 def one_part(a):
+    """The window concatenated by torch.cat, then the op (the graph before the change)."""
     q, rc, rs, nc, ns, ok, bc, bs, idx, sink, cos, sin = a
     wc, ws = torch.cat((rc, nc), 1), torch.cat((rs, ns), 1)
     return sa.triton_sparse_fp4_attention(q, wc, ws, ok, bc, bs, idx, sink, cos, sin, D ** -0.5)
 
 
 def two_parts(a):
+    """The op reading the ring and the step's row in place."""
     q, rc, rs, nc, ns, ok, bc, bs, idx, sink, cos, sin = a
     return sa.triton_sparse_fp4_attention(q, rc, rs, ok, bc, bs, idx, sink, cos, sin, D ** -0.5, new_codes=nc,
                                           new_scales=ns)
 
 
 def window_only(a):
+    """An SWA layer's call: the two window parts, an empty bank."""
     q, rc, rs, nc, ns, ok, bc, bs, idx, sink, cos, sin = a
     return sa.triton_sparse_fp4_attention(q, rc, rs, ok, bc[:, :0], bs[:, :0], idx[:, :, :0], sink, cos, sin,
                                           D ** -0.5, new_codes=nc, new_scales=ns)
