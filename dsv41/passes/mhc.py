@@ -62,7 +62,8 @@ from .engine import (ByteTally, Chain, ChainFamily, RegionEvaluator, RegionNotCl
                      rms_norm_eps_outside, shape_of, sort_region, static_refusal, tensor_val)
 from .mhc_spellings import verify_normalised_input
 from .mhc_structure import (BATCHED_MATMULS, N_MIX, coefficient_region, is_last_dim_reduction, mix_probes,
-                            most_specific, normalised_further, projection, row_normalised, stream_cuts)
+                            most_specific, normalised_further, projection, row_normalised, stream_cuts,
+                            strip_identity_views)
 
 __all__ = ["MhcFamily", "N_MIX", "MAX_ITERS_SEARCHED", "SPEC"]
 
@@ -386,28 +387,18 @@ def _find_collapse_norms(graph: fx.Graph, ev: RegionEvaluator):
     return sites, misses
 
 
-def _exact_upcast_source(n: fx.Node):
-    """The bf16 / fp16 tensor `n` is an FP32 upcast of (same shape), else None."""
-    if n.op != "call_function" or n.target != prims.convert_element_type.default or n.args[1] != torch.float32:
-        return None
-    src = n.args[0]
-    if not isinstance(src, fx.Node) or dtype_of(src) not in (torch.bfloat16, torch.float16):
-        return None
-    return src if shape_of(src) == shape_of(n) else None
-
-
 def _collapse_site(end, cut, region, eps, d) -> Site:
     """The verified collapse + RMSNorm site; widened when H is an FP32 upcast of a half tensor and the result's
     only use is its downcast back to that dtype (the graph torch < 2.13 leaves once Inductor removed the round trip
     between the collapse and the norm): the op then reads the half H and writes the half result itself, the two
     casts' copies gone. Exact: it computes what the FP32 op computes, rounded once as the downcast rounds."""
     h, out, region, variant = cut["H"], end, list(region), None
-    half = _exact_upcast_source(h)
-    users = list(end.users)
-    if half is not None and len(users) == 1 and users[0].op == "call_function" \
-            and users[0].target == prims.convert_element_type.default and users[0].args[1] == dtype_of(half):
-        h, out, variant = half, users[0], WIDENED
-        region += [out] + ([cut["H"]] if cut["H"] not in region else [])
+    half, passed = strip_identity_views(h, upcasts=True)
+    after = casts_after(end, shape_of(end))
+    if dtype_of(h) == torch.float32 and dtype_of(half) in (torch.bfloat16, torch.float16) and len(after) >= 2 \
+            and dtype_of(after[1]) == dtype_of(half):
+        h, out, variant = half, after[1], WIDENED
+        region += [out] + [n for n in passed if n not in region]
     args = (h, cut["pre"], cut["weight"], eps) + ((True,) if variant else ())
     return Site("mhc_collapse_rmsnorm", "mhc_collapse_rmsnorm", end, args, (out,), region, (h, cut["pre"]),
                 (("eps", eps), ("d", d), ("widened", variant is not None)), variant=variant)

@@ -138,7 +138,6 @@ class SparseAttentionFamily(FusionFamily):
         note = "" if op is not None else f"op not registered: {OP_NAME}"
         return PassRecord(self.name, True, matches, tuple(misses), (), note)
 
-
     def _window_only(self, gm, ev, op, banked: set, sites: list, misses: list) -> None:
         """Attention over the FP8 window alone (an SWA layer: no bank rows): the same op with an empty bank and
         no selected slots. Sites already matched or named through a bank gather (`banked`) are skipped."""
@@ -146,8 +145,9 @@ class SparseAttentionFamily(FusionFamily):
 
         graph = gm.graph
         sourced = sourced_nodes(graph)
-        for end, x, trig, computed in window_ends(graph, sourced, banked):
-            if end.graph is not graph or not end.users:  # inside a site rewritten just before
+        computed, ends = window_ends(graph, sourced, banked)
+        for end, x, trig in ends:
+            if not end.users:  # inside a site rewritten just before
                 continue
             b, t, h, d = shape_of(end)
             leaves = discover(x, set(trig), computed, None, sourced, d, (b, t, h))

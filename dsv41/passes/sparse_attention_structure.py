@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .engine import concrete_shape, dtype_of, is_dataflow_op, is_step, is_view_op, shape_of, tensor_val, walk_inputs
+from .engine import (concrete_shape, dtype_of, is_dataflow_op, is_step, is_view_op, positions, shape_of, tensor_val,
+                     walk_inputs)
 from .rope_match import rope_structure
 
 __all__ = ["MATMULS", "FORWARD_LIMIT", "REGION_LIMIT", "SEL_STEPS", "FLOAT_LITERAL_MAX", "PRIORITY", "gather_pairs",
@@ -69,8 +70,8 @@ def forward_within(starts, limit: int, stop_pos: int | None = None, pos: dict | 
     return out
 
 
-def window_ends(graph: fx.Graph, sourced: set, banked: set) -> list:
-    """[(end, x, (trig, trig), computed), ...] in graph order: the inverse-RoPE-like [B, T, H, D] float nodes
+def window_ends(graph: fx.Graph, sourced: set, banked: set) -> tuple:
+    """(computed, [(end, x, (trig, trig)), ...] in graph order): the inverse-RoPE-like [B, T, H, D] float nodes
     computed from a 3-D uint8 tensor whose last dim is a multiple of 32 (FP8 window codes [B, S, D]), outside
     `banked` (nodes computed from a bank gather); x is the rotated tensor, also computed from the codes;
     `computed` the set of nodes computed from such codes (what the region walk passes through rather than taking
@@ -78,19 +79,19 @@ def window_ends(graph: fx.Graph, sourced: set, banked: set) -> list:
     starts = [n for n in graph.nodes if n in sourced and n not in banked and dtype_of(n) == torch.uint8
               and len(shape_of(n) or ()) == 3 and shape_of(n)[-1] % 32 == 0 and shape_of(n)[-1] > 0]
     if not starts:
-        return []
+        return set(), []
     fwd = forward_within(starts, FORWARD_LIMIT * len(starts))
-    fwd_set = set(fwd)
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    out = []
+    computed = set(fwd)
+    pos = positions(graph)
+    ends = []
     for e in sorted(fwd, key=pos.__getitem__):
         shp = shape_of(e)
         if e in banked or len(shp or ()) != 4 or not dtype_of(e).is_floating_point or shp[3] % 32:
             continue
         found = rope_structure(e, sourced)
-        if found is not None and found[1] in fwd_set and len(found[2]) == 2:
-            out.append((e, found[1], tuple(found[2]), fwd_set))
-    return out
+        if found is not None and found[1] in computed and len(found[2]) == 2:
+            ends.append((e, found[1], tuple(found[2])))
+    return computed, ends
 
 
 def bank_tensor(gc, gs, pos):
