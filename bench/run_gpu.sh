@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
-#                                           collapse
+#                                           collapse inplace
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -30,15 +30,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # $OUTDIR/STEM_base.json and STEM_new.json.
 ab_small() {
   local wargs=(--preset ${AB_PRESET:-small} --regional --backends ${AB_BACKENDS:-dsv41} --prompt-len ${PROMPT_LEN:-128}
-               --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile ${BENCH_OPTIONS:-})
+               --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile)
+  # BASE_BENCH_OPTIONS (when set, even empty) replaces BENCH_OPTIONS for the base tree.
+  local base_opts=${BASE_BENCH_OPTIONS-${BENCH_OPTIONS:-}}
   if [ -f .bench_cache/base.tar ]; then
     rm -rf /tmp/dsv41_base && mkdir -p /tmp/dsv41_base && tar xf .bench_cache/base.tar -C /tmp/dsv41_base
     local absout; absout=$(cd "$OUTDIR" && pwd)
     (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base python3 -c "import dsv41; print('base tree:', dsv41.__file__)"
-     PYTHONPATH=/tmp/dsv41_base timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" \
+     PYTHONPATH=/tmp/dsv41_base timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" $base_opts \
        --cache-dir /tmp/dsv41_base/.bench_cache --json "$absout/$1_base.json" 2>&1 | tail -14)
   fi
-  timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" --cache-dir .bench_cache/$1 \
+  timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" ${BENCH_OPTIONS:-} --cache-dir .bench_cache/$1 \
     --json "$OUTDIR/$1_new.json" 2>&1 | tail -14
 }
 for s in $sections; do
@@ -85,6 +87,21 @@ for s in $sections; do
         | tee "$OUTDIR/gpu_tests_collapse.log"
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         ab_small collapse ;;
+    inplace)
+      # Issue [decode] #37: the window ring written in place (write_order.py: no clone + copy-back per cache
+      # write), the queries' RoPE inside the attention op (rope_q) and the widened collapse. Their GPU tests, with
+      # LAYER_PROBE=1 the per-layer launch list of tiny, then ab_small: the base tree with its default options
+      # against this tree with the gated variants let through.
+      python3 -m pytest -q tests/test_kernels_gpu_collapse.py tests/test_kernels_gpu.py -k "collapse" 2>&1 | tail -6 \
+        | tee "$OUTDIR/gpu_tests_collapse.log"
+      python3 -m pytest -q tests/test_kernels_gpu_window.py 2>&1 | tail -6 | tee "$OUTDIR/gpu_tests_window.log"
+      if [ "${LAYER_PROBE:-0}" = 1 ]; then
+        timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/layer_launches_probe.py "$OUTDIR/layer_launches_tiny.json" \
+          tiny cuda '{"gpu_unvalidated": true, "disable": ["half_gemv", "rope_kv", "gqa_attention", "mhc_fold"]}' \
+          2>&1 | tail -10
+      fi
+      BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
+        BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
     router)
       # Issue [decode] #37: where the router's time goes at the h200 decode shape (plans, warps, k, a plain GEMV).
       timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/router_sweep_probe.py "$OUTDIR/router_sweep.json" 2>&1 | tail -14 ;;

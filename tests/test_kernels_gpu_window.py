@@ -48,3 +48,27 @@ def test_two_part_window_without_bank_matches_float64_on_gpu(shape, monkeypatch)
     one = WP.call(sa.triton_sparse_fp4_attention, _to(x, DEV), parts=False)
     two = WP.call(sa.triton_sparse_fp4_attention, _to(x, DEV))
     assert torch.equal(one, two)
+
+
+QR = load_reference("test_attention_q_rope")
+
+
+@pytest.mark.parametrize("shape", [dict(h=64, d=512, ring=128, new=1, r=64, dtype=torch.bfloat16, seed=12),
+                                   dict(ring=33, new=3, t=3, r=64, seed=5),
+                                   dict(ring=31, new=1, b=2, h=17, seed=6, dtype=torch.bfloat16)])
+def test_queries_rotated_by_the_op_match_float64_on_gpu(shape, monkeypatch):
+    """rope_q: q before its RoPE, rotated by the kernel while loading (compiled, so FMA contraction is off as in
+    the interpreter); the float64 reference rotates first and rounds to q.dtype as the model does."""
+    poison_outputs(monkeypatch, sa)
+    x = WP.build(**shape)
+    want = QR.want_for(x)
+    g = _to(x, DEV)
+    for split in (None, 1, 3):
+        got = sa.triton_sparse_fp4_attention(g["q"], *g["ring"], g["ok"], *g["bank"], g["sink"], g["cos"], g["sin"],
+                                             g["scale"], split=split, new_codes=g["new"][0], new_scales=g["new"][1],
+                                             rope_q=True)
+        QR.close(got.cpu(), want, x["q"].dtype)
+    # The op on CUDA equals its own CPU reference applied to the same inputs (the rotation rounds alike).
+    ref = torch.ops.dsv41.sparse_fp4_attention(x["q"], *x["ring"], x["ok"], *x["bank"], x["sink"], x["cos"],
+                                               x["sin"], x["scale"], *x["new"], True)
+    QR.close(got.cpu(), ref.double(), x["q"].dtype)

@@ -6,7 +6,7 @@ library calls and Inductor kernels, each Inductor kernel with its origins (user 
 post-grad nodes, `kernel_counts.kernel_origins`). On CUDA this is the list the step's Inductor glue is read from
 (the profiler gives only kernel names, and regional graphs reuse them).
 
-    python3 bench/probes/layer_launches_probe.py OUT.json [preset (tiny)] [device (cuda)]
+    python3 bench/probes/layer_launches_probe.py OUT.json [preset (tiny)] [device (cuda)] [options JSON ({})]
 """
 import json
 import os
@@ -24,6 +24,7 @@ from dsv41.model.generate import generate  # noqa: E402
 out_path = sys.argv[1]
 preset = sys.argv[2] if len(sys.argv) > 2 else "tiny"
 device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 graphs = []
 count_captured = kc.count_captured
 
@@ -43,9 +44,9 @@ def spy(capture, from_cache=False):
 pl.graph_counts.__globals__["count_captured"] = spy
 model = build_model(preset, device, "checkpoint", "bf16")
 model.setup_cache(1, 64)
-runner = compile_model(model, "dsv41", {"count_kernels": True}, regional=True)
+runner = compile_model(model, "dsv41", {"count_kernels": True, **options}, regional=True)
 generate(runner, torch.randint(0, model.config.vocab_size, (1, 8), device=device), 3)
-json.dump({"preset": preset, "device": device, "roles": model.config.roles, "torch": torch.__version__,
+json.dump({"preset": preset, "device": device, "options": options, "roles": model.config.roles, "torch": torch.__version__,
            "graphs": graphs}, open(out_path, "w"), indent=1)
 for i, g in enumerate(graphs):
     glue = sum(1 for x in g if x["kind"] not in ("op", "extern"))

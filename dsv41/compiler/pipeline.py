@@ -18,7 +18,9 @@ changed), it is compiled again with Inductor's caches off, so the passes run and
 
 The side-stream scheduler (`streams.StreamPass`, ARCHITECTURE.md "Pipeline stages" 3) is chained last in the
 same hook: it plans every graph and rewrites it with fork / join ops when the `streams` option is on; its
-schedule goes into the graph's report (and the record cache).
+schedule goes into the graph's report (and the record cache). After it, `write_order.WriteOrderPass` moves each
+functional cache write after the last read of the cache's old contents, so Inductor writes it in place
+(`schedule["cache_writes_in_place"]`).
 
 Every compile also goes through `kernel_counts.WrapperCapture` (Inductor's `compile_fx_inner`, recording the
 post-grad graph and the generated wrapper) with Inductor's kernel provenance on, so the report counts the launches
@@ -42,6 +44,7 @@ from .kernel_counts import WrapperCapture, graph_counts, load_counts, provenance
 from .options import Options
 from .report import FusionReport, GraphReport, KernelCount, set_last
 from .streams import StreamPass, merge_schedules
+from .write_order import WriteOrderPass
 
 __all__ = ["compile_graph"]
 
@@ -207,10 +210,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     # The side-stream scheduler runs last, after dsv41's families and any post-grad pass installed before.
     apply_streams, streams_reason = opts.use_streams(on_cuda)
     stream_pass = StreamPass(apply_streams, streams_reason, debug=opts.debug, strict=opts.strict)
+    write_pass = WriteOrderPass(strict=opts.strict)
     prev = inductor_config.post_grad_custom_post_pass
     prev = () if prev is None else tuple(prev) if isinstance(prev, (list, tuple)) else (prev,)
     gated = opts.gated_families(on_cuda)
-    manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass), notes=gated,
+    manager = PassManager(opts.disable | gated.keys(), opts.debug, chained=(*prev, stream_pass, write_pass), notes=gated,
                           strict=opts.strict, gated_ops=opts.gated_ops(on_cuda),
                           side_stream=apply_streams)
     patches = {"post_grad_custom_post_pass": manager}
@@ -292,6 +296,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Opti
     layer_kernels = graph_counts(capture, bool(manager.results), _records_dir() if key else None, key)
     from_cache = not manager.results and stored is not None
     schedule = merge_schedules(stream_pass.results)
+    if schedule is not None and write_pass.results:
+        schedule["cache_writes_in_place"] = [w for r in write_pass.results for w in r]
     if manager.results:
         result = _merge(manager.results)
         if schedule is not None and "code_after" in schedule:  # debug: show the graph with its fork / join ops

@@ -276,8 +276,9 @@ class FusionReport:
     def schedule(self) -> dict | None:
         """Side-stream schedule over the graphs (to_dict key `schedule`): whether it was applied, streams used,
         nodes moved, step time before / after and critical path under the cost model (us, summed over graphs),
-        the regions moved (with their graph) and the dsv41 ops kept on the main stream with the reason; None when
-        no graph has a schedule."""
+        the regions moved (with their graph), the dsv41 ops kept on the main stream with the reason and the cache
+        writes moved after their last read (`write_order.order_cache_writes`, with their graph); None when no graph
+        has a schedule."""
         per = [(g.index, g.schedule) for g in self.graphs if g.schedule is not None]
         if not per:
             return None
@@ -288,7 +289,9 @@ class FusionReport:
                 "critical_path_us": round(sum(s["critical_path_us"] for _, s in per), 3),
                 "cost_model": per[0][1].get("cost_model"),
                 "regions": [dict(r, graph=gi) for gi, s in per for r in s["regions"]],
-                "kept_on_main": [dict(k, graph=gi) for gi, s in per for k in s["kept_on_main"]]}
+                "kept_on_main": [dict(k, graph=gi) for gi, s in per for k in s["kept_on_main"]],
+                "cache_writes_in_place": [dict(w, graph=gi) for gi, s in per
+                                          for w in s.get("cache_writes_in_place", ())]}
 
     def to_dict(self) -> dict:
         """Plain-JSON view, the report as data (fields: docs/USAGE.md "The report JSON"): `schema_version`

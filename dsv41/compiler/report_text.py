@@ -141,6 +141,12 @@ def renderables(d: dict) -> list:
                 t.add_row(str(r["graph"]), str(r["slot"]), r["op"], r["where"], r["fork_after"], r["launch_after"],
                           r["join_before"], f"{r['overlap_us']:.2f}")
             out.append(t)
+        writes = sc.get("cache_writes_in_place") or []
+        if writes:
+            failed = [w for w in writes if "failed" in w]
+            out.append(f"cache writes moved after the last read of the old contents (Inductor writes them in place): "
+                       f"{len(writes) - len(failed)}" + (f"; the pass failed on {len(failed)} graph(s): "
+                                                         f"{failed[0]['failed']}" if failed else ""))
         kept = Counter((k["op"], k["reason"]) for k in sc["kept_on_main"])
         if kept:
             t = Table(title="kept on the main stream", title_justify="left")

@@ -8,8 +8,8 @@ gathered and dequantised bank rows [B, T, K, D] in FP32, two score tensors, the 
 and two value products, then the inverse RoPE. This op computes the same numbers in one kernel:
 
 - `dsv41::sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
-  sink, cos, sin, softmax_scale, new_codes=None, new_scales=None) -> o`
-    q              [B, T, H, D] fp32 / bf16 / fp16 (post-RoPE queries; D % 32 == 0)
+  sink, cos, sin, softmax_scale, new_codes=None, new_scales=None, rope_q=False) -> o`
+    q              [B, T, H, D] fp32 / bf16 / fp16 (post-RoPE queries, or pre-RoPE with rope_q; D % 32 == 0)
     window_codes   uint8 [B, S, D]      FP8 E4M3 bytes of the window rows (S >= 0)
     window_scales  uint8 [B, S, D/32]   UE8M0 exponents (value 2^(e-127)), one per 32 channels
     window_ok      bool  [B, T, S]      window row s is visible to query t
@@ -22,6 +22,9 @@ and two value products, then the inverse RoPE. This op computes the same numbers
     new_codes      uint8 [B, S2, D] or None   FP8 rows that follow window_codes' S rows (the step's own entries
     new_scales     uint8 [B, S2, D/32] or None  next to the ring; read in place instead of a concatenated copy);
                                         window_ok then covers S + S2 rows. Both or neither.
+    rope_q         bool                 rotate q first as the model does (`apply_rope(q, cos, sin)`: interleaved
+                                        pairs of the last R channels, FP32, rounded to q.dtype), while it is
+                                        loaded: the queries' RoPE launches no kernel of its own
     o              [B, T, H, D] in q.dtype
 
   Per head h and query t, with rows k over [visible window rows ; valid selected bank rows] and K = V:
@@ -144,12 +147,12 @@ def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, 
                                    window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                                    indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                    softmax_scale: float, new_codes: torch.Tensor | None = None,
-                                   new_scales: torch.Tensor | None = None) -> torch.Tensor:
+                                   new_scales: torch.Tensor | None = None, rope_q: bool = False) -> torch.Tensor:
     """Plain-PyTorch `dsv41::sparse_fp4_attention` (shapes and dtypes: module docstring).
 
-    Follows dsv41/model/attention.py `Attention.forward` op for op: window rows dequantised into q.dtype, bank
-    rows gathered at `indices.clamp(min=0)` and dequantised into FP32, scores in FP32 with -inf at hidden window
-    rows and at -1 slots, softmax over [scores ; sink] with the sink column dropped, the two value products,
+    Follows dsv41/model/attention.py `Attention.forward` op for op: q's RoPE when `rope_q`, window rows dequantised
+    into q.dtype, bank rows gathered at `indices.clamp(min=0)` and dequantised into FP32, scores in FP32 with -inf
+    at hidden window rows and at -1 slots, softmax over [scores ; sink] with the sink column dropped, the two value products,
     o.to(q.dtype), inverse RoPE. Returns [B, T, H, D] in q.dtype.
     Raises: TypeError / ValueError for wrong dtypes or shapes (named); IndexError for an index >= N.
     Source: MODEL.md §2.4 steps 3-6, §2.1 (FP8 1x32 UE8M0, FP4 1x16 E4M3), §2.2 (inverse RoPE).
@@ -159,7 +162,7 @@ def reference_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, 
     if new_codes is not None:
         window_codes, window_scales = torch.cat((window_codes, new_codes), 1), torch.cat((window_scales, new_scales), 1)
     return _ref.sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
-                                     cos, sin, softmax_scale)
+                                     cos, sin, softmax_scale, rope_q=bool(rope_q))
 
 
 # ------------------------------------------------------------------------------------------- kernel
@@ -185,6 +188,7 @@ def _sparse_fp4_attention_kernel(
     sbc_b, sbc_n, sbs_b, sbs_n, si_b, si_t, si_k, scs_b, scs_t, ssn_b, ssn_t,
     D2: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PV_PRECISION: tl.constexpr,
+    ROPE_Q: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     hb = tl.program_id(1)
@@ -205,6 +209,15 @@ def _sparse_fp4_attention_kernel(
     qmask = h_ok[:, None] & i_ok[None, :]
     q_e = tl.load(q_rows, mask=qmask, other=0.0).to(tl.float32)
     q_o = tl.load(q_rows + 1, mask=qmask, other=0.0).to(tl.float32)
+    if ROPE_Q:  # a' = a cos - b sin, b' = a sin + b cos on the last R channels, each rounded to q.dtype as eager
+        pair = i - (D2 - HALF_R)
+        rot = (pair >= 0) & i_ok
+        c = tl.load(cos_ptr + b * scs_b + t * scs_t + pair, mask=rot, other=1.0)
+        sn = tl.load(sin_ptr + b * ssn_b + t * ssn_t + pair, mask=rot, other=0.0)
+        r_e = round_to(q_e * c[None, :] - q_o * sn[None, :], Q_DT).to(tl.float32)
+        r_o = round_to(q_e * sn[None, :] + q_o * c[None, :], Q_DT).to(tl.float32)
+        q_e = tl.where(rot[None, :], r_e, q_e)
+        q_o = tl.where(rot[None, :], r_o, q_o)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -422,7 +435,7 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
                                 softmax_scale: float, split: int | None = None,
                                 block_n: int | None = None, pv_precision: str | None = None,
                                 num_warps: int | None = None, new_codes: torch.Tensor | None = None,
-                                new_scales: torch.Tensor | None = None) -> torch.Tensor:
+                                new_scales: torch.Tensor | None = None, rope_q: bool = False) -> torch.Tensor:
     """Triton `dsv41::sparse_fp4_attention` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, result (to FP32 rounding, module docstring) and errors as `reference_sparse_fp4_attention`,
@@ -476,7 +489,8 @@ def triton_sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, win
         indices.stride(0), indices.stride(1), indices.stride(2), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1),
         D2=d // 2, HALF_R=r // 2, BLOCK_H=plan["BLOCK_H"], BLOCK_N=plan["BLOCK_N"], BLOCK_D2=plan["BLOCK_D2"],
-        SPLIT=n_split, USE_PDL=pdl, PV_PRECISION=pv, num_warps=plan["num_warps"], enable_fp_fusion=False,
+        SPLIT=n_split, USE_PDL=pdl, PV_PRECISION=pv, ROPE_Q=bool(rope_q), num_warps=plan["num_warps"],
+        enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}))
     if n_split > 1:
         c = combine_plan(n_split, plan["BLOCK_H"], plan["BLOCK_D2"])
@@ -494,20 +508,21 @@ def sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_sca
                          window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                          indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          softmax_scale: float, new_codes: torch.Tensor | None = None,
-                         new_scales: torch.Tensor | None = None) -> torch.Tensor:
+                         new_scales: torch.Tensor | None = None, rope_q: bool = False) -> torch.Tensor:
     """Sparse FP4 attention with sink and inverse RoPE; see `reference_sparse_fp4_attention` (module docstring)."""
     return reference_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales,
-                                          indices, sink, cos, sin, softmax_scale, new_codes, new_scales)
+                                          indices, sink, cos, sin, softmax_scale, new_codes, new_scales, rope_q)
 
 
 @register_cuda(sparse_fp4_attention, "dsv41::sparse_fp4_attention")
 def _sparse_fp4_attention_cuda(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
-                               cos, sin, softmax_scale, new_codes=None, new_scales=None):
+                               cos, sin, softmax_scale, new_codes=None, new_scales=None, rope_q=False):
     return triton_sparse_fp4_attention(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices,
-                                       sink, cos, sin, softmax_scale, new_codes=new_codes, new_scales=new_scales)
+                                       sink, cos, sin, softmax_scale, new_codes=new_codes, new_scales=new_scales,
+                                       rope_q=rope_q)
 
 
 @sparse_fp4_attention.register_fake
 def _sparse_fp4_attention_fake(q, window_codes, window_scales, window_ok, bank_codes, bank_scales, indices, sink,
-                               cos, sin, softmax_scale, new_codes=None, new_scales=None):
+                               cos, sin, softmax_scale, new_codes=None, new_scales=None, rope_q=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

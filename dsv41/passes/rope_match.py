@@ -3,6 +3,7 @@ tensor, its trig operands, the layouts a region may implement, and the probe che
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ aten = torch.ops.aten
 ROPE_OPS = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default,
             aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 _ROPE_LIMIT = 300
+#: Ops whose several outputs are views taken by `getitem` (`a, b = pairs.unbind(-1)`; `x.split(...)`).
+_MULTI_VIEWS = {aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default}
 
 
 @dataclass
@@ -73,12 +76,17 @@ def rope_walk(y: fx.Node, sourced: set):
         """Sort the inputs of `n`: x candidates, RoPE ops (walked next) and other leaves."""
         nxt = []
         for a in n.all_input_nodes:
+            if a in region or a in xs or a in leaves or a not in sourced:
+                continue
+            if a.op == "call_function" and a.target in _MULTI_VIEWS:  # its pieces are views: walk through
+                nxt.append(a)
+                continue
             av = tensor_val(a)
-            if av is None or a in region or a in xs or a in leaves or a not in sourced:
+            if av is None:
                 continue
             if concrete_shape(av) == yshape and av.dtype == yv.dtype:
                 xs.append(a)
-            elif is_rope_op(a):
+            elif is_rope_op(a) or (a.target is operator.getitem and a.args[0].target in _MULTI_VIEWS):
                 nxt.append(a)
             else:
                 leaves.append(a)

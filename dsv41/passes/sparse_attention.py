@@ -42,6 +42,7 @@ Bytes per match (sympy in B, L): before = what the removed ATen ops read and wri
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -53,16 +54,18 @@ from .engine import (ByteTally, Chain, FusionFamily, RegionEvaluator, RegionNotC
                      agree_where_representable, concrete_shape, dsv41_op, dtype_of, eliminate_dead_code, import_kernels,
                      insert_node, is_view_op, node_label, per_token_closure, positions, records_of, register_family,
                      shape_of, sourced_nodes, static_refusal, tensor_val)
-from .rope_match import rope_structure
+from .rope_match import match_rope, rope_structure
 from .sparse_attention_structure import (FORWARD_LIMIT, MATMULS, PRIORITY, Leaves, attention_close, bank_tensor,
                                          candidate_scales, discover, forward_within, gather_pairs, module_path,
                                          sel_candidates, to_bts, why_no_end, window_ends)
 
-__all__ = ["SparseAttentionFamily", "OP_NAME", "SPEC"]
+__all__ = ["SparseAttentionFamily", "OP_NAME", "ROPE_Q", "SPEC"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 OP_NAME = "sparse_fp4_attention"
+#: Gate name of the op rotating its queries itself (not yet run on a GPU: `GPU_UNVALIDATED_OPS`).
+ROPE_Q = "sparse_fp4_attention(rope_q)"
 
 #: What the sparse-attention chain looks for (`dsv41 report --patterns`).
 SPEC = register_family(
@@ -87,6 +90,12 @@ SPEC = register_family(
           ("random FP8 window, empty bank",),
           ("static_shapes", "attention_sink", "inverse_rope", "intermediate_used", "window_layout", "attention_values",
            "op_registered")),
+    Chain("attention + q RoPE", OP_NAME, "either chain above whose q is interleaved RoPE of one tensor on its last R "
+          "channels with the angles of the output's inverse RoPE, read by nothing else",
+          (Role("q (before RoPE)", "[B, T, H, D]"), Role("cos / sin", "[.., R/2]")),
+          "dsv41.ref.rope:apply_rope, then dsv41.ref.sparse_attention:sparse_fp4_attention", ("rope_dim",),
+          ("random x and angles (rope_match), then the attention probes",),
+          ("gpu_unvalidated", "op_registered"), variants=(ROPE_Q,), gpu_validated=False),
 ),
     # order: before indexer, so the attention chain is matched intact from the indices it reads; before
     # small_ops, which would share its visibility-mask math, and dispatch, which rewrites the matmuls around it
@@ -128,6 +137,7 @@ class SparseAttentionFamily(FusionFamily):
                                            f"dsv41::{OP_NAME} is not registered (import dsv41.kernels."
                                            "sparse_attention)", SourceLocation.from_node(gc)))
                     continue
+                site = _absorb_q_rope(ev, site, sourced, self.gated_ops)
                 _rewrite(graph, site, op)
                 sites.append(site)
         eliminate_dead_code(graph)
@@ -166,6 +176,7 @@ class SparseAttentionFamily(FusionFamily):
                 misses.append(refused or NearMiss(self.name, "window attention", "op_registered",
                                                   f"dsv41::{OP_NAME} is not registered", SourceLocation.from_node(end)))
                 continue
+            res = _absorb_q_rope(ev, res, sourced, self.gated_ops)
             _rewrite(graph, res, op)
             sites.append(res)
 
@@ -431,12 +442,54 @@ def _site(end, gc, gs, sel, q_op, q_leaf, order, mask, inv, sink, cs, sn, sc, re
               ("rope_dim", 2 * shape_of(cs)[-1]), ("softmax_scale", sc), ("sink", sink is not None),
               ("mask", "inverted" if inv else "as is"), ("bank", gc is not None), ("module", module_path(anchor)))
     bank = (None, None) if gc is None else (gc.args[0], gs.args[0])
-    return Site(OP_NAME, OP_NAME, anchor, (q_op, order, mask, inv, *bank, sel, sink, cs, sn, sc),
+    return Site(OP_NAME, OP_NAME, anchor, (q_op, order, mask, inv, *bank, sel, sink, cs, sn, sc, False),
                 (end,), region, (q_op, sel), detail)
 
 
+def _absorb_q_rope(ev, site: Site, sourced, gated) -> Site:
+    """`site` with q's own RoPE taken into the op (`rope_q`: the op rotates q while loading it) when q is
+    interleaved RoPE of one tensor x on its last R channels (`rope_match.match_rope`, verified on probes), its
+    angles are the values of the site's cos / sin (evaluated from the same leaves on probe angles), and nothing
+    outside the site reads the rotated q; else `site` unchanged (also while the variant is gated on CUDA)."""
+    q, cs, sn = site.args[0], site.args[8], site.args[9]
+    inside = set(site.region)
+    def in_site(u):
+        """u belongs to the site, or is the upcast of q that the site reads (a probe leaf, not in its region)."""
+        return u in inside or (u.target is prims.convert_element_type.default and bool(u.users)
+                               and all(w in inside for w in u.users))
+
+    if ROPE_Q in gated or not all(in_site(u) for u in q.users):
+        return site
+    rope, _ = match_rope(q, ev, sourced)
+    if rope is None or rope.sin is None or rope.rope_dim != 2 * shape_of(cs)[-1] \
+            or dtype_of(rope.x) != dtype_of(q) or shape_of(rope.x) != shape_of(q):
+        return site
+    b, t = shape_of(q)[:2]
+    half = shape_of(cs)[-1]
+    gen = torch.Generator().manual_seed(13)
+    # Probe angles at the tensors the output's cos / sin are views of; q's angles must evaluate to the same values.
+    env = {}
+    for leaf in (cs, sn):
+        base = leaf
+        while is_view_op(base) and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        env[base] = (torch.rand(concrete_shape(tensor_val(base)), generator=gen, dtype=torch.float64) * 2 - 1) \
+            .to(dtype_of(base)).to(tensor_val(base).device)
+    try:
+        got = ev.evaluate([cs, sn, rope.cos, rope.sin], env)
+    except (RegionNotClosed, RuntimeError):
+        return site  # q's angles come from other tensors than the output's
+    for node, leaf in ((rope.cos, cs), (rope.sin, sn)):
+        v, w = to_bts(got[node].float().cpu(), b, t, half), to_bts(got[leaf].float().cpu(), b, t, half)
+        if v is None or w is None or not torch.equal(v, w):
+            return site
+    region = site.region + [n for n in rope.region if n not in inside and n is not rope.x]
+    return dataclasses.replace(site, args=(rope.x, *site.args[1:11], True), region=region,
+                               activations=(rope.x, site.activations[1]), detail=site.detail + (("q_rope", True),))
+
+
 def _rewrite(graph: fx.Graph, site: Site, op) -> None:
-    q, order, mask, inv, bc, bs, sel, sink, cs, sn, sc = site.args
+    q, order, mask, inv, bc, bs, sel, sink, cs, sn, sc, rope_q = site.args
     end = site.end
     b, t, h, d = shape_of(end)
     pos = positions(graph)
@@ -492,7 +545,7 @@ def _rewrite(graph: fx.Graph, site: Site, op) -> None:
                          like=like)
         idx = insert_node(graph, end, aten.empty.memory_format, ([b, t, 0],), {"dtype": torch.int64, **dev},
                           like=like)
-    out = ins(op, (q, wc, ws, ok, bc, bs, idx, sk, cos_in, sin_in, float(sc), nc, ns))
+    out = ins(op, (q, wc, ws, ok, bc, bs, idx, sk, cos_in, sin_in, float(sc), nc, ns, *((True,) if rope_q else ())))
     end.replace_all_uses_with(out)
 
 

@@ -17,11 +17,14 @@ __all__ = ["sparse_fp4_attention"]
 def sparse_fp4_attention(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                          window_ok: torch.Tensor, bank_codes: torch.Tensor, bank_scales: torch.Tensor,
                          indices: torch.Tensor, sink: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         softmax_scale: float) -> torch.Tensor:
-    """Window rows dequantised into q.dtype, bank rows gathered at `indices.clamp(min=0)` and dequantised into
+                         softmax_scale: float, rope_q: bool = False) -> torch.Tensor:
+    """`rope_q`: q is rotated first (`apply_rope(q, cos, sin)`, rounded to q.dtype, as the model rotates its
+    queries). Window rows dequantised into q.dtype, bank rows gathered at `indices.clamp(min=0)` and dequantised into
     FP32, scores in FP32 with -inf at hidden window rows and at -1 slots, softmax over [scores ; sink] with the
     sink column dropped, the two value products, o.to(q.dtype), inverse RoPE. q [B, T, H, D]; returns
     [B, T, H, D] in q.dtype."""
+    if rope_q:
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     b, h = q.shape[0], q.shape[2]
     t, s = q.shape[1], window_codes.shape[1]
     keys = dequantize_fp8_1x32(window_codes, window_scales, q.dtype).float()
