@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
-#                                           collapse inplace
+#                                           collapse inplace qrope
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -102,6 +102,19 @@ for s in $sections; do
       fi
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
+    qrope)
+      # Issue [decode] #37: sparse_fp4_attention(rope_q) alone, on one tree: its GPU tests, with LAYER_PROBE=1 the
+      # per-layer launch list of tiny with it on, then `small` regional with the variant gated (default options)
+      # and let through (gpu_unvalidated, the unvalidated families disabled), one after the other.
+      python3 -m pytest -q tests/test_kernels_gpu_window.py 2>&1 | tail -6 | tee "$OUTDIR/gpu_tests_window.log"
+      if [ "${LAYER_PROBE:-0}" = 1 ]; then
+        timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/layer_launches_probe.py "$OUTDIR/layer_launches_tiny.json" \
+          tiny cuda '{"gpu_unvalidated": true, "disable": ["half_gemv", "rope_kv", "gqa_attention", "mhc_fold"]}' \
+          2>&1 | tail -10
+      fi
+      BENCH_OPTIONS='--option gpu_unvalidated=false' BASE_BENCH_OPTIONS= ab_small qrope_off
+      BENCH_OPTIONS='--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]' \
+        ab_small qrope_on ;;
     router)
       # Issue [decode] #37: where the router's time goes at the h200 decode shape (plans, warps, k, a plain GEMV).
       timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/router_sweep_probe.py "$OUTDIR/router_sweep.json" 2>&1 | tail -14 ;;

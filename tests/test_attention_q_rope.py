@@ -50,6 +50,7 @@ def close(got, want, dtype):
 
 
 def want_for(x):
+    """float64 attention of `build`'s inputs with q rotated first (the op's answer with rope_q)."""
     return wp.expected(rotated(x["q"], x["cos"], x["sin"]), [x["ring"], x["new"]], x["ok"], x["sink"], x["cos"],
                        x["sin"], x["scale"])
 

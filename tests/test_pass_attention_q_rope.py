@@ -29,16 +29,19 @@ def rope_pairs(x, cos, sin):
 
 
 def layer(hidden, wq, rc, rs, nc, ns, vis, sink, cos, sin):
+    """q = hidden @ wq, rotated with the output's angles, then the window attention."""
     q = (hidden @ wq).view(wa.B, 1, wa.H, D)
     return wa.window_attention(rope_pairs(q, cos, sin), rc, rs, nc, ns, vis, sink, cos, sin)
 
 
 def layer_returning_q(hidden, wq, rc, rs, nc, ns, vis, sink, cos, sin):
+    """`layer`, also returning the rotated q (read outside the site)."""
     q = rope_pairs((hidden @ wq).view(wa.B, 1, wa.H, D), cos, sin)
     return wa.window_attention(q, rc, rs, nc, ns, vis, sink, cos, sin), q
 
 
 def layer_other_angles(hidden, wq, rc, rs, nc, ns, vis, sink, cos, sin):
+    """`layer` with q rotated by twice the output's angles."""
     ang2 = torch.atan2(sin, cos) * 2
     q = rope_pairs((hidden @ wq).view(wa.B, 1, wa.H, D), ang2.cos(), ang2.sin())
     return wa.window_attention(q, rc, rs, nc, ns, vis, sink, cos, sin)
@@ -54,6 +57,7 @@ def rotated64(q, cos, sin):
 
 
 def case_inputs(dtype, seed):
+    """(hidden [B, 1, 32], wq [32, H*D], then the window inputs of test_pass_window_attention), seeded."""
     q, rc, rs, nc, ns, vis, sink, cos, sin = wa.inputs(dtype, seed)
     g = torch.Generator().manual_seed(seed + 100)
     hidden = torch.randn(wa.B, 1, 32, generator=g).to(dtype)
@@ -62,6 +66,7 @@ def case_inputs(dtype, seed):
 
 
 def tolerance(dtype):
+    """assert_close tolerances: FP32 rounding, or one bf16 rounding."""
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=3e-3)
 
 

@@ -75,6 +75,7 @@ def test_writes_that_cannot_or_need_not_move_stay():
 
 def test_write_already_after_its_reads_is_left_alone():
     def in_order(ring, slot, row, q):
+        """Read, then write: the order Inductor already writes in place."""
         scores = ring @ q
         ring.index_put_([slot], row)
         return scores
@@ -89,6 +90,7 @@ def test_the_pass_puts_the_graph_back_when_it_raises(monkeypatch):
     before = [n.name for n in gm.graph.nodes]
 
     def boom(graph):
+        """Move a node out of order, then fail: the pass must put the graph back."""
         next(n for n in graph.nodes if n.target is aten.index_put.default).append(next(iter(graph.nodes)))
         raise RuntimeError("injected")
 
