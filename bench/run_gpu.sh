@@ -104,7 +104,8 @@ for s in $sections; do
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
     qrope)
       # Issue [decode] #37: sparse_fp4_attention(rope_q) alone, on one tree: its GPU tests, with LAYER_PROBE=1 the
-      # per-layer launch list of tiny with it on, then `small` regional with the variant gated (default options)
+      # per-layer launch list of tiny with it on, the static-input probe (why upcast_linear misses the compressor's
+      # FP32 matmuls on CUDA), then `small` regional with the variant gated (default options)
       # and let through (gpu_unvalidated, the unvalidated families disabled), one after the other.
       python3 -m pytest -q tests/test_kernels_gpu_window.py 2>&1 | tail -6 | tee "$OUTDIR/gpu_tests_window.log"
       if [ "${LAYER_PROBE:-0}" = 1 ]; then
@@ -112,6 +113,8 @@ for s in $sections; do
           tiny cuda '{"gpu_unvalidated": true, "disable": ["half_gemv", "rope_kv", "gqa_attention", "mhc_fold"]}' \
           2>&1 | tail -10
       fi
+      timeout ${PROBE_TIMEOUT:-150} python3 bench/probes/static_inputs_probe.py "$OUTDIR/static_inputs_tiny.json" cuda \
+        2>&1 | tail -12
       BENCH_OPTIONS='--option gpu_unvalidated=false' BASE_BENCH_OPTIONS= ab_small qrope_off
       BENCH_OPTIONS='--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]' \
         ab_small qrope_on ;;
