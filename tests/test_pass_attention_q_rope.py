@@ -96,3 +96,17 @@ def test_queries_keep_their_rope_when_it_cannot_move(fn):
         torch.testing.assert_close(out[1], eager[1], rtol=0, atol=0)
         out, eager = out[0], eager[0]
     torch.testing.assert_close(out, eager, **tolerance(torch.float32))
+
+
+def test_gated_variant_leaves_the_rope_outside_and_says_why(monkeypatch):
+    """On CUDA without `gpu_unvalidated` the variant is gated; the options hand the manager that gate set, here on
+    CPU, and the family must then keep q's RoPE outside and name the gate in the match."""
+    from dsv41.compiler.options import Options
+    from dsv41.passes.sparse_attention import ROPE_Q
+
+    monkeypatch.setattr(Options, "gated_ops", lambda self, on_cuda: frozenset({ROPE_Q}))
+    args = case_inputs(torch.float32, 4)
+    out, recs, ops = wa.compile_case(layer, args)
+    (m,) = [m for r in recs for m in r.matches]
+    assert ROPE_Q in str(dict(m.detail).get("q_rope"))
+    torch.testing.assert_close(out, layer(*args), **tolerance(torch.float32))

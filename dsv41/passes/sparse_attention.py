@@ -450,7 +450,8 @@ def _absorb_q_rope(ev, site: Site, sourced, gated) -> Site:
     """`site` with q's own RoPE taken into the op (`rope_q`: the op rotates q while loading it) when q is
     interleaved RoPE of one tensor x on its last R channels (`rope_match.match_rope`, verified on probes), its
     angles are the values of the site's cos / sin (evaluated from the same leaves on probe angles), and nothing
-    outside the site reads the rotated q; else `site` unchanged (also while the variant is gated on CUDA)."""
+    outside the site reads the rotated q; else `site` unchanged. While the variant is gated on CUDA, an absorbable
+    RoPE stays outside and the match's detail says why (`q_rope`)."""
     q, cs, sn = site.args[0], site.args[8], site.args[9]
     inside = set(site.region)
     def in_site(u):
@@ -458,7 +459,7 @@ def _absorb_q_rope(ev, site: Site, sourced, gated) -> Site:
         return u in inside or (u.target is prims.convert_element_type.default and bool(u.users)
                                and all(w in inside for w in u.users))
 
-    if ROPE_Q in gated or not all(in_site(u) for u in q.users):
+    if not all(in_site(u) for u in q.users):
         return site
     rope, _ = match_rope(q, ev, sourced)
     if rope is None or rope.sin is None or rope.rope_dim != 2 * shape_of(cs)[-1] \
@@ -483,6 +484,9 @@ def _absorb_q_rope(ev, site: Site, sourced, gated) -> Site:
         v, w = to_bts(got[node].float().cpu(), b, t, half), to_bts(got[leaf].float().cpu(), b, t, half)
         if v is None or w is None or not torch.equal(v, w):
             return site
+    if ROPE_Q in gated:  # absorbable, but the variant has not yet run on a GPU: say so in the match
+        return dataclasses.replace(site, detail=site.detail + (("q_rope", f"left to Inductor: {ROPE_Q} is gated "
+                                                                          "(gpu_unvalidated)"),))
     region = site.region + [n for n in rope.region if n not in inside and n is not rope.x]
     return dataclasses.replace(site, args=(rope.x, *site.args[1:11], True), region=region,
                                activations=(rope.x, site.activations[1]), detail=site.detail + (("q_rope", True),))
