@@ -103,11 +103,12 @@ for s in $sections; do
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
     qrope)
-      # Issue [decode] #37: sparse_fp4_attention(rope_q) alone, on one tree: its GPU tests, with LAYER_PROBE=1 the
-      # per-layer launch list of tiny with it on, the static-input probe (why upcast_linear misses the compressor's
-      # FP32 matmuls on CUDA), then `small` regional with the variant gated (default options)
-      # and let through (gpu_unvalidated, the unvalidated families disabled), one after the other.
-      python3 -m pytest -q tests/test_kernels_gpu_window.py 2>&1 | tail -6 | tee "$OUTDIR/gpu_tests_window.log"
+      # Issue [decode] #37: the gated variants sparse_fp4_attention(rope_q) and moe_combine(y_dtype), on one tree:
+      # their GPU tests, with LAYER_PROBE=1 the per-layer launch list of tiny with them on, the static-input probe
+      # (why upcast_linear misses the compressor's FP32 matmuls on CUDA), then `small` regional with the variants
+      # gated (default options) and let through (gpu_unvalidated, the unvalidated families disabled).
+      python3 -m pytest -q tests/test_kernels_gpu_window.py tests/test_kernels_gpu_moe_round.py 2>&1 | tail -6 \
+        | tee "$OUTDIR/gpu_tests_window.log"
       if [ "${LAYER_PROBE:-0}" = 1 ]; then
         timeout ${PROBE_TIMEOUT:-180} python3 bench/probes/layer_launches_probe.py "$OUTDIR/layer_launches_tiny.json" \
           tiny cuda '{"gpu_unvalidated": true, "disable": ["half_gemv", "rope_kv", "gqa_attention", "mhc_fold"]}' \

@@ -115,8 +115,10 @@ def _check_router(x, weight, bias, topk, gate_temp, route_scale, norm_eps):
         raise ValueError(f"norm_eps must be non-negative, got {norm_eps!r}")
 
 
-def _check_combine(y, shared, weights, out_dtype):
+def _check_combine(y, shared, weights, out_dtype, y_dtype=None):
     check_tensor("y", y, dtypes=_FLOAT_DTYPES, min_ndim=2)
+    if y_dtype is not None and (not isinstance(y_dtype, torch.dtype) or y_dtype not in _FLOAT_DTYPES):
+        raise TypeError(f"y_dtype must be None or one of float32, bfloat16, float16, got {y_dtype!r}")
     check_tensor("shared", shared, dtypes=_FLOAT_DTYPES, min_ndim=1)
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype!r}")
@@ -157,19 +159,21 @@ def reference_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def reference_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | None,
-                          out_dtype: torch.dtype) -> torch.Tensor:
+                          out_dtype: torch.dtype, y_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain-PyTorch `dsv41::moe_combine`: `((w * y.float()).sum(-2) + shared.float()).to(out_dtype)`.
 
     Args:
         y: [..., k, d] routed expert outputs (fp32/bf16/fp16). shared: [..., d] shared expert output.
         weights: [..., k] routing weights applied here (upcast to FP32), or None (V4.1: already applied before w2).
         out_dtype: result dtype (the MoE input's dtype in the model).
+        y_dtype: None, or the dtype y is rounded to first (y computed in FP32 and cast to bf16 by the model: the
+            cast is taken into the op, which reads the FP32 y).
     Returns: [..., d] in `out_dtype`.
     Raises: TypeError / ValueError naming the bad argument.
     Source: MODEL.md §2.9 "Output"; dsv41/model/moe.py `MoE.forward`, `RoutedExperts.forward_gather`.
     """
-    _check_combine(y, shared, weights, out_dtype)
-    return _ref.moe_combine(y, shared, weights, out_dtype)
+    _check_combine(y, shared, weights, out_dtype, y_dtype)
+    return _ref.moe_combine(y, shared, weights, out_dtype, y_dtype)
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -267,6 +271,7 @@ def _moe_combine_kernel(
     y_ptr, sh_ptr, w_ptr, o_ptr,
     D, sy_r, sy_k, ss_r, sw_r, sw_k,
     K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, USE_PDL: tl.constexpr,
+    Y_DT: tl.constexpr = tl.float32,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -275,11 +280,12 @@ def _moe_combine_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # Experts summed in order 0..k-1 in FP32 (each optionally weighted first), then the shared row, one rounding.
-    acc = tl.load(y_row, mask=ok, other=0.0).to(tl.float32)
+    # Y_DT: each y value is first rounded to it (the model's cast of an FP32 y; float32: unchanged).
+    acc = round_to(tl.load(y_row, mask=ok, other=0.0).to(tl.float32), Y_DT)
     if HAS_W:
         acc = tl.load(w_ptr + row * sw_r).to(tl.float32) * acc
     for j in tl.static_range(1, K):
-        yj = tl.load(y_row + j * sy_k, mask=ok, other=0.0).to(tl.float32)
+        yj = round_to(tl.load(y_row + j * sy_k, mask=ok, other=0.0).to(tl.float32), Y_DT)
         if HAS_W:
             yj = tl.load(w_ptr + row * sw_r + j * sw_k).to(tl.float32) * yj
         acc = acc + yj
@@ -372,13 +378,13 @@ def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def triton_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | None,
-                       out_dtype: torch.dtype) -> torch.Tensor:
+                       out_dtype: torch.dtype, y_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton `dsv41::moe_combine` on the tensors' device (interpreted on CPU under TRITON_INTERPRET=1).
 
     Same arguments, result and errors as `reference_moe_combine`. One launch over (token row, BLOCK_D channels)
     (`combine_plan`); rows of y / shared / weights may be strided (last dims contiguous, else copied).
     """
-    _check_combine(y, shared, weights, out_dtype)
+    _check_combine(y, shared, weights, out_dtype, y_dtype)
     require_launchable(_moe_combine_kernel, y.device, "triton_moe_combine")
     k, d = y.shape[-2], y.shape[-1]
     out = _empty(tuple(shared.shape), out_dtype, y.device)
@@ -399,6 +405,8 @@ def triton_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Ten
         y3, sh, w_arg, out,
         d, y3.stride(0), y3.stride(1), sh.stride(0), sw[0], sw[1],
         K=k, BLOCK_D=block_d, HAS_W=weights is not None, USE_PDL=pdl,
+        Y_DT={None: tl.float32, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+            y_dtype],
         num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -424,16 +432,16 @@ def _moe_router_fake(x, weight, bias, topk, gate_temp, route_scale, norm_eps):
 
 @torch.library.custom_op("dsv41::moe_combine", mutates_args=(), device_types="cpu")
 def moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, y_dtype: torch.dtype | None = None) -> torch.Tensor:
     """MoE tail: (weighted) sum of the routed expert outputs + shared expert output; see `reference_moe_combine`."""
-    return reference_moe_combine(y, shared, weights, out_dtype)
+    return reference_moe_combine(y, shared, weights, out_dtype, y_dtype)
 
 
 @register_cuda(moe_combine, "dsv41::moe_combine")
-def _moe_combine_cuda(y, shared, weights, out_dtype):
-    return triton_moe_combine(y, shared, weights, out_dtype)
+def _moe_combine_cuda(y, shared, weights, out_dtype, y_dtype=None):
+    return triton_moe_combine(y, shared, weights, out_dtype, y_dtype)
 
 
 @moe_combine.register_fake
-def _moe_combine_fake(y, shared, weights, out_dtype):
+def _moe_combine_fake(y, shared, weights, out_dtype, y_dtype=None):
     return shared.new_empty(tuple(shared.shape), dtype=out_dtype)

@@ -52,6 +52,8 @@ tensors computed from activations count per token.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 
 import torch
@@ -62,7 +64,7 @@ from .engine import (ByteTally, Chain, ChainFamily, RegionEvaluator, RegionNotCl
                      collect, concrete_shape, float_literals, is_view_op, op_inputs, positions, randn_probe,
                      real_tensors, register_family, rewrite_outputs, sort_region, static_refusal, tensor_val)
 from .moe_router import Router, is_topk, region_between, router_probes, router_site, router_structure
-from .moe_tail import (canonical, k_reduction, reshapes_static, router_ks, tail_cuts, tail_ends, tail_site,
+from .moe_tail import (ROUND_Y, canonical, k_reduction, reshapes_static, router_ks, tail_cuts, tail_ends, tail_site,
                        unfuse_addmm)
 
 __all__ = ["MoeFamily", "SPEC"]
@@ -91,6 +93,11 @@ SPEC = register_family(
                                                      Role("w", "[.., k] (optional)")),
           "dsv41.kernels.moe:reference_moe_combine", (), ("random y, shared at magnitudes 1 and 1000",),
           ("moe_combine_mean", "moe_combine_values", "static_shapes", "op_registered")),
+    Chain("tail (y cast taken in)", "moe_combine", "the tail chain whose y is a cast of an FP32 tensor to bf16 / "
+          "fp16 that only the tail reads", (Role("y", "[.., k, d]", "float32, rounded by the op"),
+                                            Role("shared", "[.., d]"), Role("w", "[.., k] (optional)")),
+          "dsv41.kernels.moe:reference_moe_combine(y_dtype)", (), ("the tail chain's probes; the rounding is exact",),
+          ("gpu_unvalidated", "op_registered"), variants=(ROUND_Y,), gpu_validated=False),
 ),
     # order: after engram: the place it has always run (no dependency between the two is known;
     # tests/test_chain_specs.py pins the order)
@@ -220,7 +227,7 @@ def _variant(x, w, b, k, temp, scale, eps, scoring="sqrtsoftplus", biased_weight
     return (g * scale).reshape(*lead, k), ids.reshape(*lead, k)
 
 
-def _find_tails(graph: fx.Graph, ev: RegionEvaluator):
+def _find_tails(graph: fx.Graph, ev: RegionEvaluator, gated=frozenset()):
     sites, misses = [], []
     done: set = set()
     for red in list(graph.nodes):
@@ -269,7 +276,7 @@ def _find_tails(graph: fx.Graph, ev: RegionEvaluator):
         if refused is not None:
             misses.append(refused)
             continue
-        sites.append(tail_site(end, cut, region, kind, k))
+        sites.append(tail_site(end, cut, region, kind, k, gated))
     return sites, misses
 
 
@@ -363,8 +370,8 @@ class MoeFamily(ChainFamily):
     traffic = staticmethod(_bytes)
 
     def finders(self) -> tuple:
-        """Routers, then tails (a tail follows a router with its k)."""
-        return _find_routers, _find_tails
+        """Routers, then tails (a tail follows a router with its k), the tails told the gated op variants."""
+        return _find_routers, functools.partial(_find_tails, gated=self.gated_ops)
 
     def rewrite(self, graph: fx.Graph, site: Site, op, replaced: dict) -> dict:
         """`_rewrite` (looked up at call time: tests wrap it); the tail reads no replaced node."""

@@ -11,7 +11,7 @@ import torch.fx as fx
 from .engine import (Site, backward_distances, call_arg, closed_region, cut_search, dsv41_op,
                      exact_cast, insert_node, is_float, is_step, is_view_op, ranked, shape_of, tensor_val)
 
-__all__ = ["TAIL_PATTERN", "k_reduction", "numel", "router_ks", "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
+__all__ = ["TAIL_PATTERN", "ROUND_Y", "rounded_source", "k_reduction", "numel", "router_ks", "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
            "tail_ends", "reshapes_static", "canonical", "all_reduce_after", "tail_site"]
 
 aten = torch.ops.aten
@@ -172,9 +172,29 @@ def all_reduce_after(end: fx.Node):
     return None
 
 
-def tail_site(end, cut, region, kind, k) -> Site:
+#: Gate name of the tail reading an FP32 y and rounding it itself (not yet run on a GPU: `GPU_UNVALIDATED_OPS`).
+ROUND_Y = "moe_combine(y_dtype)"
+
+
+def rounded_source(y: fx.Node, region) -> fx.Node | None:
+    """The FP32 tensor y is a same-shape cast of to bf16 / fp16, when nothing outside the tail reads that cast (the op
+    then reads the FP32 tensor and rounds it itself, and the cast's kernel goes); else None."""
+    if y.op != "call_function" or y.target is not prims.convert_element_type.default:
+        return None
+    src = y.args[0]
+    if not isinstance(src, fx.Node) or tensor_val(src) is None or tensor_val(src).dtype != torch.float32:
+        return None
+    if tensor_val(y).dtype not in (torch.bfloat16, torch.float16) or shape_of(src) != shape_of(y):
+        return None
+    inside = set(region)
+    return src if all(u in inside for u in y.users) else None
+
+
+def tail_site(end, cut, region, kind, k, gated=frozenset()) -> Site:
     """The verified tail ending at `end` (cut: role -> node; kind: the k reduction) as a `Site`; inputs in another
-    view than the end's leading dims become deferred reshapes."""
+    view than the end's leading dims become deferred reshapes. A y that is a cast of an FP32 tensor to a half
+    dtype read only by the tail is replaced by that tensor with `y_dtype` (`rounded_source`), unless `ROUND_Y` is
+    in `gated` (then the detail says so)."""
     w = cut.get("w")
     canon = canonical(end, k)
     d = canon["shared"][-1]
@@ -195,6 +215,16 @@ def tail_site(end, cut, region, kind, k) -> Site:
 
     args = (arg("y"), arg("shared"), arg("w"), tensor_val(end).dtype)
     acts = (cut["y"], cut["shared"]) + ((w,) if w is not None else ())
+    src = rounded_source(cut["y"], region)
+    if src is not None and ROUND_Y in gated:
+        detail.append(("y_dtype", f"cast of y left to Inductor: {ROUND_Y} is gated (gpu_unvalidated)"))
+    elif src is not None:
+        y_dtype = tensor_val(cut["y"]).dtype
+        region = region + [cut["y"]]
+        y_arg = src if shape_of(src) == canon["y"] else ("reshape", src, list(canon["y"]))
+        args = (y_arg, *args[1:], y_dtype)
+        acts = (src, *acts[1:])
+        detail.append(("y_dtype", str(y_dtype).replace("torch.", "")))
     return Site(pattern, "moe_combine", end, args, (end,), region, acts, tuple(detail))
 
 

@@ -30,9 +30,12 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, y_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`((w * y.float()).sum(-2) + shared.float()).to(out_dtype)`: y [..., k, d], shared [..., d], weights
-    [..., k] or None (V4.1 applies them before w2). Returns [..., d] in out_dtype."""
+    [..., k] or None (V4.1 applies them before w2); y_dtype: y is first rounded to it (an FP32 y whose cast to
+    bf16 the op takes over). Returns [..., d] in out_dtype."""
+    if y_dtype is not None:
+        y = y.to(y_dtype)
     yf = y.float()
     if weights is not None:
         yf = weights.float().unsqueeze(-1) * yf
