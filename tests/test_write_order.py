@@ -1,6 +1,7 @@
 """A cache write that dsv41's rewrites leave in front of a read of the cache's old contents is moved behind it, so
 Inductor writes the cache in place instead of cloning it and copying it back (dsv41/compiler/write_order.py)."""
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -109,3 +110,48 @@ def test_tiny_rings_are_written_in_place(tiny_dsv41):
     attention_reads = [w for w in writes if "sparse_fp4_attention" in w["after"] or "stream_join" in w["after"]]
     assert len(attention_reads) >= 2 * 8, writes
     assert tiny_dsv41["compiled_tokens"] == tiny_dsv41["eager_tokens"]
+
+
+def _value_is_old_rows(ring, slot, row, q):
+    new = aten.index_put.default(ring, [slot], ring[0:1])  # the value is a view of the ring's old contents
+    scores = ring @ q
+    ring.copy_(new)
+    return scores
+
+
+def _index_from_the_ring(ring, slot, row, q):
+    idx = (ring[:1, 0].abs() * 0).long() + slot  # the index is computed from the ring
+    new = aten.index_put.default(ring, [idx], row)
+    scores = ring @ q
+    ring.copy_(new)
+    return scores
+
+
+@pytest.mark.parametrize("fn", [_value_is_old_rows, _index_from_the_ring])
+def test_a_write_that_reads_the_cache_itself_stays(fn):
+    """Made in place after the move, such a scatter would read rows it has already overwritten (found by review:
+    wrong rows on `torch.compile(backend="dsv41")`)."""
+    gm, args = _traced(fn)
+    before = [n.name for n in gm.graph.nodes]
+    assert order_cache_writes(gm.graph) == []
+    assert [n.name for n in gm.graph.nodes] == before
+
+
+def test_compiled_write_of_old_rows_equals_eager():
+    """The review's reproduction: with the write moved and made in place, rows 4-7 came back as 0-3."""
+    ring = torch.arange(32.0).view(8, 4)
+    args = (torch.tensor([1, 2]), torch.zeros(1, 4), torch.ones(4))
+
+    def step_functional(ring, slot, row, q):
+        """The write's value is the ring's old rows 0-1, and the ring is read again after the write."""
+        new = ring.index_put([slot], ring[0:2])
+        scores = ring.sum(1) * q.sum()
+        ring.copy_(new)
+        return scores
+
+    want_ring = ring.clone()
+    want = step_functional(want_ring, *args)
+    torch._dynamo.reset()
+    got_ring = ring.clone()
+    got = torch.compile(step_functional, backend="dsv41")(got_ring, *args)
+    assert torch.equal(got, want) and torch.equal(got_ring, want_ring)

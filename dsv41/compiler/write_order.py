@@ -58,7 +58,8 @@ def order_cache_writes(graph: fx.Graph) -> list[dict]:
     written argument is a placeholder `cache` that the graph's epilogue `copy_(cache, write)` writes back. Readers of
     the old contents are the users of every node sharing `cache`'s storage (its views), except the write itself,
     the copy-back and shape-only users. The write moves to just after the last such reader when that reader comes
-    later and every user of the write comes after it.
+    later, every user of the write comes after it, and its index and value are not computed from the cache (made
+    in place, such a scatter would read rows it has already overwritten; found by review, `_reads_storage`).
 
     Args:
         graph: a post-grad FX graph (nodes carry `meta["val"]`); changed in place.
@@ -104,12 +105,46 @@ def order_cache_writes(graph: fx.Graph) -> list[dict]:
                     last = u
         if last is None or order[last] < order[write]:
             continue
+        if _reads_storage(write, cache, shared):
+            continue
         if any(order[u] <= order[last] for u in write.users):
             continue
         last.append(write)
         order = {n: i for i, n in enumerate(graph.nodes)}
         moved.append({"write": node_label(write), "cache": cache.name, "after": node_label(last)})
     return moved
+
+
+def _reads_storage(write: fx.Node, cache: fx.Node, shared: set, limit: int = 2000) -> bool:
+    """Whether the write's index or value is computed from the cache (through a view or any op): moved later and
+    made in place, its scatter would read rows it has already overwritten, so such a write stays where it is.
+    True also when the walk back exceeds `limit` nodes (unknown counts as reading)."""
+    arg = _writes()[write.target]
+    todo = _argument_nodes([a for i, a in enumerate(write.args) if i != arg]) + \
+        _argument_nodes(list(write.kwargs.values()))
+    seen: set = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n is cache or n in shared:
+            return True
+        seen.add(n)
+        if len(seen) > limit:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _argument_nodes(args) -> list:
+    """Every fx.Node inside (nested lists / tuples of) `args`."""
+    out = []
+    for a in args:
+        if isinstance(a, fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_argument_nodes(a))
+    return out
 
 
 class WriteOrderPass:
