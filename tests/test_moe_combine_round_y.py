@@ -33,6 +33,7 @@ def want64(y32, shared, weights):
 
 
 def probe(rows=3, k=6, d=80, weighted=False, seed=0):
+    """(y FP32 [rows, k, d] with bf16 ties in row 0, shared [rows, d], weights [rows, k] or None), seeded."""
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(rows, k, d, generator=g) * 3
     y[0, 0, :4] = torch.tensor([1.00390625, 1.01171875, -2.0078125, 3.0117188])  # bf16 ties and near-ties
