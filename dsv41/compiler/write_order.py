@@ -120,8 +120,8 @@ def _reads_storage(write: fx.Node, cache: fx.Node, shared: set, limit: int = 200
     made in place, its scatter would read rows it has already overwritten, so such a write stays where it is.
     True also when the walk back exceeds `limit` nodes (unknown counts as reading)."""
     arg = _writes()[write.target]
-    todo = _argument_nodes([a for i, a in enumerate(write.args) if i != arg]) + \
-        _argument_nodes(list(write.kwargs.values()))
+    todo: list = []
+    fx.node.map_arg(([a for i, a in enumerate(write.args) if i != arg], write.kwargs), todo.append)
     seen: set = set()
     while todo:
         n = todo.pop()
@@ -134,17 +134,6 @@ def _reads_storage(write: fx.Node, cache: fx.Node, shared: set, limit: int = 200
             return True
         todo.extend(n.all_input_nodes)
     return False
-
-
-def _argument_nodes(args) -> list:
-    """Every fx.Node inside (nested lists / tuples of) `args`."""
-    out = []
-    for a in args:
-        if isinstance(a, fx.Node):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_argument_nodes(a))
-    return out
 
 
 class WriteOrderPass:

@@ -296,6 +296,10 @@ def _moe_combine_kernel(
     tl.store(o_ptr + row * D + cols, out.to(o_ptr.dtype.element_ty), mask=ok)
 
 
+#: `moe_combine`'s y_dtype -> the kernel's rounding dtype (None: y is read as it is).
+_TL_DTYPES = {None: tl.float32, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Uninitialised result allocation; a seam the tests replace to poison outputs."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -405,8 +409,7 @@ def triton_moe_combine(y: torch.Tensor, shared: torch.Tensor, weights: torch.Ten
         y3, sh, w_arg, out,
         d, y3.stride(0), y3.stride(1), sh.stride(0), sw[0], sw[1],
         K=k, BLOCK_D=block_d, HAS_W=weights is not None, USE_PDL=pdl,
-        Y_DT={None: tl.float32, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
-            y_dtype],
+        Y_DT=_TL_DTYPES[y_dtype],
         num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -214,8 +214,8 @@ def _sparse_fp4_attention_kernel(
         rot = (pair >= 0) & i_ok
         c = tl.load(cos_ptr + b * scs_b + t * scs_t + pair, mask=rot, other=1.0)
         sn = tl.load(sin_ptr + b * ssn_b + t * ssn_t + pair, mask=rot, other=0.0)
-        r_e = round_to(q_e * c[None, :] - q_o * sn[None, :], Q_DT).to(tl.float32)
-        r_o = round_to(q_e * sn[None, :] + q_o * c[None, :], Q_DT).to(tl.float32)
+        r_e = round_to(q_e * c[None, :] - q_o * sn[None, :], Q_DT)
+        r_o = round_to(q_e * sn[None, :] + q_o * c[None, :], Q_DT)
         q_e = tl.where(rot[None, :], r_e, q_e)
         q_o = tl.where(rot[None, :], r_o, q_o)
 

@@ -55,6 +55,7 @@ from .engine import (ByteTally, Chain, FusionFamily, RegionEvaluator, RegionNotC
                      insert_node, is_view_op, node_label, per_token_closure, positions, records_of, register_family,
                      shape_of, sourced_nodes, static_refusal, tensor_val)
 from .rope_match import match_rope, rope_structure
+from .small_ops import view_base
 from .sparse_attention_structure import (FORWARD_LIMIT, MATMULS, PRIORITY, Leaves, attention_close, bank_tensor,
                                          candidate_scales, discover, forward_within, gather_pairs, module_path,
                                          sel_candidates, to_bts, why_no_end, window_ends)
@@ -473,9 +474,7 @@ def _absorb_q_rope(ev, site: Site, sourced, gated) -> Site:
     # Probe angles at the tensors the output's cos / sin are views of; q's angles must evaluate to the same values.
     env = {}
     for leaf in (cs, sn):
-        base = leaf
-        while is_view_op(base) and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
+        base = view_base(leaf)
         env[base] = (torch.rand(concrete_shape(tensor_val(base)), generator=gen, dtype=torch.float64) * 2 - 1) \
             .to(dtype_of(base)).to(tensor_val(base).device)
     try:
