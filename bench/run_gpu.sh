@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
-#                                           collapse inplace qrope
+#                                           collapse inplace qrope scorechain
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -102,6 +102,12 @@ for s in $sections; do
       fi
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
+    scorechain)
+      # Issue [decode] #37: why the indexer's score chain (FP4 keys -> q.k -> ReLU -> head sum) fuses on CPU but not
+      # on CUDA, where it leaves one FP32 cuBLAS GEMM per index layer (small: 6 x 53 us per step). The probe records
+      # every value check of the chain (deviation over tolerance, TF32 settings) and every region that raises.
+      timeout ${PROBE_TIMEOUT:-240} python3 bench/probes/score_chain_probe.py "$OUTDIR/score_chain_${SC_PRESET:-tiny}.json" \
+        ${SC_PRESET:-tiny} cuda 2>&1 | tail -30 ;;
     qrope)
       # Issue [decode] #37: the gated variants sparse_fp4_attention(rope_q) and moe_combine(y_dtype), on one tree:
       # their GPU tests, with LAYER_PROBE=1 the per-layer launch list of tiny with them on, the static-input probe

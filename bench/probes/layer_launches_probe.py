@@ -7,6 +7,9 @@ post-grad nodes, `kernel_counts.kernel_origins`). On CUDA this is the list the s
 (the profiler gives only kernel names, and regional graphs reuse them).
 
     python3 bench/probes/layer_launches_probe.py OUT.json [preset (tiny)] [device (cuda)] [options JSON ({})]
+
+Also writes, per family of the fusion report, its matches, the ops it emitted and its near-misses (graph, check,
+reason): what a device-specific miss is read from.
 """
 import json
 import os
@@ -46,8 +49,23 @@ model = build_model(preset, device, "checkpoint", "bf16")
 model.setup_cache(1, 64)
 runner = compile_model(model, "dsv41", {"count_kernels": True, **options}, regional=True)
 generate(runner, torch.randint(0, model.config.vocab_size, (1, 8), device=device), 3)
+import dsv41  # noqa: E402
+
+# What each family took and why the rest did not fuse on this device (the near-misses name the failed check).
+rep = dsv41.last_report()
+families = {}
+if rep is not None:
+    for name in rep.family_names():
+        f = rep.family(name)
+        families[name] = {"enabled": f["enabled"], "matches": f["matches"], "note": f["note"],
+                          "ops": sorted({s["op"] for s in f["sites"]}),
+                          "near_misses": [{k: m[k] for k in ("graph", "check", "reason")} for m in f["near_misses"]],
+                          "findings": [{k: x[k] for k in ("graph", "kind", "message")} for x in f["findings"]]}
 json.dump({"preset": preset, "device": device, "options": options, "roles": model.config.roles, "torch": torch.__version__,
-           "graphs": graphs}, open(out_path, "w"), indent=1)
+           "graphs": graphs, "families": families}, open(out_path, "w"), indent=1)
+for name, f in families.items():
+    print(f"{name}: {f['matches']} matches, {len(f['near_misses'])} near-misses "
+          f"{sorted({m['check'] for m in f['near_misses']})}", flush=True)
 for i, g in enumerate(graphs):
     glue = sum(1 for x in g if x["kind"] not in ("op", "extern"))
     print(f"graph {i}: {len(g)} launches, {glue} Inductor", flush=True)
