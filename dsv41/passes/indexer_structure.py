@@ -108,7 +108,7 @@ def score_cuts(end: fx.Node, pos: dict):
 
 def reads_index_keys(mm: fx.Node) -> bool:
     """Cheap structural filter for a score anchor: a uint8 [B, N, D/2] / [B, N, D/32] pair a few steps back."""
-    dist = distances_back(mm, 60)
+    dist = distances_back(mm, CUT_REGION)
     u8 = [shape(x) for x in dist if dtype_of(x) == torch.uint8 and shape(x) is not None and len(shape(x)) == 3]
     return any(a[:2] == c[:2] and a[2] == 16 * c[2] for a in u8 for c in u8)
 

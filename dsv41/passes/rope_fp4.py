@@ -50,6 +50,7 @@ __all__ = ["RopeFp4Family", "QUANT_RULES", "SPEC", "Quant", "is_block_amax", "qu
            "match_quant", "cache_write"]
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 #: rule name -> (scale block, E4M3 scales?, quantise fn, fake-quant fn) of formats.py.
 QUANT_RULES = {
     "e4m3_1x16": (16, True, formats.quantize_fp4_e4m3_1x16, formats.fake_quant_fp4_e4m3_1x16),
@@ -86,6 +87,13 @@ class Quant:
     scale: fx.Node | None
     fake: fx.Node | None
     closure: list
+    #: The fake-quantised values are held in float32 while y is bfloat16: Inductor before torch 2.13 drops the
+    #: round trip `fake(y).to(bf16).float()` to `fake(y)` computed in float32 (`pointless_convert`). Every FP4 value
+    #: times its scale is a bfloat16 (E2M1 has 2 significant bits, the scales at most 4, and the amax floor keeps
+    #: them >= 2^-126), so the op's bfloat16 output upcast is the same float32 tensor.
+    fake_widened: bool = False
+    #: Other nodes holding the same fake-quantised values in another shape (views of `fake`).
+    fake_aliases: tuple = ()
 
 
 class RopeFp4Family(FusionFamily):
@@ -217,9 +225,14 @@ class RopeFp4Family(FusionFamily):
             if not use_fake:
                 detail.append(("cache_write", store_why or "none"))
             out = insert_node(graph, first, op, (rope.x, cos, sin, blk, e4m3), like=y)
+            if use_fake and quant.fake_widened:
+                out = insert_node(graph, first, prims.convert_element_type.default, (out, torch.float32), like=y)
+                detail.append(("fake_output", "float32 (exact upcast of the op's bfloat16 values)"))
             targets = [(quant.fake, out)] if use_fake else [
                 (quant.packed, insert_node(graph, first, operator.getitem, (out, 0), like=y)),
                 (quant.scale, insert_node(graph, first, operator.getitem, (out, 1), like=y))]
+            if use_fake:  # the same values in other shapes, where something outside the quantiser reads them
+                targets += [(a, out) for a in quant.fake_aliases if _used_outside(a, quant.closure)]
             for old, new in targets:
                 if old is None:
                     continue
@@ -258,7 +271,7 @@ def _output_mismatch(x: fx.Node, quant: Quant, blk: int, fake: bool):
     lead = list(xv.shape[:-1])
     d = concrete_shape(xv)[-1]
     if fake:
-        wanted = [(quant.fake, xv.dtype, lead + [d])]
+        wanted = [(quant.fake, torch.float32 if quant.fake_widened else xv.dtype, lead + [d])]
     else:
         wanted = [(quant.packed, torch.uint8, lead + [d // 2]), (quant.scale, torch.uint8, lead + [d // blk])]
     for node, dtype, shape in wanted:
@@ -375,28 +388,39 @@ def match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) ->
             continue
         refs = [(qfn(p), ffn(p), p) for p in probes]
 
-        def find(pick):
-            """The first output node whose probe values equal the reference part `pick` selects, or None."""
+        def find(pick, values=False):
+            """The output node whose probe values equal the reference part `pick` selects (the first with y's
+            shape, else the first), or None. `values`: the part is the fake-quantised values (a probe already on
+            the grid proves nothing); replacing the node of y's shape leaves no reshape behind the op."""
+            hits = []
             for n in outputs:
                 ok = True
                 for vals, ((pq, sq), fq, p) in zip(runs, refs):
-                    ref = pick(pq, sq, fq)
-                    if ref is fq and torch.equal(fq, p):
+                    if values and torch.equal(fq, p):
                         ok = False  # the probe is already on the grid: identity would pass
-                    if not ok or not _equal_flat(vals[n], ref):
+                    if not ok or not _equal_flat(vals[n], pick(pq, sq, fq)):
                         ok = False
                         break
                 if ok:
-                    return n
-            return None
+                    hits.append(n)
+            if not values:
+                return hits[0] if hits else None
+            best = next((n for n in hits if same_shape(tensor_val(n).shape, yv.shape)), hits[0] if hits else None)
+            aliases[pick] = tuple(n for n in hits if n is not best)
+            return best
 
+        aliases = {}
         packed = find(lambda pq, sq, fq: pq)
         scale = find(lambda pq, sq, fq: sq)
-        fake = find(lambda pq, sq, fq: fq)
+        same, wide = (lambda pq, sq, fq: fq), (lambda pq, sq, fq: fq.float())
+        fake, widened = find(same, values=True), False
+        if fake is None and yv.dtype == torch.bfloat16:
+            fake = find(wide, values=True)
+            widened = fake is not None
         if (packed is not None and scale is not None) or fake is not None:
             if packed is None or scale is None:
                 packed = scale = None
-            return Quant(rule, packed, scale, fake, closure)
+            return Quant(rule, packed, scale, fake, closure, widened, aliases.get(wide if widened else same, ()))
     return None
 
 
