@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
-#                                           collapse inplace qrope scorechain
+#                                           collapse inplace qrope scorechain yround
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -102,6 +102,12 @@ for s in $sections; do
       fi
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
+    yround)
+      # Issue [decode] #37: moe_combine(y_dtype) (the routed experts' FP32 output rounded by the tail, one Inductor
+      # cast launch fewer per MoE layer on torch 2.11) ungated: its GPU test, then `small` with the tree before
+      # (.bench_cache/base.tar, the variant gated) and this tree, default options on both.
+      python3 -m pytest -q tests/test_kernels_gpu_moe_round.py 2>&1 | tail -4 | tee "$OUTDIR/gpu_tests_moe_round.log"
+      BENCH_OPTIONS='--option gpu_unvalidated=false' BASE_BENCH_OPTIONS='--option gpu_unvalidated=false' ab_small yround ;;
     scorechain)
       # Issue [decode] #37: why the indexer's score chain (FP4 keys -> q.k -> ReLU -> head sum) fuses on CPU but not
       # on CUDA, where it leaves one FP32 cuBLAS GEMM per index layer (small: 6 x 53 us per step). The probe records
