@@ -131,7 +131,7 @@ class DispatchFamily(FusionFamily):
         missing_ops = sorted(op for op in (*WEIGHT_FORMATS.values(), GROUPED_OP) if dsv41_op(op) is None)
         # Gathered experts first: their regions are 3-D/4-D, disjoint from the 2-D weights matched below.
         lookalikes: list = []  # (matmul, tensor, edge kind): `act_quant_input`
-        matches, misses = GatheredMatcher(self.name, gm, ev, sourced, lookalikes).run()
+        matches, misses = GatheredMatcher(self.name, gm, ev, sourced, lookalikes, self.gated_ops).run()
         leaves = leaf_sets(graph)
         written = mutated_inputs(graph)
 

@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..ref import formats
 from .records import MatchRecord, NearMiss, SourceLocation
 from .act_quant import act_quant_input, dtype_name, widened
+from .moe_tail import round_in_tail
 from .dispatch_weights import SCALE_RANGE_REASON, Weight, diagnose_weight, leaf_sets, signature, token_shape
 from .engine import (RegionEvaluator, RegionNotClosed, agree_where_representable, close_exact, collect_region,
                      concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_view_op, node_label, tensor_val,
@@ -101,8 +102,10 @@ class GatheredMatcher:
     """gather(W, idx) + gather(S, idx) -> FP4 dequantise -> bmm/mm  =>  `dsv41::grouped_linear_fp4` (module
     docstring, "Gathered experts"). `run()` rewrites the graph and returns (matches, near-misses)."""
 
-    def __init__(self, family: str, gm: fx.GraphModule, ev: RegionEvaluator, sourced: set, lookalikes: list):
+    def __init__(self, family: str, gm: fx.GraphModule, ev: RegionEvaluator, sourced: set, lookalikes: list,
+                 gated=frozenset()):
         self.family = family
+        self.gated = gated  # op variants left off on this device (`moe_combine(y_dtype)` is read here)
         self.gm = gm
         self.ev = ev
         self.sourced = sourced
@@ -294,14 +297,17 @@ class GatheredMatcher:
         if concrete_shape(tensor_val(c.idx)) != (c.tokens, c.topk):
             idx_in = insert_node(graph, mm, aten.reshape.default, (idx_in, [-1, c.topk]), like=mm)
         y = insert_node(graph, mm, op, (x_in, c.codes, c.scale, idx_in, c.act_quant), like=mm)
+        cast, tail = None, None
         if widened(c.x, mm):
             # The op computes in x's float32; one rounding to the matmul's dtype, as its FP32 accumulator had.
-            y = insert_node(graph, mm, torch.ops.prims.convert_element_type.default, (y, tensor_val(mm).dtype),
-                            like=mm)
+            y = cast = insert_node(graph, mm, torch.ops.prims.convert_element_type.default,
+                                   (y, tensor_val(mm).dtype), like=mm)
         oshape = concrete_shape(tensor_val(c.out_node))
         if oshape != (c.tokens, c.topk, c.n):
             y = insert_node(graph, mm, aten.reshape.default, (y, list(oshape)), like=mm)
         c.out_node.replace_all_uses_with(y)
+        if cast is not None:  # a tail fused before reads the rounded result: it can round it itself
+            tail = round_in_tail(graph, cast, self.gated)
 
         region = [n for n in collect_region([c.out_node], [c.x, c.codes, c.scale, c.idx]) if n is not y]
         xsize, esize = tensor_val(c.x).element_size(), tensor_val(mm).element_size()
@@ -322,4 +328,4 @@ class GatheredMatcher:
             str(sympy.expand(after)), tuple(sorted(subs.items())),
             (("format", "fp4"), ("N", c.n), ("K", c.k), ("experts", c.experts), ("topk", c.topk),
              ("act_quant", c.act_quant), ("x", "per_token" if c.shared else "per_expert"),
-             ("x_dtype", dtype_name(c.x))))
+             ("x_dtype", dtype_name(c.x))) + ((("tail_rounds_y", tail),) if tail else ()))

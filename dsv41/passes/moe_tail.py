@@ -11,7 +11,7 @@ import torch.fx as fx
 from .engine import (Site, backward_distances, call_arg, closed_region, cut_search, dsv41_op,
                      exact_cast, insert_node, is_float, is_step, is_view_op, ranked, shape_of, tensor_val)
 
-__all__ = ["TAIL_PATTERN", "ROUND_Y", "rounded_source", "k_reduction", "numel", "router_ks", "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
+__all__ = ["TAIL_PATTERN", "ROUND_Y", "rounded_source", "round_in_tail", "k_reduction", "numel", "router_ks", "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
            "tail_ends", "reshapes_static", "canonical", "all_reduce_after", "tail_site"]
 
 aten = torch.ops.aten
@@ -172,9 +172,10 @@ def all_reduce_after(end: fx.Node):
     return None
 
 
-#: Gate name of the tail reading an FP32 y and rounding it itself. Its GPU tests pass (H100, session 33); its effect
-#: on a decode step is not yet measured alone, so it stays in `GPU_UNVALIDATED_OPS` (off on CUDA unless
-#: `gpu_unvalidated`).
+#: Gate name of the tail reading an FP32 y and rounding it itself. Its GPU tests pass (H100, sessions 33, 34). Ungated
+#: alone on `small` (H100, session 34) it changed nothing: on torch 2.11 graphs the cast it takes appears only when
+#: `dispatch` widens the experts' GEMV, after `moe` ran (`round_in_tail`, added then, not yet measured on a GPU),
+#: so it stays in `GPU_UNVALIDATED_OPS` (off on CUDA unless `gpu_unvalidated`).
 ROUND_Y = "moe_combine(y_dtype)"
 
 
@@ -190,6 +191,45 @@ def rounded_source(y: fx.Node, region) -> fx.Node | None:
         return None
     inside = set(region)
     return src if all(u in inside for u in y.users) else None
+
+
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def round_in_tail(graph: fx.Graph, cast: fx.Node, gated=frozenset()) -> str | None:
+    """Give a fused tail the FP32 tensor behind `cast` (a same-shape cast of FP32 to bf16 / fp16, then at most two
+    reshapes, each read once) when the only reader is a `dsv41::moe_combine` taking it as y and not yet rounding
+    y: the op then reads the FP32 tensor and rounds it itself (`y_dtype`, bit-identical to the cast), and the
+    cast's kernel goes. For casts that appear after `moe` ran: `dispatch` widens the routed experts' w2 GEMV to
+    an FP32 input on torch 2.11 graphs and rounds its result (`dispatch_gathered`), behind a tail fused before.
+
+    Returns the match detail to record (what was done, or that `ROUND_Y` is gated), or None when the cast does not
+    feed such a tail.
+    """
+    src = cast.args[0] if cast.op == "call_function" and cast.target is prims.convert_element_type.default else None
+    if not isinstance(src, fx.Node) or rounded_source(cast, list(cast.users)) is not src:
+        return None
+    views, node = [], cast
+    while len(node.users) == 1 and len(views) < 2:
+        (user,) = node.users
+        if user.op != "call_function" or user.target not in _RESHAPES or user.args[0] is not node:
+            break
+        views.append(user)
+        node = user
+    combine = dsv41_op("moe_combine")
+    if len(node.users) != 1:
+        return None
+    (tail,) = node.users
+    if (combine is None or tail.op != "call_function" or tail.target is not combine or tail.args[0] is not node
+            or len(tail.args) < 4 or (len(tail.args) > 4 and tail.args[4] is not None)):
+        return None
+    if ROUND_Y in gated:
+        return f"cast of y left to Inductor: {ROUND_Y} is gated (gpu_unvalidated)"
+    y = src
+    for v in views:
+        y = insert_node(graph, tail, v.target, (y, *v.args[1:]), like=v)
+    tail.args = (y, *tail.args[1:4], tensor_val(cast).dtype)
+    return f"moe_combine reads the FP32 result and rounds it to {str(tensor_val(cast).dtype).replace('torch.', '')}"
 
 
 def tail_site(end, cut, region, kind, k, gated=frozenset()) -> Site:
