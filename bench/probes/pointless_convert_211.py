@@ -9,36 +9,14 @@ step) reproduces here.
 
     python3 bench/probes/pointless_convert_211.py SCRIPT.py [ARGS ...]
 """
+import os
 import runpy
 import sys
 
-import torch
-import torch._inductor.fx_passes.joint_graph as jg
-from torch._inductor.pattern_matcher import Match
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from dsv41.passes.testing import torch211_casts  # noqa: E402
 
-
-def pointless_convert_211(match: Match, arg, dtype1, dtype2):
-    """Torch 2.11's rule: any chain of two float casts becomes one cast to the last dtype."""
-    graph = match.graph
-    node = match.output_node()
-    allowed = torch.float16, torch.bfloat16, torch.float32, torch.float64
-    arg_val = arg.meta.get("val", None)
-    if not isinstance(arg_val, torch.Tensor):
-        return
-    if arg_val.dtype in allowed and dtype1 in allowed and dtype2 in allowed:
-        repl = graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype2))
-        repl.meta.update(node.meta)
-        node.replace_all_uses_with(repl)
-        match.erase_nodes()
-
-
-n = 0
-for key, entries in jg.patterns.patterns.items():
-    for e in entries:
-        if getattr(e, "handler", None) is not None and e.handler.__name__ == "pointless_convert":
-            e.handler = pointless_convert_211
-            n += 1
-if n != 1:
-    sys.exit(f"pointless_convert_211: expected one pointless_convert entry in Inductor's joint-graph patterns, found {n}")
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if __name__ == "__main__":
+    sys.argv = sys.argv[1:]
+    with torch211_casts():
+        runpy.run_path(sys.argv[0], run_name="__main__")

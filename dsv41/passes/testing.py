@@ -29,7 +29,8 @@ import torch.fx as fx
 # Only the package's public names: the record types and the engine may move between modules without breaking this.
 from . import FAMILY_ORDER, PassRecord
 
-__all__ = ["OpCounts", "capture_graphs", "ops_after", "ops_between", "run_family", "PREREQUISITES"]
+__all__ = ["OpCounts", "capture_graphs", "ops_after", "ops_between", "run_family", "PREREQUISITES",
+           "torch211_casts"]
 
 #: The families `run_family` runs before each family, which finds nothing without them. `normalize` comes first in
 #: every compile, and the others match the one form of each chain it leaves; `grouped_pair` and `sibling_gemv` merge
@@ -257,3 +258,48 @@ def run_family(name: str, module, inputs: Sequence, *, also: Iterable[str] = (),
     report = dsv41.last_report()
     records = [r for gr in report.graphs for r in gr.records if r.family == name]
     return graphs[-1], records[-1]
+
+
+def _pointless_convert_211(match, arg, dtype1, dtype2):
+    """Torch 2.11's `pointless_convert`: any chain of two float casts becomes one cast to the last dtype."""
+    graph = match.graph
+    node = match.output_node()
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    val = arg.meta.get("val", None)
+    if isinstance(val, torch.Tensor) and val.dtype in floats and dtype1 in floats and dtype2 in floats:
+        repl = graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype2))
+        repl.meta.update(node.meta)
+        node.replace_all_uses_with(repl)
+        match.erase_nodes()
+
+
+@contextlib.contextmanager
+def torch211_casts() -> Iterator[None]:
+    """Compile inside the block with the graphs torch 2.11's Inductor hands dsv41's passes (the GPU machines' torch).
+
+    Before torch 2.13, Inductor's joint-graph pattern `pointless_convert` removes every float round trip
+    `convert(convert(x, dtype1), dtype2)`, also through a narrower dtype1: `fake_quant(q).to(bf16).float()` reaches the
+    passes as the float32 `fake_quant(q)`. Torch 2.13 keeps a narrower intermediate. Chains that only miss in the 2.11
+    form are invisible on a 2.13 CPU (session 34: the indexer's score chain, 16 % of a `small` step on an H100);
+    this swaps 2.11's rule into the pattern table for the block and puts 2.13's back after.
+
+    Raises:
+        RuntimeError: this torch's Inductor has no `pointless_convert` pattern to swap (its rules changed: the
+            emulation would test nothing).
+    """
+    import torch._inductor.fx_passes.joint_graph as jg
+
+    entries = [e for group in jg.patterns.patterns.values() for e in group
+               if getattr(getattr(e, "handler", None), "__name__", "") == "pointless_convert"]
+    if len(entries) != 1:
+        raise RuntimeError(f"expected one pointless_convert pattern in Inductor's joint-graph table, found "
+                           f"{len(entries)}")
+    (entry,) = entries
+    saved = entry.handler
+    entry.handler = _pointless_convert_211
+    try:
+        # The compile caches do not key on the pattern table: a cached 2.13 graph would be served here.
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield
+    finally:
+        entry.handler = saved
