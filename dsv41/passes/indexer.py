@@ -270,8 +270,8 @@ def _verify_scores(ev, end, cut):
     from dsv41.ref.indexer import indexer_scores as reference_indexer_scores
 
     gen = torch.Generator().manual_seed(71)
-    for _ in range(2):
-        env = score_probes(cut, gen)
+    for partial in (False, True):
+        env = score_probes(cut, gen, partial)
         try:
             got = ev.evaluate([end], env)[end]
         except (RegionNotClosed, RuntimeError, IndexError, TypeError):

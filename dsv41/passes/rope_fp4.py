@@ -51,6 +51,7 @@ __all__ = ["RopeFp4Family", "QUANT_RULES", "SPEC", "Quant", "is_block_amax", "qu
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+_RESHAPES = (aten.reshape.default, aten._unsafe_view.default)
 #: rule name -> (scale block, E4M3 scales?, quantise fn, fake-quant fn) of formats.py.
 QUANT_RULES = {
     "e4m3_1x16": (16, True, formats.quantize_fp4_e4m3_1x16, formats.fake_quant_fp4_e4m3_1x16),
@@ -337,7 +338,9 @@ def _quant_probes(shape, dtype, device) -> list:
     """Two probes for a block quantiser of tensors `shape`: random values with per-32-block magnitudes
     2^-8..2^8 (never on an FP4 grid), and the same with 16-element halves that hit every E2M1 rounding tie
     exactly (amax = 6 * 2^k, the other elements at midpoints times 2^k) and one zero half when there are
-    several. A region must match the reference on both."""
+    several. With two blocks or more, the first random block is scaled to 2^-20 (its amax below the 1e-4 floor
+    common in other quantisers, so a quantiser with another amax floor differs there) and with three or more the
+    first tied block is all zeros. A region must match the reference on both."""
     gen = torch.Generator().manual_seed(7)
     d = shape[-1]
     lead = 1
@@ -345,6 +348,8 @@ def _quant_probes(shape, dtype, device) -> list:
         lead *= s
     nb = -(-d // 32)
     mag = torch.exp2(torch.randint(-8, 9, (lead, nb, 1), generator=gen).double())
+    if lead * nb >= 2:
+        mag[0, 0] = 2.0 ** -20
     rand = torch.randn(lead, nb, 32, generator=gen, dtype=torch.float64) * mag
     ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, 5.0],
                         dtype=torch.float64)
@@ -354,6 +359,7 @@ def _quant_probes(shape, dtype, device) -> list:
     tied = torch.where(halves, tie.view(lead, nb, 2, 16), rand.view(lead, nb, 2, 16)).reshape(lead, nb, 32)
     if lead * nb > 2:
         tied[-1, -1, :16] = 0.0
+        tied[0, 0, :] = 0.0
     return [v.reshape(lead, nb * 32)[:, :d].reshape(shape).to(dtype).to(device) for v in (rand, tied)]
 
 
@@ -403,10 +409,18 @@ def match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) ->
                         break
                 if ok:
                     hits.append(n)
-            if not values:
+            if not hits or not values:
                 return hits[0] if hits else None
-            best = next((n for n in hits if same_shape(tensor_val(n).shape, yv.shape)), hits[0] if hits else None)
-            aliases[pick] = tuple(n for n in hits if n is not best)
+            # Only views of the first hit hold the same values by construction; another node may agree on the
+            # probes alone (a clamp wider than the probes' range) and must keep reading the op's output.
+            views, todo = [hits[0]], [hits[0]]
+            while todo:
+                for u in todo.pop().users:
+                    if u in hits and u not in views and (is_view_op(u) or u.target in _RESHAPES):
+                        views.append(u)
+                        todo.append(u)
+            best = next((n for n in views if same_shape(tensor_val(n).shape, yv.shape)), hits[0])
+            aliases[pick] = tuple(n for n in views if n is not best)
             return best
 
         aliases = {}
