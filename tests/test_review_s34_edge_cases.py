@@ -28,15 +28,9 @@ from dsv41.ref.formats import (dequantize_fp4_e4m3_1x16, dequantize_fp4_ue8m0_1x
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_tail_rounds_widened_experts as tail_model  # noqa: E402
+from test_indexer_float32_queries import rotate  # noqa: E402  the same RoPE / key decode
 
 ROT = 16
-
-
-def rotate(x, cos, sin):
-    keep, rot = x[..., :-ROT], x[..., -ROT:].float()
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((keep, turned.to(x.dtype)), dim=-1)
 
 
 class WidenedQuery(nn.Module):

@@ -18,22 +18,9 @@ from torch import nn
 import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
 from dsv41.passes.testing import capture_graphs, ops_after
 from dsv41.ref.formats import dequantize_fp4_ue8m0_1x32, quantize_fp4_ue8m0_1x32
+from test_indexer_float32_queries import rotate, table_keys, E2M1  # noqa: E402  the same RoPE / key decode
 
 HEADS, DIM, ROWS, ROT, VISIBLE = 8, 64, 40, 16, 33
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def rotate(x, cos, sin):
-    keep, rot = x[..., :-ROT], x[..., -ROT:].float()
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((keep, turned.to(x.dtype)), dim=-1)
-
-
-def table_keys(codes, scales):
-    lut = torch.tensor(E2M1 + [-v for v in E2M1], device=codes.device)
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2).long()
-    return lut[nibbles] * torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
 
 
 class InclusiveScores(nn.Module):

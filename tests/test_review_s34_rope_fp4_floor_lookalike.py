@@ -18,15 +18,9 @@ from torch import nn
 import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
 from dsv41.passes.testing import capture_graphs, ops_after
 from dsv41.ref.formats import dequantize_fp4_ue8m0_1x32, e2m1_round, pack_e2m1, ue8m0_exponent, ue8m0_to_float
+from test_indexer_float32_queries import rotate  # noqa: E402  the same RoPE / key decode
 
 ROT = 16
-
-
-def rotate(x, cos, sin):
-    keep, rot = x[..., :-ROT], x[..., -ROT:].float()
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((keep, turned.to(x.dtype)), dim=-1)
 
 
 def quantize_floor_1e4(x):
