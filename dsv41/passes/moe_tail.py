@@ -9,9 +9,10 @@ import torch
 import torch.fx as fx
 
 from .engine import (Site, backward_distances, call_arg, closed_region, cut_search, dsv41_op,
-                     exact_cast, insert_node, is_float, is_step, is_view_op, ranked, shape_of, tensor_val)
+                     exact_cast, insert_node, is_float, is_reshape, is_step, is_view_op, ranked, shape_of, tensor_val)
 
-__all__ = ["TAIL_PATTERN", "ROUND_Y", "rounded_source", "round_in_tail", "k_reduction", "numel", "router_ks", "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
+__all__ = ["TAIL_PATTERN", "ROUND_Y", "rounded_source", "round_in_tail", "k_reduction", "numel", "router_ks",
+           "unfuse_addmm", "strip_upcasts", "fits", "tail_cuts",
            "tail_ends", "reshapes_static", "canonical", "all_reduce_after", "tail_site"]
 
 aten = torch.ops.aten
@@ -193,9 +194,6 @@ def rounded_source(y: fx.Node, region) -> fx.Node | None:
     return src if all(u in inside for u in y.users) else None
 
 
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-
-
 def round_in_tail(graph: fx.Graph, cast: fx.Node, gated=frozenset()) -> str | None:
     """Give a fused tail the FP32 tensor behind `cast` (a same-shape cast of FP32 to bf16 / fp16, then at most two
     reshapes, each read once) when the only reader is a `dsv41::moe_combine` taking it as y and not yet rounding
@@ -207,12 +205,13 @@ def round_in_tail(graph: fx.Graph, cast: fx.Node, gated=frozenset()) -> str | No
     feed such a tail.
     """
     src = cast.args[0] if cast.op == "call_function" and cast.target is prims.convert_element_type.default else None
+    # the cast's own users as the region: only its dtype / shape conditions are asked here, its readers below
     if not isinstance(src, fx.Node) or rounded_source(cast, list(cast.users)) is not src:
         return None
     views, node = [], cast
     while len(node.users) == 1 and len(views) < 2:
         (user,) = node.users
-        if user.op != "call_function" or user.target not in _RESHAPES or user.args[0] is not node:
+        if not is_reshape(user) or user.args[0] is not node:
             break
         views.append(user)
         node = user

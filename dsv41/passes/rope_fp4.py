@@ -42,7 +42,7 @@ import torch.fx as fx
 from ..ref import formats
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
 from .engine import (Chain, FusionFamily, GraphScan, RegionEvaluator, RegionNotClosed, Role, concrete_shape, dsv41_op,
-                     eliminate_dead_code, insert_node, is_dataflow_op, is_view_op, keep_removed, node_label,
+                     eliminate_dead_code, insert_node, is_dataflow_op, is_reshape, is_view_op, keep_removed, node_label,
                      register_family, same_shape, size_args, static_refusal, tensor_val, token_rows)
 from .rope_match import Rope, match_rope, order_key, rope_structure
 
@@ -51,7 +51,6 @@ __all__ = ["RopeFp4Family", "QUANT_RULES", "SPEC", "Quant", "is_block_amax", "qu
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-_RESHAPES = (aten.reshape.default, aten._unsafe_view.default)
 #: rule name -> (scale block, E4M3 scales?, quantise fn, fake-quant fn) of formats.py.
 QUANT_RULES = {
     "e4m3_1x16": (16, True, formats.quantize_fp4_e4m3_1x16, formats.fake_quant_fp4_e4m3_1x16),
@@ -411,12 +410,12 @@ def match_quant(y: fx.Node, amax: fx.Node, ev: RegionEvaluator, sourced: set) ->
                     hits.append(n)
             if not hits or not values:
                 return hits[0] if hits else None
-            # Only views of the first hit hold the same values by construction; another node may agree on the
+            # Only reshapes of the first hit hold the same values by construction; another node may agree on the
             # probes alone (a clamp wider than the probes' range) and must keep reading the op's output.
             views, todo = [hits[0]], [hits[0]]
             while todo:
                 for u in todo.pop().users:
-                    if u in hits and u not in views and (is_view_op(u) or u.target in _RESHAPES):
+                    if u in hits and u not in views and is_reshape(u):
                         views.append(u)
                         todo.append(u)
             best = next((n for n in views if same_shape(tensor_val(n).shape, yv.shape)), hits[0])

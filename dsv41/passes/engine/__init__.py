@@ -23,9 +23,9 @@ from .edit import GraphFingerprint, insert_node, restore_graph, size_args, snaps
 from .evaluate import RegionEvaluator, RegionNotClosed, collect_region, probe_runs, real_tensors
 from .family import ChainFamily, FusionFamily, HorizontalFamily
 from .graph import (call_arg, concrete_shape, dsv41_op, dtype_of, eliminate_dead_code, group_by_key, group_in_order,
-                    is_dataflow_op, is_float, is_shape_value, is_small_constant, is_step, is_table_lookup, is_view_op,
-                    node_label, positions, same_shape, shape_of, size_hint, sourced_nodes, static_inputs, tensor_val,
-                    token_rows)
+                    is_dataflow_op, is_float, is_reshape, is_shape_value, is_small_constant, is_step, is_table_lookup,
+                    is_view_op, node_label, positions, same_shape, shape_of, size_hint, sourced_nodes, static_inputs,
+                    tensor_val, token_rows)
 from .literals import discover, eps_candidates, float_literals, int_literals
 from .loop import (GraphScan, Site, collect, finish_graph, import_kernels, keep_removed, match_record, ops_or_note,
                    pass_record, records_of, resolve_replaced, rewrite_outputs, run_finders, sort_region)
@@ -41,7 +41,8 @@ __all__ = [
     "insert_node", "restore_graph", "size_args", "snapshot_graph", "RegionEvaluator", "RegionNotClosed",
     "collect_region", "probe_runs", "real_tensors", "ChainFamily", "FusionFamily", "HorizontalFamily", "call_arg",
     "concrete_shape", "dsv41_op", "dtype_of", "eliminate_dead_code", "group_by_key", "group_in_order", "is_dataflow_op",
-    "is_float", "is_shape_value", "is_small_constant", "is_step", "is_table_lookup", "is_view_op", "node_label",
+    "is_float", "is_reshape", "is_shape_value", "is_small_constant", "is_step", "is_table_lookup", "is_view_op",
+    "node_label",
     "positions", "same_shape", "shape_of", "size_hint", "sourced_nodes", "static_inputs", "tensor_val", "token_rows",
     "discover", "eps_candidates", "float_literals", "int_literals", "GraphScan", "Site", "collect", "finish_graph",
     "import_kernels", "keep_removed", "match_record", "ops_or_note", "pass_record", "records_of", "resolve_replaced",

@@ -13,7 +13,7 @@ import torch.fx as fx
 from ..records import BATCH, LENGTH
 
 __all__ = ["token_rows", "size_hint", "tensor_val", "concrete_shape", "same_shape", "node_label", "group_in_order",
-           "group_by_key", "dsv41_op", "is_view_op", "is_dataflow_op", "is_table_lookup", "sourced_nodes",
+           "group_by_key", "dsv41_op", "is_view_op", "is_reshape", "is_dataflow_op", "is_table_lookup", "sourced_nodes",
            "eliminate_dead_code", "static_inputs", "shape_of", "dtype_of", "is_float", "is_shape_value", "is_step",
            "positions", "is_small_constant", "call_arg"]
 
@@ -147,9 +147,18 @@ _EXTRA_DATAFLOW = {
 
 
 def is_view_op(node: fx.Node) -> bool:
-    """True for ATen view ops (`OpOverload.is_view`: view, reshape, slice, select, permute, expand, ...)."""
+    """True for ATen view ops (`OpOverload.is_view`: view, slice, select, permute, expand, ...; not `reshape` or
+    `_unsafe_view`, which may copy: `is_reshape`)."""
     t = node.target
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def is_reshape(node: fx.Node) -> bool:
+    """True for `view` / `reshape` / `_unsafe_view` of a tensor: the same values in the same order, another shape."""
+    return node.op == "call_function" and node.target in _RESHAPES
 
 
 def is_dataflow_op(node: fx.Node) -> bool:
