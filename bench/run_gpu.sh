@@ -2,7 +2,7 @@
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
-#                                           collapse inplace qrope scorechain yround
+#                                           collapse inplace qrope scorechain yround prologue
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
 set -uo pipefail
@@ -102,6 +102,18 @@ for s in $sections; do
       fi
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
+    prologue)
+      # Issue [decode] #37: the block-FP8 GEMV's RMSNorm prologue (q_norm -> wq_b in one launch) and
+      # moe_combine(y_dtype), each gated on CUDA until this runs: their GPU tests, then `small` regional with three
+      # rows on this tree, each lifting its gates alone (`gpu_unvalidated` as a list), compiled in parallel by 3
+      # workers into .bench_cache/prologue, then timed one after another.
+      python3 -m pytest -q tests/test_kernels_gemv_norm_prologue.py tests/test_kernels_gpu_moe_round.py 2>&1 | tail -6 \
+        | tee "$OUTDIR/gpu_tests_prologue.log"
+      rows=${PROLOGUE_BACKENDS:-'dsv41,dsv41[gpu_unvalidated=["linear_fp8_block(rms_norm)"]],dsv41[gpu_unvalidated=["linear_fp8_block(rms_norm)","moe_combine(y_dtype)"]]'}
+      timeout ${PROLOGUE_TIMEOUT:-420} python3 -m dsv41.bench --preset ${PROLOGUE_PRESET:-small} --regional --backends "$rows" \
+        --prompt-len ${PROMPT_LEN:-128} --new-tokens ${NEW_TOKENS:-64} --repeats ${REPEATS:-2} --no-warm-compile \
+        --precompile ${PRECOMPILE:-3} --cache-dir .bench_cache/prologue \
+        --json "$OUTDIR/prologue_${PROLOGUE_PRESET:-small}${TAG:-}.json" 2>&1 | tail -30 ;;
     yround)
       # Issue [decode] #37: moe_combine(y_dtype) (the routed experts' FP32 output rounded by the tail, one Inductor
       # cast launch fewer per MoE layer on torch 2.11) ungated: its GPU test, then `small` with the tree before

@@ -113,7 +113,12 @@ def sm90_ttir(kernel, ptr_types: dict, consts: dict, scalar_types: dict | None =
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    import inspect
     scalar_types = scalar_types or {}
+    # Constexpr parameters left out take their defaults, as a launch does (e.g. an optional prologue's NORM = 0).
+    defaults = {n: p.default for n, p in inspect.signature(kernel.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)}
+    consts = {**{n: v for n, v in defaults.items() if n not in consts}, **consts}
     sig = {n: "constexpr" if n in consts else ("*" + ptr_types[n] if n in ptr_types else scalar_types.get(n, "i32"))
            for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -1,7 +1,7 @@
 """Launch-plan sweep of `sparse_fp4_attention` at the h200 decode shape: time per call for each (split, BLOCK_N),
 and how that time divides between the attention kernel and the split combine.
 
-    python3 bench/probes/attention_sweep.py [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32]
+    python3 bench/probes/attention_sweep.py [--preset h200] [--ctx 131072] [--splits 0,1,2,4,8,16,32] [--block-n 16,32]
                                      [--pv default,ieee,tf32x3] [--warps 0,4,8] [--json F]
 
 `split` 0 is `attention_plan`'s own choice, `--warps` 0 its num_warps; `--pv` the `tl.dot` precision of the
@@ -66,6 +66,8 @@ def _kernel_split(graph_replay, calls: int) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="h200", help="model preset whose attention shape is swept (heads, head dim, "
+                    "window, top-k)")
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--splits", type=_ints, default=[0, 1, 2, 4, 8, 16, 32])
     ap.add_argument("--block-n", type=_ints, default=[16, 32])
@@ -86,7 +88,7 @@ def main() -> int:
         return 2
     km = _kernels_module()
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
-    cfg = ModelConfig.preset("h200")
+    cfg = ModelConfig.preset(a.preset)
     case = km._case_sparse_attention(a.ctx, cfg, 1, dev, torch.bfloat16, gen, {})
     args = [case["make"]() for _ in range(a.copies)]
     want = sa.reference_sparse_fp4_attention(*args[0])
@@ -132,7 +134,8 @@ def main() -> int:
     if not rows:
         return 1
     if a.json:
-        meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), ctx=a.ctx, copies=a.copies)
+        meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), preset=a.preset, ctx=a.ctx,
+                    copies=a.copies)
         import triton
         meta["triton"] = triton.__version__
         with open(a.json, "w") as f:

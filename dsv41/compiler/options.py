@@ -11,7 +11,7 @@ it and lists the valid keys; a value of the wrong type is a TypeError naming the
 | `debug`        | bool              | False   | keep each graph's code before and after dsv41's passes in the report (`GraphReport.graph_after`) |
 | `cuda_graphs`  | bool or None      | None    | CUDA graphs for graphs on CUDA (None: on) through Inductor's CUDA-graph trees (`triton.cudagraphs`): the step is recorded once per input shape and replayed; caches are module buffers, so they stay static. Ignored on CPU |
 | `pdl`          | bool or None      | None    | Programmatic Dependent Launch for dsv41's kernels (None: on where the graph replays as a CUDA graph: `cuda_graphs`, or the regional wrapper's capture): `dsv41.kernels.set_pdl` around each call of the compiled graphs (other compiles keep their own), and Inductor's own `triton.enable_pdl` where the installed torch has it. Ignored on CPU |
-| `gpu_unvalidated` | bool           | False   | also run, on CUDA, the families and fused ops whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200; `GPU_UNVALIDATED_OPS`, e.g. `linear_fp8_scaled`); off, such a family shows in the report as off with that reason and such an op's chains as near-misses `gpu_unvalidated`. CPU always runs them |
+| `gpu_unvalidated` | bool or list of str | False | also run, on CUDA, the families and fused ops whose kernels have not yet run on a GPU (`dsv41.passes.manager.GPU_UNVALIDATED`, empty since `sparse_attention` and `indexer` ran on the H200; `GPU_UNVALIDATED_OPS`, e.g. `linear_fp8_scaled`); off, such a family shows in the report as off with that reason and such an op's chains as near-misses `gpu_unvalidated`. CPU always runs them. A list runs only the named ones (family names, op names, variant names such as `linear_fp8_block(rms_norm)`), to measure one at a time |
 | `streams`      | bool or None      | None    | side-stream overlap (`dsv41/compiler/streams.py`): None: on for graphs on CUDA replayed as CUDA graphs, Inductor's or the regional wrapper's (validated on the H200: `tests/test_streams_gpu.py`, `small` 365.6 -> 407.5 tok/s), off otherwise (outside a graph every fork/join is a host-side event record and wait; on CPU they are no-ops); True: on (on CPU fork/join are no-ops); False: off. The schedule is planned and reported either way |
 
 | `strict`       | bool or None      | None    | re-raise when a pass family (or the stream rewrite) raises on a graph; None: the environment variable `DSV41_STRICT` (`1`/`true`/`yes`; the test suite sets it), else off. Off, a failing family's changes to that graph are undone, the other families run, and the report records a `family_failed` finding naming the family, the exception and the source line it was examining |
@@ -37,7 +37,8 @@ OPTION_KEYS = {
     "cuda_graphs": "bool or None (auto: on): record CUDA graphs of graphs on CUDA (Inductor CUDA-graph trees)",
     "pdl": "bool or None (auto: as cuda_graphs): Programmatic Dependent Launch for the kernels on CUDA",
     "streams": "bool or None (auto: on with CUDA graphs on CUDA): move off-critical-path dsv41 ops to a side stream",
-    "gpu_unvalidated": "bool: also run on CUDA the families and fused ops whose kernels have not yet run on a GPU",
+    "gpu_unvalidated": "bool, or a list of their names: also run on CUDA the families and fused ops whose kernels have "
+                       "not yet run on a GPU",
     "strict": "bool or None (auto: environment DSV41_STRICT, else off): re-raise when a pass family fails on a graph",
 }
 _TRUE = {"1", "true", "yes", "on"}
@@ -87,7 +88,8 @@ class Options:
     cuda_graphs: bool | None = None
     pdl: bool | None = None
     streams: bool | None = None
-    gpu_unvalidated: bool = False
+    #: True / False, or the frozenset of gate names (families, ops, `op(argument)` variants) run anyway.
+    gpu_unvalidated: bool | frozenset = False
     strict: bool = False
     #: Not a user option: set by `compile_regional` when its wrapper captures the whole step as one CUDA graph while
     #: the regions compile without Inductor's (cuda_graphs False). PDL and side streams follow it when unset.
@@ -97,25 +99,28 @@ class Options:
         """JSON-friendly form (shown in the report)."""
         return {"report": self.report_path or self.print_report, "disable": sorted(self.disable),
                 "count_kernels": self.count_kernels, "debug": self.debug, "cuda_graphs": self.cuda_graphs,
-                "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": self.gpu_unvalidated,
+                "pdl": self.pdl, "streams": self.streams, "gpu_unvalidated": (sorted(self.gpu_unvalidated) if isinstance(self.gpu_unvalidated, frozenset)
+                                    else self.gpu_unvalidated),
                 "strict": self.strict, **({"step_captured": True} if self.step_captured else {})}
 
     def gated_families(self, on_cuda: bool) -> dict:
         """{family: reason} of the families switched off for a graph on CUDA because their kernels have not yet
         run on a GPU (none on CPU, none with `gpu_unvalidated=True`, none already in `disable`)."""
         from ..passes import manager
-        if not on_cuda or self.gpu_unvalidated:
+        if not on_cuda or self.gpu_unvalidated is True:
             return {}
+        allowed = self.gpu_unvalidated or frozenset()
         return {n: "off on CUDA: its kernels have not yet run on a GPU (option gpu_unvalidated=True runs them)"
-                for n in manager.GPU_UNVALIDATED if n not in self.disable}
+                for n in manager.GPU_UNVALIDATED if n not in self.disable and n not in allowed}
 
     def gated_ops(self, on_cuda: bool) -> frozenset:
         """Fused ops the families must not emit on a graph on CUDA because their kernels have not yet run on a GPU
-        (`dsv41.passes.manager.GPU_UNVALIDATED_OPS`; none on CPU, none with `gpu_unvalidated=True`)."""
+        (`dsv41.passes.manager.GPU_UNVALIDATED_OPS`; none on CPU, none with `gpu_unvalidated=True`, all but the
+        named ones with a list)."""
         from ..passes import manager
-        if not on_cuda or self.gpu_unvalidated:
+        if not on_cuda or self.gpu_unvalidated is True:
             return frozenset()
-        return frozenset(manager.GPU_UNVALIDATED_OPS)
+        return frozenset(manager.GPU_UNVALIDATED_OPS) - (self.gpu_unvalidated or frozenset())
 
     def use_cuda_graphs(self, on_cuda: bool) -> bool:
         """Whether a graph on CUDA (`on_cuda`) is compiled with CUDA graphs (never on CPU)."""
@@ -152,6 +157,26 @@ def _bool(key: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise OptionTypeError(f"dsv41 option {key!r} must be a bool (true or false), got {type(v).__name__} {v!r}")
     return v
+
+
+def _gate_names(v: Any) -> bool | frozenset:
+    """The `gpu_unvalidated` value: a bool, or a list of gate names: family names and the ops / `op(argument)`
+    variants of the families' chains (a name that is no longer gated is accepted and changes nothing, so a script
+    keeps working once its op has run on a GPU)."""
+    if isinstance(v, bool):
+        return v
+    from ..passes import manager
+    gated = tuple(manager.GPU_UNVALIDATED) + tuple(manager.GPU_UNVALIDATED_OPS)
+    if not isinstance(v, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in v):
+        raise OptionTypeError(f"dsv41 option 'gpu_unvalidated' must be a bool or a list of names, got {v!r}; "
+                              f"gated now: {', '.join(gated) or 'none'}")
+    known = set(manager.FAMILY_ORDER) | {name for spec in manager.FAMILIES.values() for c in spec.spec.chains
+                                         for name in (c.op, *c.variants)}
+    bad = sorted(set(v) - known)
+    if bad:
+        raise OptionError(f"dsv41 option 'gpu_unvalidated' names unknown families / ops {bad}; gated now: "
+                          f"{', '.join(gated) or 'none'}")
+    return frozenset(v)
 
 
 def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> Options:
@@ -205,9 +230,10 @@ def parse_options(options: Mapping[str, Any] | None, environ: Mapping[str, str] 
     for key in ("cuda_graphs", "pdl", "streams"):
         v = options.get(key)
         tri[key] = None if v is None else _bool(key, v)
+    gpu_unvalidated = _gate_names(options.get("gpu_unvalidated", False))
     strict = options.get("strict")
     if strict is None:
         strict = environ.get("DSV41_STRICT", "").strip().lower() in _TRUE
     return Options(print_report, path, frozenset(disable), _bool("count_kernels", options.get("count_kernels", False)),
                    _bool("debug", options.get("debug", False)), tri["cuda_graphs"], tri["pdl"], tri["streams"],
-                   _bool("gpu_unvalidated", options.get("gpu_unvalidated", False)), _bool("strict", strict))
+                   gpu_unvalidated, _bool("strict", strict))

@@ -343,22 +343,23 @@ def _frag_gemv_kernel(
 
 
 def launch_frag_gemv(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan: dict, empty,
-                     pdl_allowed: bool = True) -> torch.Tensor:
+                     pdl_allowed: bool = True, norm: tuple | None = None) -> torch.Tensor:
     """y [1, N] (x's dtype) = fq8(x2) @ dequant(weight)^T with `plan` (`frag_gemv_plan`): two launches, the
     activation preparation (`grouped_frag.prepare_frag_x`, K order) and the fragment GEMV, both PDL-launched where
     the device takes PDL and `pdl_allowed` (the caller passes False when it copied the weight or scale just before:
-    the GEMV reads them before its wait).
+    the GEMV reads them before its wait). `norm` (norm weight or None, eps, mode): the activation launch
+    RMS-normalises x2 first (`grouped_frag.prepare_frag_x`).
 
     x2 [1, K] bf16 / fp32 contiguous along K, K % 32 == 0; weight uint8 [N, K] E4M3 (`frag_gemv_eligible`); scale
     uint8 [ceil(N/32), K/32] UE8M0, contiguous along K. `empty(shape, dtype, device)` allocates the results and the
     split-K workspace. Raises ValueError for arguments the kernel cannot take (named); the op's own argument checks
     are `quant_gemv._check_args`.
     """
-    return launch_frag_gemv_multi(x2, [weight], [scale], plan, empty, pdl_allowed)[0]
+    return launch_frag_gemv_multi(x2, [weight], [scale], plan, empty, pdl_allowed, norm)[0]
 
 
 def launch_frag_gemv_multi(x2: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor], plan: dict,
-                           empty, pdl_allowed: bool = True) -> list[torch.Tensor]:
+                           empty, pdl_allowed: bool = True, norm: tuple | None = None) -> list[torch.Tensor]:
     """[y_i [1, N_i]] = [fq8(x2) @ dequant(W_i)^T] for 1 to 4 weights of one K in one activation launch and one
     GEMV launch (`launch_frag_gemv` for the arguments; `plan` from `frag_gemv_plan` of the summed N). Weight i takes
     ceil(N_i / (16 W)) programs of the grid, so each program computes one weight; the plan's EVEN holds only where
@@ -387,7 +388,7 @@ def launch_frag_gemv_multi(x2: torch.Tensor, weights: list[torch.Tensor], scales
     pdl = use_pdl_for(_frag_gemv_kernel, x2.device) and pdl_allowed
     # The GEMV reads only the weights and their scales (constants) before its wait and triggers its dependents
     # after it, which is what an early activation launch needs.
-    xq, xs = prepare_frag_x(x2, empty, pdl, part_order=False, early=plan["EARLY_LAUNCH"])
+    xq, xs = prepare_frag_x(x2, empty, pdl, part_order=False, early=plan["EARLY_LAUNCH"], norm=norm)
     ys = [empty((1, n), x2.dtype, x2.device) for n in widths]
     if programs == 0:
         return ys

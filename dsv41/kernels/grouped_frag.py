@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_int_options, exp2_int, is_interpreted, next_power_of_2, use_pdl_for
-from .gemv_tiles import fp8_1x32_parts, grouped_store, pair_expert
+from .gemv_tiles import fp8_1x32_parts, grouped_store, pair_expert, rms_apply, row_rstd
 from .grouped_words import x_blocks
 
 __all__ = ["grouped_frag_plan", "frag_eligible", "frag_supported", "prepare_frag_x", "launch_grouped_frag",
@@ -178,13 +178,21 @@ def _e4m3_bits(q):
 
 
 @triton.jit
-def _frag_x_kernel(x_ptr, q_ptr, s_ptr, K, stride_xr, BLOCK: tl.constexpr, PART_ORDER: tl.constexpr,
-                   USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+def _frag_x_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, eps, K, stride_xr, BLOCK: tl.constexpr, PART_ORDER: tl.constexpr,
+                   USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = 0, KP: tl.constexpr = 32):
     # Program (K chunk, row): E4M3 bytes of formats.quantize_fp8_1x32(x[row]) in part order (module docstring;
     # PART_ORDER False: in K order, for the block-FP8 kernel of `gemv_frag`) and the block scales 2^(e - 127) as
-    # FP32.
+    # FP32. NORM (1-6): x[row] RMS-normalised first (`gemv_tiles.row_rstd` over the whole row, read by every
+    # program, and `rms_apply` with the weight nw_ptr [K]).
     NB: tl.constexpr = BLOCK // 32
     row, kb, c, offs, ok, xv = x_blocks(x_ptr, K, stride_xr, BLOCK, USE_PDL, EARLY)
+    if NORM != 0:
+        r = tl.sum(row_rstd(x_ptr + row * stride_xr, tl.arange(0, 1), 1, K, 0, eps, KP), axis=0)
+        if NORM != 3 and NORM != 6:
+            nw = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            nw = 1.0
+        xv = rms_apply(xv, r, nw, NORM, x_ptr.dtype.element_ty)
     q, e = fp8_1x32_parts(xv)
     if PART_ORDER:
         pos = (c // 8) * 8 + (c % 2) * 4 + (c % 8) // 2
@@ -465,21 +473,24 @@ def _grouped_frag_kernel(
 
 
 def prepare_frag_x(x2: torch.Tensor, empty, pdl: bool, part_order: bool = True,
-                   early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   early: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The activations the fragment kernel reads, from one launch (PDL-launched when `pdl`): x2 [rows, K] (bf16 /
     fp32, contiguous along K, K % 32 == 0) FP8-quantised by 1x32 blocks (formats.quantize_fp8_1x32, MODEL.md
     §2.1) as (E4M3 bytes uint8 [rows, K] in the kernel's part order, or in K order with part_order=False (the
     block-FP8 fragment GEMV of `gemv_frag`), block scales 2^(e - 127) fp32 [rows, K/32]).
     `empty(shape, dtype, device)` allocates the results. `early`: under PDL the next launch may start before this
     one waits for its predecessor (`grouped_words.x_blocks` EARLY: only for a next kernel that touches nothing but
-    constants before its own wait)."""
+    constants before its own wait). `norm` = (norm weight [K] of x2's dtype or None, eps, mode 1-6 of
+    `ref.norm.NORM_SPELLINGS`): each row is RMS-normalised as that spelling rounds it before the quantisation."""
     rows, kk = x2.shape
+    nw, eps, mode = norm if norm is not None else (None, 0.0, 0)
     q = empty((rows, kk), torch.uint8, x2.device)
     s = empty((rows, kk // 32), torch.float32, x2.device)
     extra = {"launch_pdl": True} if pdl else {}
-    _frag_x_kernel[(triton.cdiv(kk, _PREP_BLOCK), rows)](x2, q, s, kk, x2.stride(0), BLOCK=_PREP_BLOCK,
-                                                         PART_ORDER=part_order, USE_PDL=pdl, EARLY=early, num_warps=4,
-                                                         **extra)
+    _frag_x_kernel[(triton.cdiv(kk, _PREP_BLOCK), rows)](x2, q, s, x2 if nw is None else nw, float(eps), kk,
+                                                         x2.stride(0), BLOCK=_PREP_BLOCK, PART_ORDER=part_order,
+                                                         USE_PDL=pdl, EARLY=early, NORM=int(mode),
+                                                         KP=next_power_of_2(kk), num_warps=4, **extra)
     return q, s
 
 

@@ -55,7 +55,7 @@ from dsv41.ref.norm import rms_norm
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, prefetch_l2_rows, register_cuda,
                       require_launchable, round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
-from .gemv_tiles import pick_operand, weight_slot
+from .gemv_tiles import pick_operand, row_rstd, weight_slot
 
 __all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
            "reference_linear_half_multi", "reference_linear_half_silu_mul", "triton_linear_half",
@@ -235,23 +235,6 @@ def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, 
 
 
 @triton.jit
-def _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP: tl.constexpr):
-    # rsqrt(mean(x^2) + eps) of each x row offs_m ([BLOCK_M] FP32; finite garbage for rows past M), summed in FP32.
-    # The chunks are unrolled (KP = K rounded up to a power of two, a compile-time size) so every load of x is in
-    # flight at once: a loop of dependent L2 round trips here sat in front of every program's K loop (H100, Llama-1B:
-    # 500 tok/s with the prologue against 629 for Inductor's separate norm kernel).
-    CH: tl.constexpr = 1024 if KP > 1024 else KP
-    offs_k = tl.arange(0, CH)
-    ss = tl.zeros([offs_m.shape[0], CH], dtype=tl.float32)
-    for k0 in tl.static_range(0, KP, CH):
-        kk = k0 + offs_k
-        xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                     mask=(offs_m < M)[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-        ss += xt * xt
-    return 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
-
-
-@triton.jit
 def _half_gemv_kernel(
     x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, b0, b1, b2, b3, r_ptr, nw_ptr, part_ptr, cnt_ptr,
     M, K, N0, N1, N2, N3, sw0, sw1, sw2, sw3, stride_xm, stride_rm, eps,
@@ -299,7 +282,7 @@ def _half_gemv_kernel(
         # x's statistics need all of x, which the wait guards; the weights are already on their way to L2 (above).
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-        rstd = _row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP)
+        rstd = row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP)
     for it in range(K_ITERS):
         kk = k_lo + it * BLOCK_K + offs_k
         k_ok = kk < K

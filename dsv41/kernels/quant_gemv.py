@@ -67,10 +67,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.ref import gemv as _ref
 
-from ._common import (check_same_device, check_tensor, is_interpreted, next_power_of_2, register_cuda,
-                      require_launchable, split_k_workspace, use_pdl_for)
+from ._common import is_interpreted, next_power_of_2, register_cuda, require_launchable, split_k_workspace, use_pdl_for
+from .gemv_args import (check_linear_args, check_norm_args, reference_linear_fp4,  # noqa: F401 (re-exported)
+                        reference_linear_fp8_block)
 from .gemv_tiles import gemv_tile, mma_tile, program_tile, scale_words, store_gemv_result  # noqa: F401 (scale_words)
 
 __all__ = [
@@ -85,7 +85,6 @@ __all__ = [
 #: Largest M the CUDA implementation sends to the Triton GEMV (decode, MTP/DSpark drafts); above it the
 #: op dequantises and calls cuBLAS (prefill).
 MAX_TRITON_M = 8
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Tile shape by weight format (False: fp8, True: fp4) and warps per program, from the H200 sweeps of
 #: bench/kernels.py (Triton 3.6, 2026-11-29, bench/results/2026-11-29_h200_kernels*/): [128, 128] tiles with 4
 #: warps were the fastest or within 5 % of it at every h200 shape for both formats (FP4 at 128 rows: 8.2 us vs
@@ -110,73 +109,15 @@ _EARLY_LAUNCH = False
 _DEFAULT_SMS = 132
 
 
-# ------------------------------------------------------------------------------------------- checks
-def check_linear_args(x, weight, scale, fp4: bool):
-    """Validate the arguments of `linear_fp8_block` / `linear_fp4` (x [..., K] float, K % 32 == 0; uint8 weight and
-    scale of the shapes of the format); return (N, K). Raises TypeError / ValueError naming the argument at fault."""
-    check_tensor("x", x, dtypes=_FLOAT_DTYPES, min_ndim=1)
-    check_tensor("weight", weight, dtypes=(torch.uint8,), ndim=2)
-    check_tensor("scale", scale, dtypes=(torch.uint8,), ndim=2)
-    check_same_device(x=x, weight=weight, scale=scale)
-    k = x.shape[-1]
-    if k % 32:
-        raise ValueError(f"x.shape[-1] = {k} must be divisible by 32 (1x32 activation quantisation)")
-    n = weight.shape[0]
-    if fp4:
-        if weight.shape[1] * 2 != k:
-            raise ValueError(f"packed FP4 weight {tuple(weight.shape)} does not match K = {k} (expected [N, {k // 2}])")
-        want = (n, k // 32)
-    else:
-        if weight.shape[1] != k:
-            raise ValueError(f"FP8 weight {tuple(weight.shape)} does not match K = {k} (expected [N, {k}])")
-        want = (-(-n // 32), k // 32)
-    if tuple(scale.shape) != want:
-        raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {want} for weight {tuple(weight.shape)}")
-    return n, k
-
-
-# ------------------------------------------------------------------------------------------- references
-def reference_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                               act_quant: bool) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::linear_fp8_block`: `F.linear(fq8(x) if act_quant else x, dequant(weight))`.
-
-    Args:
-        x: [..., K] fp32/bf16/fp16, K % 32 == 0.
-        weight: uint8 [N, K] E4M3 bytes. scale: uint8 [ceil(N/32), ceil(K/32)] UE8M0 exponents.
-        act_quant: fake-quantise x to FP8 E4M3 with a UE8M0 scale per 32 along K first.
-    Returns: [..., N] in x.dtype.
-    Raises: TypeError / ValueError for wrong dtypes or shapes (named).
-    Source: dsv41/model/linear.py `Linear.forward` (fmt "fp8_block"), MODEL.md §2.1.
-    """
-    check_linear_args(x, weight, scale, fp4=False)
-    return _ref.linear_fp8_block(x, weight, scale, act_quant)
-
-
-def reference_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         act_quant: bool) -> torch.Tensor:
-    """Plain-PyTorch `dsv41::linear_fp4`: `F.linear(fq8(x) if act_quant else x, dequant_fp4(weight))`.
-
-    Args:
-        x: [..., K] fp32/bf16/fp16, K % 32 == 0.
-        weight: uint8 [N, K/2] packed E2M1 (low nibble = even k). scale: uint8 [N, K/32] UE8M0.
-        act_quant: fake-quantise x to FP8 1x32 first (as every quantised GEMM of the reference does).
-    Returns: [..., N] in x.dtype.
-    Raises: TypeError / ValueError for wrong dtypes or shapes (named).
-    Source: dsv41/model/linear.py `Linear.forward` (fmt "fp4"), MODEL.md §2.1 (routed experts).
-    """
-    check_linear_args(x, weight, scale, fp4=True)
-    return _ref.linear_fp4(x, weight, scale, act_quant)
-
-
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _quant_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, nw_ptr, eps,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     FP4: tl.constexpr, ACT_QUANT: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_POW2: tl.constexpr,
     K_ITERS: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, MMA: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, NORM: tl.constexpr = 0, KP: tl.constexpr = 32,
 ):
     # Program (n-tile, k-split, m-tile) multiplies K_ITERS consecutive [BLOCK_N, BLOCK_K] weight tiles, each
     # loaded with every request in flight at once; the K splits of one output tile (SPLIT_K = grid dim 1) are
@@ -216,11 +157,12 @@ def _quant_gemv_kernel(
                              FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, False, SCALE_WORDS)
     else:
         # Tile at once: each K_ITERS tile issues every load at once; under PDL the wait follows the weight loads,
-        # which overlap the previous kernel's tail.
+        # which overlap the previous kernel's tail. NORM (the RMSNorm prologue, this path only): each tile's x is
+        # normalised by the row statistic, which every program computes over all of x itself (an L2 read).
         for it in range(K_ITERS):
             acc = gemv_tile(x_ptr, w_ptr, s_ptr, acc, offs_n, n_ok, offs_m, kb, j32,
                              (pid_k * K_ITERS + it) * BLOCK_K, pid_m, M, K, stride_xm, stride_wn, stride_sn,
-                             FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL, SCALE_WORDS)
+                             FP4, ACT_QUANT, X_FP16, BLOCK_M, BLOCK_N, NKB, USE_PDL, SCALE_WORDS, nw_ptr, eps, NORM, KP)
 
     if USE_PDL and not EARLY_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -475,8 +417,16 @@ def split_frag_overrides(overrides: dict, fp4: bool, x: torch.Tensor, m: int, we
     return None
 
 
-def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.Tensor:
+def _launch(x, weight, scale, act_quant: bool, fp4: bool, norm_weight=None, eps: float = 0.0, norm_mode: int = 0,
+            **overrides) -> torch.Tensor:
     n, k = check_linear_args(x, weight, scale, fp4)
+    if norm_mode:
+        check_norm_args(x, act_quant, norm_weight, eps, norm_mode)
+        # The prologue lives in the tile-at-once loop and the fragment GEMV's activation launch only.
+        if overrides.get("tma") or overrides.get("rows") or overrides.get("mma") or (overrides.get("stages") or 1) > 1:
+            raise ValueError("an RMSNorm prologue runs on the tile-at-once or the fragment kernel only (no tma, rows, "
+                             "mma or stages > 1)")
+        overrides.update(tma=False, rows=False)
     check_mma_dtype(x, overrides)
     lead = x.shape[:-1]
     m = math.prod(lead)
@@ -502,7 +452,9 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     if frag is not None:
         from . import gemv_frag
         plan = gemv_frag.frag_gemv_plan(n, k, **frag)
-        return gemv_frag.launch_frag_gemv(x2, weight, scale, plan, _empty, pdl_allowed=not copied).reshape(*lead, n)
+        norm = (norm_weight, float(eps), int(norm_mode)) if norm_mode else None
+        return gemv_frag.launch_frag_gemv(x2, weight, scale, plan, _empty, pdl_allowed=not copied, norm=norm
+                                          ).reshape(*lead, n)
     if tma is not None:
         from . import gemv_tma
         plan = gemv_tma.tma_gemv_plan(m, n, k, **tma)
@@ -527,21 +479,25 @@ def _launch(x, weight, scale, act_quant: bool, fp4: bool, **overrides) -> torch.
     if plan["MAXNREG"] is not None:
         extra["maxnreg"] = plan["MAXNREG"]
     _quant_gemv_kernel[plan["grid"]](
-        x2, weight, scale, y, part, cnt,
+        x2, weight, scale, y, part, cnt, x2 if norm_weight is None else norm_weight, float(eps),
         m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         FP4=fp4, ACT_QUANT=bool(act_quant), SPLIT_K=split_k, SPLIT_POW2=plan["SPLIT_POW2"], K_ITERS=plan["K_ITERS"],
         STAGES=plan["STAGES"], SCALE_WORDS=words is not None, MMA=plan["MMA"],
         DOT_F32=is_interpreted(_quant_gemv_kernel), BLOCK_M=plan["BLOCK_M"],
         BLOCK_N=plan["BLOCK_N"],
-        BLOCK_K=plan["BLOCK_K"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        BLOCK_K=plan["BLOCK_K"], EARLY_LAUNCH=plan["EARLY_LAUNCH"], USE_PDL=pdl, NORM=int(norm_mode),
+        KP=next_power_of_2(k), num_warps=plan["num_warps"], **extra)
     return y.reshape(*lead, n)
 
 
 def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool,
+                            norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_mode: int = 0,
                             **overrides) -> torch.Tensor:
     """Run the Triton GEMV for a block-FP8 weight on the tensors' device (interpreted on CPU).
 
-    Same arguments, result and errors as `reference_linear_fp8_block`; any M works (x rows are tiled by up
+    Same arguments (the RMSNorm prologue included: on the tile-at-once kernel each program normalises the x it
+    reads, on the fragment kernel the activation launch does), result and errors as `reference_linear_fp8_block`;
+    a prologue with tma / rows / mma / stages > 1 raises ValueError. Any M works (x rows are tiled by up
     to 8). Kernel: with no option, the tensor-core fragment GEMV (`gemv_frag`) for one bf16 / fp32 x row with
     act_quant and a weight of `FRAG_MIN_WEIGHT_BYTES_M1` bytes or more on a GPU with FP8 `mma.sync` (sm_89+,
     `split_frag_overrides`); else the TMA GEMV (`gemv_tma`) on a GPU with TMA (sm_90+) for an eligible weight and
@@ -559,7 +515,8 @@ def triton_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     Numerics: codes and scales bit-identical to the reference; FP32 accumulation in a different order, so
     results agree to FP32 rounding of the sum, then one rounding to x.dtype.
     """
-    return _launch(x, weight, scale, act_quant, fp4=False, **overrides)
+    return _launch(x, weight, scale, act_quant, fp4=False, norm_weight=norm_weight, eps=eps, norm_mode=norm_mode,
+                   **overrides)
 
 
 def triton_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool,
@@ -573,20 +530,22 @@ def triton_linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 # ------------------------------------------------------------------------------------------- ops
 @torch.library.custom_op("dsv41::linear_fp8_block", mutates_args=(), device_types="cpu")
-def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
-    """`y = fq8(x) @ dequant(weight)^T` for a block-FP8 weight; see `reference_linear_fp8_block` for shapes."""
-    return reference_linear_fp8_block(x, weight, scale, act_quant)
+def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_mode: int = 0) -> torch.Tensor:
+    """`y = fq8(rmsnorm?(x)) @ dequant(weight)^T` for a block-FP8 weight; see `reference_linear_fp8_block`."""
+    return reference_linear_fp8_block(x, weight, scale, act_quant, norm_weight, eps, norm_mode)
 
 
 @register_cuda(linear_fp8_block, "dsv41::linear_fp8_block")
-def _linear_fp8_block_cuda(x, weight, scale, act_quant):
+def _linear_fp8_block_cuda(x, weight, scale, act_quant, norm_weight=None, eps=0.0, norm_mode=0):
     if x.numel() // max(x.shape[-1], 1) <= MAX_TRITON_M:
-        return triton_linear_fp8_block(x, weight, scale, act_quant)
-    return reference_linear_fp8_block(x, weight, scale, act_quant)
+        return triton_linear_fp8_block(x, weight, scale, act_quant, norm_weight=norm_weight, eps=eps,
+                                       norm_mode=norm_mode)
+    return reference_linear_fp8_block(x, weight, scale, act_quant, norm_weight, eps, norm_mode)
 
 
 @linear_fp8_block.register_fake
-def _linear_fp8_block_fake(x, weight, scale, act_quant):
+def _linear_fp8_block_fake(x, weight, scale, act_quant, norm_weight=None, eps=0.0, norm_mode=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

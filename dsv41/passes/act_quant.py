@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 
 from ..ref import formats
-from .engine import RegionEvaluator, RegionNotClosed, concrete_shape, is_dataflow_op, tensor_val
+from .engine import RegionEvaluator, RegionNotClosed, collect_region, concrete_shape, is_dataflow_op, tensor_val
+from .rms_prologue import rms_prologue
 
-__all__ = ["dominators", "dtype_name", "widened", "act_quant_input", "quantiser_input", "quantiser_difference",
+__all__ = ["dominators", "dtype_name", "widened", "act_quant_input", "norm_prologue", "quantiser_input", "quantiser_difference",
            "EDGE_BLOCKS", "quantiser_probes"]
 
 aten = torch.ops.aten
@@ -163,3 +164,29 @@ def quantiser_probes(shape: tuple, dtype: torch.dtype) -> list:
                 base[b, 11] = 2.0 ** 20
         probes.append((base.reshape(shape).to(dtype), kinds))
     return probes
+
+
+def norm_prologue(lhs: fx.Node, x: fx.Node | None, k: int, ev: RegionEvaluator, sourced: set):
+    """(h, norm weight node or None, eps, mode) when the quantised activation `lhs` of a block-FP8 matmul is
+    `fake_quant_fp8_1x32(RMSNorm(h))` and the fused op can compute the norm in its prologue
+    (`dsv41::linear_fp8_block(h, ..., norm_weight, eps, norm_mode)`), else None.
+
+    x is `act_quant_input`'s answer: the quantiser's input of lhs's dtype (torch 2.13 keeps the norm's rounding:
+    modes 1-3), or None, when the quantiser's input is float32 (torch 2.11's `pointless_convert` dropped the
+    rounding, the widened input is searched here: modes 4-6). The norm itself is `rms_prologue`'s (spelling and
+    eps settled on probes, exactly). Taken only where no value of the norm or of the quantiser between h and lhs is
+    read outside that region (else the norm stays for its other readers and the prologue would only repeat it)."""
+    dt = tensor_val(lhs).dtype
+    if x is None:
+        x = act_quant_input(lhs, k, ev, sourced, widen=True)
+        if x is None or not widened(x, lhs):
+            return None
+    found = rms_prologue(x, k, dt, ev, exact_only=True)
+    if found is None:
+        return None
+    h, nw = found[0], found[1]
+    region = collect_region([lhs], [h] + ([nw] if nw is not None else []))
+    inside = set(region)
+    if any(u not in inside for n in region if n is not lhs for u in n.users):
+        return None
+    return found

@@ -26,6 +26,15 @@ near-miss that names the rule the code follows instead (e.g. the scale used as a
 bytes must be graph inputs no kernel of the step writes (parameters, buffers, views of them): the fused GEMV
 requests its weight before waiting on the previous kernel under PDL (near-miss `weight_source` otherwise).
 
+RMSNorm prologue (issue [decode] #37; its kernels passed their GPU tests on an H100 and `small` decoded 1.0 % faster
+with 20 launches fewer per step, bench/results/2026-12-07_h100_s35):
+when the quantiser's input of a block-FP8 chain is an RMSNorm of h (`act_quant.norm_prologue`, the finder
+`rms_prologue` shared with `half_gemv`: spelling and eps settled on probes, exactly) and nothing else reads the
+norm's or the quantiser's values, the op takes h: `dsv41::linear_fp8_block(h, W, S, True, norm_weight, eps,
+norm_mode)`, and the norm's launch and its normalised copy go (the q_norm -> wq_b pair of every V4.1 attention
+layer). Torch 2.11's form, where the quantiser reads the norm's float32 result before its bfloat16 rounding, is
+taken too (norm modes 4-6 of `ref.norm.NORM_SPELLINGS`).
+
 Gathered experts (the decode path of the routed MoE, dsv41/model/moe.py `RoutedExperts.forward_gather`):
 
     y = einsum(fq8(x) or x, dequantize_fp4_1x32(W[idx], S[idx]))      # W [E, out, K/2], S [E, out, K/32]
@@ -57,7 +66,7 @@ import torch
 import torch.fx as fx
 
 from . import fp8_layouts
-from .act_quant import act_quant_input, dtype_name
+from .act_quant import act_quant_input, dtype_name, norm_prologue
 from .dispatch_gathered import GROUPED_OP, GatheredMatcher
 from .dispatch_weights import (Weight, candidates, continues_region, is_linear_mm, leaf_sets, reader, signature,
                                token_shape, verify_weight)
@@ -72,6 +81,8 @@ __all__ = ["DispatchFamily", "WEIGHT_FORMATS", "GROUPED_OP", "SPEC"]
 aten = torch.ops.aten
 #: format -> fused op name ("fp8_scaled": the checkpoint layouts of `fp8_layouts`, whose verdict names the op).
 WEIGHT_FORMATS = {"fp8_block": "linear_fp8_block", "fp4": "linear_fp4", "fp8_scaled": "linear_fp8_scaled"}
+#: Gate name of the block-FP8 GEMV with an RMSNorm prologue (`act_quant.norm_prologue`).
+NORM_VARIANT = "linear_fp8_block(rms_norm)"
 #: Probe verdicts of weight regions across graphs and compiles: (region signature, format, transposed, device
 #: type) -> (ok, check, reason). A signature fixes the region's function (`signature`) when the region is made of
 #: ATen calls alone (a constant tensor, `get_attr`, is keyed by name only: such regions are not cached), so a
@@ -96,6 +107,13 @@ SPEC = register_family(
           ("act_quant (an FP8 1x32 fake-quant of a dominator of x)", "orientation"),
           ("random E4M3 codes, scale bytes 116..131, then every UE8M0 byte 1..254", "activation edge blocks"),
           _WEIGHT_CHECKS),
+    Chain("linear_fp8_block (RMSNorm prologue)", "linear_fp8_block", "the linear_fp8_block chain whose quantised x is "
+          "an RMSNorm of h that nothing else reads", (Role("h", "[M, K]", "x's dtype"),
+                                                      Role("norm_weight", "[K] (optional)", "x's dtype"),
+                                                      *_WEIGHT_ROLES[1:]),
+          "dsv41.ref.gemv:linear_fp8_block(norm_mode)", ("norm spelling (ref.norm.NORM_SPELLINGS)", "eps"),
+          ("rms_prologue's probe rows at magnitudes 1, 3e-3 and 1e6, exactly",),
+          ("gpu_unvalidated", "op_registered"), variants=(NORM_VARIANT,)),
     Chain("linear_fp4", "linear_fp4", "mm / addmm whose weight operand is computed from packed E2M1 codes and UE8M0 "
           "1x32 scales", _WEIGHT_ROLES, "dsv41.ref.formats:dequantize_fp4_1x32", ("act_quant", "orientation"),
           ("random E2M1 bytes, scale bytes 116..131, then every UE8M0 byte 1..254", "activation edge blocks"),
@@ -237,11 +255,17 @@ class DispatchFamily(FusionFamily):
         near: list = []
         scaled = dict(params).get("op") == "linear_fp8_scaled"  # no activation quantiser: x is read as it is
         x = None if scaled else act_quant_input(lhs, cand.k, ev, sourced, lookalikes=near)
+        # An RMSNorm in front of the quantiser goes into the op's prologue (dsv41's own block format only).
+        norm = (norm_prologue(lhs, x, cand.k, ev, sourced)
+                if cand.fmt == "fp8_block" and NORM_VARIANT not in self.gated_ops else None)
+        if norm is not None:
+            x, near = norm[0], []
         lookalikes.extend((mm, d.name, kind) for d, kind in near)
         act_quant = x is not None
         region_nodes = collect_region([cand.node], [cand.codes, cand.scale])
         if act_quant:
-            region_nodes += collect_region([lhs], [x])
+            region_nodes += collect_region([lhs], [x] + ([norm[1]] if norm is not None and norm[1] is not None
+                                                         else []))
         else:
             x = lhs
         x_in = x
@@ -252,9 +276,13 @@ class DispatchFamily(FusionFamily):
             out = fp8_layouts.fused_call(graph, mm, cand, params, x_in, act_quant)
             pattern, op_name, extra = fp8_layouts.pattern(cand, params, act_quant)
         else:
-            out = insert_node(graph, mm, op, (x_in, cand.codes, cand.scale, act_quant), like=mm)
+            prologue = () if norm is None else norm[1:]
+            out = insert_node(graph, mm, op, (x_in, cand.codes, cand.scale, act_quant, *prologue), like=mm)
             op_name, extra = WEIGHT_FORMATS[cand.fmt], ()
             pattern = f"{op_name}(act_quant={act_quant})"
+            if norm is not None:
+                pattern = f"{op_name}(rms_norm, act_quant=True)"
+                extra = (("rms_norm_eps", norm[2]), ("rms_norm_mode", norm[3]), ("launches_saved_norm", 1))
         if bias is not None:
             out = insert_node(graph, mm, aten.add.Tensor, (out, bias), like=mm)
         mm.replace_all_uses_with(out)
@@ -270,6 +298,8 @@ class DispatchFamily(FusionFamily):
         # does the fake-quantised activation; after: the fused op reads codes, scales and x once.
         before = (w_bytes + 2 * n * k * esize + rows * k * (xsize + 2 * esize if act_quant else esize)
                   + rows * n * esize + bias_bytes)
+        if norm is not None:  # the norm's own launch read h and wrote the normalised x
+            before += 2 * rows * k * xsize
         after = w_bytes + rows * k * xsize + rows * n * esize + bias_bytes
         return MatchRecord(
             self.name, pattern, f"dsv41::{op_name}",

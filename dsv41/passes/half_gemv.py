@@ -28,7 +28,7 @@ Conditions (proven from the graph): x and W share one half-precision dtype; M is
 that the compile marks static (`engine.static_inputs`: a parameter or buffer; a `get_attr` constant counts too),
 because the kernel reads it before waiting on the previous kernel. For the SwiGLU: the two weights have one shape,
 the region between the two matmuls and e reads nothing else and nothing outside it reads its inner values, it holds
-only views and smooth ops (`_SMOOTH_OPS`: no clamp or where that the probes' magnitudes may never reach; the same
+only views and smooth ops (`rms_prologue.SMOOTH_OPS`: no clamp or where that the probes' magnitudes may never reach; the same
 holds for an RMSNorm region), and on probes it equals F.silu(g) * u rounded in x's dtype (gate and up told apart by
 the probes). The matmul's output is followed only through views that keep its elements in order (a reshape, not a
 transpose, slice or expand: `_through_views`). For the residual: the
@@ -54,16 +54,16 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .records import MatchRecord, NearMiss, PassRecord, SourceLocation
-from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, close_rounded, collect_region,
-                     concrete_shape, dsv41_op, eliminate_dead_code, eps_candidates, insert_node, is_dataflow_op,
+from .engine import (Chain, FusionFamily, RegionEvaluator, Role, close, collect_region,
+                     concrete_shape, dsv41_op, eliminate_dead_code, insert_node, is_dataflow_op,
                      is_view_op, node_label, register_family, static_inputs, static_refusal, tensor_val,
                      token_rows)
+from .rms_prologue import rms_prologue, smooth
 from .small_ops import mutated_inputs, view_base
 
 __all__ = ["HalfGemvFamily", "SPEC"]
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 _HALF = (torch.bfloat16, torch.float16)
 _TRANSPOSES = (aten.permute.default, aten.t.default)
 #: Largest M taken (`half_gemv.MAX_TRITON_M`, repeated here so the finder needs no kernel import).
@@ -72,14 +72,13 @@ _MAX_M = 8
 _MAX_SIBLINGS = 4
 #: The ops the family emits (one kernel).
 _OPS = ("linear_half", "linear_half_multi", "linear_half_silu_mul")
-#: Nodes above a matmul's x that the RMSNorm finder searches for the mean of squares.
-_NORM_REACH = 8
 #: Nodes between a gate matmul and the SwiGLU product that the finder walks at the most.
 _SWIGLU_REACH = 16
 
 #: What every chain discovers about an RMSNorm in front of x (the op's prologue), and how.
 _NORM_CONSTANTS = ("RMSNorm prologue: eps among the region's literals", "RMSNorm spelling (half_gemv.NORM_MODES)")
-_NORM_PROBES = ("RMSNorm: rows at scales 1 and 3e-3 (where eps moves the statistic), exact first, else one rounding")
+_NORM_PROBES = ("RMSNorm: rows at scales 1, 3e-3 (where eps moves the statistic) and 1e6 (3e4 for fp16: where an eps "
+                "outside the square root would), exact first, else one rounding")
 
 SPEC = register_family(
     "half_gemv", "bf16 / fp16 projections at M <= 8 -> GEMVs reading each weight once, with SwiGLU, residual add and "
@@ -109,25 +108,6 @@ SPEC = register_family(
     # a near-miss) and after sibling_gemv, so no family sees this one's ops
     after=("dispatch", "sibling_gemv"),
 )
-
-
-#: The ops a SwiGLU or RMSNorm region may contain besides views: smooth arithmetic, the spellings' casts and the
-#: norm's reductions. Why: the regions are verified on probes of bounded magnitude (|g| up to ~25, normalised rows
-#: up to ~4), and a piecewise op (clamp, where, maximum, abs, a comparison) that only acts beyond them passes every
-#: probe: `silu(g.clamp(-30, 30)) * u` was fused as `silu(g) * u`, and a norm clamped at 6 as the bare norm (both
-#: wrong once an outlier row reaches the clamp). A smooth op cannot hide like that; anything else stays unfused.
-_SMOOTH_OPS = frozenset({
-    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
-    aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.neg.default, aten.exp.default, aten.reciprocal.default,
-    aten.sigmoid.default, aten.silu.default, aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar,
-    aten.mean.dim, aten.sum.dim_IntList, aten.clone.default, aten._to_copy.default, aten.scalar_tensor.default,
-    aten.full.default, prims.convert_element_type.default,
-})
-
-
-def _smooth(n: fx.Node) -> bool:
-    """Whether region node `n` is a view or one of `_SMOOTH_OPS`."""
-    return n.op == "call_function" and (is_view_op(n) or n.target in _SMOOTH_OPS)
 
 
 def _transposed(rhs) -> fx.Node | None:
@@ -223,7 +203,7 @@ class HalfGemvFamily(FusionFamily):
             for c in cands:
                 key = _x_key(c.x)
                 if key not in norms:
-                    norms[key] = _rms_prologue(c, ev, stored)
+                    norms[key] = rms_prologue(c.x, c.k, c.dtype, ev, stored)
                 c.norm = norms[key]
             taken: set = set()
             for gate, up, end, region in self._swiglus(cands, ev):
@@ -332,8 +312,8 @@ class HalfGemvFamily(FusionFamily):
             inner = [n for n in region if n is not end]
             if not all(n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n)) for n in region):
                 continue
-            if not all(_smooth(n) for n in region):
-                return None  # a piecewise op the probes may never reach (`_SMOOTH_OPS`): no SwiGLU here
+            if not all(smooth(n) for n in region):
+                return None  # a piecewise op the probes may never reach (`rms_prologue.SMOOTH_OPS`): no SwiGLU here
             if not all(set(u for u in n.users) <= set(region) for n in inner + [a.out, b.out]):
                 continue
             ev_out = tensor_val(end)
@@ -436,7 +416,7 @@ class HalfGemvFamily(FusionFamily):
 
 def _x_args(graph: fx.Graph, c: _Cand, before: fx.Node, moved: dict):
     """(x operand, norm arguments) of a fused op for `c`: x itself and (None, 0.0, 0), or the RMSNorm's input h as
-    [M, K] and (norm weight, eps, mode) when the op computes the norm (`_rms_prologue`); `moved` maps nodes that
+    [M, K] and (norm weight, eps, mode) when the op computes the norm (`rms_prologue`); `moved` maps nodes that
     earlier rewrites replaced to their replacements."""
     if c.norm is None:
         return c.x, (None, 0.0, 0)
@@ -457,87 +437,6 @@ def _norm_detail(c: _Cand) -> tuple:
     if c.norm is None:
         return ()
     return (("rms_norm_eps", c.norm[2]), ("rms_norm_mode", c.norm[3]), ("launches_saved_norm", 1))
-
-
-def _producer(x: fx.Node) -> fx.Node:
-    while isinstance(x, fx.Node) and x.op == "call_function" and is_view_op(x) and isinstance(x.args[0], fx.Node):
-        x = x.args[0]
-    return x
-
-
-def _strip_casts(n):
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target == prims.convert_element_type.default:
-        n = n.args[0]
-    return n
-
-
-def _rms_prologue(c: _Cand, ev: RegionEvaluator, stored):
-    """(h, norm weight node or None, eps, mode) when the matmul's x is an RMSNorm of a tensor h that the fused op
-    can compute in its prologue (`half_gemv.NORM_MODES`), else None.
-
-    Structure: a mean over the last dim of h^2 (pow 2 or h * h, after casts) within _NORM_REACH nodes above x; the
-    region from h to x reads nothing else but at most one stored 1-D [K] weight of x's dtype. Semantics: on probe
-    rows at ordinary and at small magnitudes (where eps moves the statistic) the region equals one spelling for
-    one of its literals as eps: exactly first, else within one rounding."""
-    xp = _producer(c.x)
-    mean, frontier, seen = None, [xp], set()
-    for _ in range(_NORM_REACH):
-        nxt = []
-        for n in frontier:
-            if n.op == "call_function" and n.target == aten.mean.dim and n.args[0] is not None:
-                dims = list(n.args[1]) if len(n.args) > 1 else []
-                keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
-                if keep and dims in ([-1], [len(concrete_shape(tensor_val(n)) or ()) - 1]):
-                    mean = n
-            for a in n.all_input_nodes:
-                if a not in seen:
-                    seen.add(a)
-                    nxt.append(a)
-        frontier = nxt
-        if mean is not None:
-            break
-    if mean is None:
-        return None
-    sq = mean.args[0]
-    if not isinstance(sq, fx.Node) or sq.op != "call_function":
-        return None
-    if sq.target == aten.pow.Tensor_Scalar and sq.args[1] == 2:
-        h = _strip_casts(sq.args[0])
-    elif sq.target == aten.mul.Tensor and sq.args[0] is sq.args[1]:
-        h = _strip_casts(sq.args[0])
-    else:
-        return None
-    hv = tensor_val(h) if isinstance(h, fx.Node) else None
-    xv = tensor_val(xp)
-    if hv is None or xv is None or hv.dtype != c.dtype or tuple(hv.shape) != tuple(xv.shape):
-        return None
-    region = collect_region([xp], [h])
-    leaves = [n for n in region if n.op in ("placeholder", "get_attr")]
-    if len(leaves) > 1 or not all(n in leaves or (n.op == "call_function" and (is_dataflow_op(n) or is_view_op(n))
-                                                  and _smooth(n)) for n in region):
-        return None  # another input, or an op that is not pure, or a piecewise one the probes may miss
-    nw = leaves[0] if leaves else None
-    if nw is not None:
-        nv = tensor_val(nw)
-        static = nw.op == "get_attr" or stored is None or nw in stored
-        if nv is None or nv.dtype != c.dtype or tuple(nv.shape) != (c.k,) or not static:
-            return None
-    from dsv41.kernels.half_gemv import rms_norm_reference  # public name of the kernel layer
-    gen = torch.Generator().manual_seed(1)
-    shape = tuple(hv.shape)
-    hp = [(torch.randn(shape, generator=gen, dtype=torch.float64) * s).to(c.dtype) for s in (1.0, 3e-3)]
-    wp = (1 + 0.2 * torch.randn(c.k, generator=gen, dtype=torch.float64)).to(c.dtype) if nw is not None else None
-    try:
-        outs = [ev.evaluate([xp], {h: p, **({nw: wp} if nw is not None else {})})[xp] for p in hp]
-    except Exception:  # not closed over h and the weight, or an op the probes cannot run: no prologue
-        return None
-    modes = (1, 2) if nw is not None else (3,)
-    for same in (torch.equal, close_rounded):
-        for eps in eps_candidates(region):
-            for mode in modes:
-                if all(same(o, rms_norm_reference(p, wp, eps, mode)) for o, p in zip(outs, hp)):
-                    return h, nw, float(eps), mode
-    return None
 
 
 def _forward(start: fx.Node, limit: int) -> set:

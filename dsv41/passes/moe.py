@@ -97,7 +97,7 @@ SPEC = register_family(
           "fp16 that only the tail reads", (Role("y", "[.., k, d]", "float32, rounded by the op"),
                                             Role("shared", "[.., d]"), Role("w", "[.., k] (optional)")),
           "dsv41.kernels.moe:reference_moe_combine(y_dtype)", (), ("the tail chain's probes; the rounding is exact",),
-          ("gpu_unvalidated", "op_registered"), variants=(ROUND_Y,), gpu_validated=False),
+          ("gpu_unvalidated", "op_registered"), variants=(ROUND_Y,)),
 ),
     # order: after engram: the place it has always run (no dependency between the two is known;
     # tests/test_chain_specs.py pins the order)

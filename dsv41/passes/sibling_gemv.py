@@ -69,7 +69,13 @@ def _x_key(x):
 def _args(node: fx.Node):
     """(x, W, S, act_quant) of a linear_fp8_block node, keyword arguments included."""
     names = ("x", "weight", "scale", "act_quant")
-    return tuple(list(node.args) + [node.kwargs[k] for k in names[len(node.args):]])
+    return tuple(list(node.args[:4]) + [node.kwargs[k] for k in names[len(node.args):]])
+
+
+def _norm_mode(node: fx.Node) -> int:
+    """The RMSNorm prologue mode of a linear_fp8_block node (0: none; `dispatch` sets it). Such a GEMV reads the
+    norm's input, not x, and `linear_fp8_block_multi` has no prologue: it is left alone."""
+    return node.args[6] if len(node.args) > 6 else node.kwargs.get("norm_mode", 0)
 
 
 #: The family as data (`dsv41 report --patterns`).
@@ -95,7 +101,7 @@ class SiblingGemvFamily(HorizontalFamily):
         """The block-FP8 GEMVs by activation (`_x_key`)."""
         by_x: dict = {}
         for n in graph.nodes:
-            if n.op == "call_function" and n.target == single:
+            if n.op == "call_function" and n.target == single and not _norm_mode(n):
                 by_x.setdefault(_x_key(_args(n)[0]), []).append(n)
         return by_x
 

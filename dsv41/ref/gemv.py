@@ -13,14 +13,26 @@ import torch
 import torch.nn.functional as F
 
 from .formats import dequantize_fp4_1x32, dequantize_fp8_block, dequantize_fp8_scaled, fake_quant_fp8_1x32
+from .norm import rms_norm_spelled
 
 __all__ = ["linear_fp8_block", "linear_fp4", "linear_fp8_block_multi", "linear_fp8_scaled", "linear_upcast",
            "grouped_linear_fp4", "grouped_linear_fp4_pair"]
 
 
-def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
+def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, norm_mode: int = 0) -> torch.Tensor:
     """`F.linear(fq8(x) if act_quant else x, dequant(weight))`: x [..., K] float, K % 32 == 0; weight uint8 [N, K]
-    E4M3 bytes; scale uint8 [ceil(N/32), ceil(K/32)] UE8M0. Returns [..., N] in x.dtype."""
+    E4M3 bytes; scale uint8 [ceil(N/32), ceil(K/32)] UE8M0. Returns [..., N] in x.dtype.
+
+    With `norm_mode` (1-6, `norm.NORM_SPELLINGS`; needs act_quant) x is first RMS-normalised as that spelling
+    rounds it (`norm.rms_norm_spelled(x, norm_weight, eps, norm_mode)`, FP32 for modes 4-6), quantised, and the
+    quantised values taken in x's dtype (exact: every FP8 1x32 value is a bfloat16 / float16). Raises ValueError
+    for a norm without act_quant or a bad mode."""
+    if norm_mode:
+        if not act_quant:
+            raise ValueError("an RMSNorm prologue (norm_mode != 0) needs act_quant=True")
+        xq = fake_quant_fp8_1x32(rms_norm_spelled(x, norm_weight, eps, norm_mode)).to(x.dtype)
+        return F.linear(xq, dequantize_fp8_block(weight, scale, x.dtype))
     w = dequantize_fp8_block(weight, scale, x.dtype)
     return F.linear(fake_quant_fp8_1x32(x) if act_quant else x, w)
 
