@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
-#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile
+#   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile attnplan
 #                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
 #                                           collapse inplace qrope scorechain yround prologue
 #                                           (default: tests kernels eager backends)
@@ -36,6 +36,15 @@ ab_small() {
   if [ -f .bench_cache/base.tar ]; then
     rm -rf /tmp/dsv41_base && mkdir -p /tmp/dsv41_base && tar xf .bench_cache/base.tar -C /tmp/dsv41_base
     local absout; absout=$(cd "$OUTDIR" && pwd)
+    if [ "${AB_PARALLEL:-0}" = 1 ]; then
+      # Both trees' cold compiles at once (one worker each, CPU-bound), then each timed run served from its cache.
+      (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" \
+         $base_opts --precompile 1 --precompile-only --cache-dir /tmp/dsv41_base/.bench_cache >/tmp/ab_base_pre.log 2>&1) &
+      timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" ${BENCH_OPTIONS:-} --precompile 1 --precompile-only \
+        --cache-dir .bench_cache/$1 >/tmp/ab_new_pre.log 2>&1 &
+      wait
+      tail -3 /tmp/ab_base_pre.log /tmp/ab_new_pre.log
+    fi
     (cd /tmp/dsv41_base && PYTHONPATH=/tmp/dsv41_base python3 -c "import dsv41; print('base tree:', dsv41.__file__)"
      PYTHONPATH=/tmp/dsv41_base timeout ${AB_TIMEOUT:-240} python3 -m dsv41.bench "${wargs[@]}" $base_opts \
        --cache-dir /tmp/dsv41_base/.bench_cache --json "$absout/$1_base.json" 2>&1 | tail -14)
@@ -102,6 +111,14 @@ for s in $sections; do
       fi
       BENCH_OPTIONS=${BENCH_OPTIONS:-'--option gpu_unvalidated=true --option disable=["half_gemv","rope_kv","gqa_attention","mhc_fold"]'} \
         BASE_BENCH_OPTIONS=${BASE_BENCH_OPTIONS:-} ab_small inplace ;;
+    attnplan)
+      # Issue [decode] #37: sparse attention's 16-row tiles where 32-row tiles give few programs (`attention_plan`):
+      # the kernel tests, the plan sweep at the h200 shape (which must keep 32-row tiles), then `small` with the tree
+      # before (.bench_cache/base.tar) and this tree, compiled in parallel, timed one after another.
+      python3 -m pytest -q tests/test_kernels_gpu_attention.py 2>&1 | tail -3 | tee "$OUTDIR/gpu_tests_attention.log"
+      timeout ${PROBE_TIMEOUT:-60} python3 bench/probes/attention_sweep.py --preset h200 --ctx 4096 --splits 0 \
+        --block-n 16,32 --copies 64 --reps-ms 40 --json "$OUTDIR/attn_sweep_h200.json" 2>&1 | tail -4
+      AB_PARALLEL=1 ab_small attnplan ;;
     prologue)
       # Issue [decode] #37: the block-FP8 GEMV's RMSNorm prologue (q_norm -> wq_b in one launch) and
       # moe_combine(y_dtype), each gated on CUDA until this runs: their GPU tests, then `small` regional with three
