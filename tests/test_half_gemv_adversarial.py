@@ -130,6 +130,10 @@ CASES = {
     "norm/two-eps-tiny-rows": (lambda s, x: (s.p(_rms(x, s.w, 1e-5)), s.g(_rms(x, s.w, 1e-6))), dict(d=64),
                                [(_rand((1, 4, 64), scale=1e-3),), (_rand((1, 4, 64), scale=1e-4),)], {},
                                {"linear": 2, "norm": 2}),
+    # a row view between the norm and the projection (the last token): the op reads every row of h, so no prologue
+    # (session 35's review found the FP8 GEMV's prologue reading all rows; the finder is shared)
+    "norm/last-token-view": (lambda s, x: s.p(_rms(x, s.w)[:, -1]), dict(d=64), [(_rand((2, 4, 64)),)], {},
+                             {"linear": 1, "norm": 0}),
     "norm/output-also-returned": (lambda s, x: (lambda h: (s.p(h), h))(_rms(x, s.w)), dict(d=64),
                                   [(_rand((1, 4, 64)),)], {}, {"linear": 1, "norm": 1}),
     # 2-D activations: the norm reads the first projection's mm itself, which its own rewrite replaced

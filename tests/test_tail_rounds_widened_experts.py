@@ -9,7 +9,7 @@ a tail the float32 result with `y_dtype` (rounded in the op, bit-identical).
 The module below writes that float32-quantiser form directly (any torch version sees it): a top-2 router, FP4
 experts gathered per token and decoded through a table, the activation fake-quantised to FP8 from float32 and
 cast to bf16, and the tail `sum over k + shared`. It must compile to `grouped_linear_fp4` feeding `moe_combine` with
-no cast between them, and equal eager's output; with `moe_combine(y_dtype)` gated (as on CUDA until measured) the
+no cast between them, and equal eager's output; with `moe_combine(y_dtype)` gated (as on CUDA until session 35) the
 cast must stay and the match detail must say why.
 """
 

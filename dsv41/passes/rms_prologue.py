@@ -14,7 +14,7 @@ import torch.fx as fx
 from dsv41.ref.norm import rms_norm_spelled
 
 from .engine import (RegionEvaluator, close_rounded, collect_region, concrete_shape, eps_candidates, is_dataflow_op,
-                     is_view_op, tensor_val)
+                     is_reshape, is_view_op, tensor_val)
 
 __all__ = ["rms_prologue", "smooth", "SMOOTH_OPS", "NORM_REACH"]
 
@@ -43,8 +43,16 @@ def smooth(n: fx.Node) -> bool:
     return n.op == "call_function" and (is_view_op(n) or n.target in SMOOTH_OPS)
 
 
+#: Views that keep every element in its place (another shape only): the ones a prologue may look through, since the
+#: fused op reads the norm's input flattened to [rows, K]. A slice, select, expand or transpose picks, repeats or
+#: moves rows (`norm(h)[:, -1]`: the op would read every row of h).
+_ORDER_KEEPING = (aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
 def _producer(x: fx.Node) -> fx.Node:
-    while isinstance(x, fx.Node) and x.op == "call_function" and is_view_op(x) and isinstance(x.args[0], fx.Node):
+    """x's source through order-keeping views (`is_reshape`, `_ORDER_KEEPING`)."""
+    while (isinstance(x, fx.Node) and (is_reshape(x) or (x.op == "call_function" and x.target in _ORDER_KEEPING))
+           and isinstance(x.args[0], fx.Node)):
         x = x.args[0]
     return x
 
@@ -88,7 +96,7 @@ def _mean_of_squares(xp: fx.Node):
 
 
 def rms_prologue(x: fx.Node, k: int, dtype: torch.dtype, ev: RegionEvaluator, stored=None, exact_only: bool = False):
-    """(h, norm weight node or None, eps, mode) when `x` (through views) is an RMSNorm of a tensor h of `dtype`
+    """(h, norm weight node or None, eps, mode) when `x` (through order-keeping views) is an RMSNorm of a tensor h of `dtype`
     (bf16 / fp16 / fp32) over its last dim of size k, else None.
 
     mode (`ref.norm.NORM_SPELLINGS`): 1-3 where x has `dtype` (the norm's result rounded to it), 4-6 where x is
@@ -100,9 +108,9 @@ def rms_prologue(x: fx.Node, k: int, dtype: torch.dtype, ev: RegionEvaluator, st
     outside the square root would) the region equals one spelling for one of its literals as eps: exactly first, else (unless `exact_only`) within one rounding.
     Raises nothing: a region the probes cannot run is no prologue."""
     xp = _producer(x)
-    xv = tensor_val(xp)
+    xv, x0 = tensor_val(xp), tensor_val(x)
     found = _mean_of_squares(xp)
-    if found is None or xv is None:
+    if found is None or xv is None or x0 is None or x0.numel() != xv.numel():
         return None
     h = found[1]
     hv = tensor_val(h) if isinstance(h, fx.Node) else None
