@@ -86,6 +86,8 @@ MAX_HEAD_DIM = 1024
 _BLOCK_H = 16
 #: Programs a launch aims for (about two per SM of a 132-SM H200), reached by splitting the rows.
 _TARGET_PROGRAMS = 256
+#: Fewest programs a plan of 32-row tiles may have before `attention_plan` takes 16-row tiles (twice the programs).
+_MIN_PROGRAMS_32 = 64
 #: `tl.dot` precision of the weighted sums p @ kv for bf16 / fp16 q (FP32 q always uses "ieee"); see Numerics.
 PV_PRECISION = "tf32x3"
 #: FP32 accumulator values one combine program loads at once (`combine_plan`).
@@ -387,17 +389,21 @@ def attention_plan(rows: int, heads: int, s: int, k: int, d: int, split: int | N
     `block_n` the rows per tile (a power of two >= 16).
     Heuristic: split the tiles so that rows * head blocks * splits reaches about `_TARGET_PROGRAMS` (at batch-1
     decode with 64 heads: 4 head blocks x 21 tiles of 32 rows of 129 + 512 -> 21 splits of one tile); BLOCK_N
-    32; 8 warps from D = 512. On the H200 at that shape 32-row tiles beat 16-row tiles (twice the programs, and
-    the combine merges twice the splits): 33.0 vs 39.6 us; 64-row tiles need more than its 227 KB of shared
-    memory with IEEE weighted sums (bench/probes/attention_sweep.py, 2026-11-30).
+    32, or 16 where 32-row tiles give fewer than `_MIN_PROGRAMS_32` programs; 8 warps from D = 512. On the H200 at
+    the h200 shape 32-row tiles beat 16-row tiles (twice the programs, and the combine merges twice the splits):
+    33.0 vs 39.6 us; 64-row tiles need more than its 227 KB of shared memory with IEEE weighted sums
+    (bench/probes/attention_sweep.py, 2026-11-30). At the `small` shape (16 heads: one head block, 4 + 4 tiles of
+    32 rows, 8 programs) 16-row tiles (16 programs) took 16.9 against 25.7 us per call on an H100
+    (bench/results/2026-12-07_h100_s35): with so few programs each one's latency is the call's.
     Raises: ValueError for split < 1 or a bad block_n.
     """
     bd2 = max(16, next_power_of_2(d // 2))
+    hb = -(-heads // _BLOCK_H)
     if block_n is None:
-        block_n = 32
+        tiles_32 = -(-s // 32) + -(-k // 32)
+        block_n = 16 if rows * hb * tiles_32 < _MIN_PROGRAMS_32 else 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= 16")
-    hb = -(-heads // _BLOCK_H)
     n_win = -(-s // block_n)
     n_tiles = n_win + -(-k // block_n)
     if split is None:
