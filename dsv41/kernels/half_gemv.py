@@ -51,11 +51,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv41.ref.norm import rms_norm
+from dsv41.ref.norm import NORM_SPELLINGS, rms_norm_spelled
 
 from ._common import (check_same_device, check_tensor, next_power_of_2, prefetch_l2_rows, register_cuda,
                       require_launchable, round_to, split_k_merge_2d, split_k_workspace, use_pdl_for)
-from .gemv_tiles import pick_operand, row_rstd, weight_slot
+from .gemv_tiles import pick_operand, rms_apply, row_rstd, weight_slot
 
 __all__ = ["linear_half", "linear_half_multi", "linear_half_silu_mul", "reference_linear_half",
            "reference_linear_half_multi", "reference_linear_half_silu_mul", "triton_linear_half",
@@ -71,24 +71,18 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 #: RMSNorm prologue spellings (`rms_norm_reference`), by the `norm_mode` argument of the ops.
-NORM_MODES = {0: "none", 1: "(x * rstd) rounded, times weight, rounded (gpt-fast, transformers)",
-              2: "x * rstd * weight rounded once (torch.nn.functional.rms_norm)", 3: "(x * rstd) rounded, no weight"}
+NORM_MODES = {m: NORM_SPELLINGS[m] for m in (0, 1, 2, 3)}
 
 
 def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mode: int) -> torch.Tensor:
-    """RMSNorm of x's last dim as each spelling of `NORM_MODES` rounds it: rstd = rsqrt(mean(x.float()^2) + eps);
-    mode 1 `(x.float() * rstd).to(x.dtype) * weight`, 2 `(x.float() * rstd * weight.float()).to(x.dtype)`, 3
-    `(x.float() * rstd).to(x.dtype)`. x bf16 / fp16 [..., K]; weight x's dtype [K] (modes 1, 2) or None (3).
-    Returns x's dtype [..., K]. Raises ValueError for another mode. Source: Zhang & Sennrich 2019 (RMSNorm)."""
-    # ref.norm.rms_norm rounds x * rstd * weight once (mode 2), or x * rstd once (mode 3); mode 1 multiplies that
-    # unweighted result by the weight in x's dtype.
-    if mode == 1:
-        return rms_norm(x, None, eps) * weight
-    if mode == 2:
-        return rms_norm(x, weight, eps)
-    if mode == 3:
-        return rms_norm(x, None, eps)
-    raise ValueError(f"norm_mode={mode} is not an RMSNorm spelling (1, 2 or 3)")
+    """RMSNorm of x's last dim as each spelling of `NORM_MODES` rounds it (`ref.norm.rms_norm_spelled`, the
+    rounded modes 1-3): rstd = rsqrt(mean(x.float()^2) + eps); mode 1 `(x.float() * rstd).to(x.dtype) * weight`,
+    2 `(x.float() * rstd * weight.float()).to(x.dtype)`, 3 `(x.float() * rstd).to(x.dtype)`. x bf16 / fp16 [..., K];
+    weight x's dtype [K] (modes 1, 2) or None (3). Returns x's dtype [..., K]. Raises ValueError for another mode.
+    Source: Zhang & Sennrich 2019 (RMSNorm)."""
+    if mode not in (1, 2, 3):
+        raise ValueError(f"norm_mode={mode} is not an RMSNorm spelling (1, 2 or 3)")
+    return rms_norm_spelled(x, weight, eps, mode)
 
 
 def _check_norm(x, norm_weight, eps, norm_mode) -> None:
@@ -217,6 +211,8 @@ def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, 
     # with the row statistics `rstd` [BLOCK_M] rounded as the eager spelling (NORM, `rms_norm_reference`).
     if NORM == 1 or NORM == 2:
         nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        nw = 1.0
     for mm in tl.static_range(BLOCK_M):
         m = pid_m * BLOCK_M + mm
         # Row validity as a vector: the interpreter mis-types scalar-bool & block-bool.
@@ -224,12 +220,7 @@ def _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, 
         xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=k_ok & m_ok, other=0.0).to(tl.float32)
         if NORM != 0:
             r = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-            if NORM == 1:
-                xv = round_to(round_to(xv * r, DT) * nw, DT)
-            elif NORM == 2:
-                xv = round_to(xv * r * nw, DT)
-            else:
-                xv = round_to(xv * r, DT)
+            xv = rms_apply(xv, r, nw, NORM, DT)
         acc += tl.where((offs_m == m)[:, None], tl.sum(w * xv[None, :], axis=1)[None, :], 0.0)
     return acc
 
