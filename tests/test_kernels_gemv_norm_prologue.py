@@ -6,6 +6,10 @@
   `test_pass_dispatch`, the block-FP8 weight decoded from its bytes). Tolerance: 2e-2 of the output's largest
   magnitude (the FP32 statistic may flip an FP8 rounding of an element now and then; a wrong spelling, a missing
   weight or a wrong eps is off by far more at these row magnitudes).
+- Interpreted, exactly: the fragment GEMV's activation launch (`prepare_frag_x(norm=...)`, which runs the same
+  `row_rstd` / `rms_apply` as the tile kernel) gives, byte for byte, the FP8 codes and scales of the spelling written
+  here in eager FP32, on rows whose sum of squares is exact in any order; the neighbouring spelling's codes differ
+  (so the one extra rounding that tells modes 1 / 2 and 4 / 5 apart, invisible in a bf16 GEMV output, is checked).
 - On a GPU (skipped here): the same cases, and the default kernel choice (the fragment GEMV from 8 MiB of weight),
   against the same reference.
 - Built offline for sm_90 with Triton's ptxas (no GPU needed): both kernels compile with the prologue on, and the
@@ -122,3 +126,39 @@ def test_sm90_builds_of_the_prologue_wait_only_for_x():
     fconsts = dict(BLOCK=gf._PREP_BLOCK, PART_ORDER=False, USE_PDL=True, EARLY=True, NORM=5, KP=1024)
     fptx = sm90_ttir(gf._frag_x_kernel, fptrs, fconsts, {"eps": "fp32"}, stage="ptx")
     assert "griddepcontrol.wait" in fptx
+
+
+def _spelled_f32(h, nw, mode):
+    """The spelling in eager FP32 with the statistic as the kernels compute it: 1 / sqrt (each correctly rounded)
+    of the FP32 mean of squares plus eps (torch.rsqrt on the CPU differs from that by up to 2 ulp)."""
+    xf = h.float()
+    y = xf * (1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))
+    if mode in (1, 4):
+        y = y.to(h.dtype).float() * nw.float()
+    elif mode in (2, 5):
+        y = y * nw.float()
+    return y.to(h.dtype).float() if mode <= 3 else y
+
+
+@interpreted
+@pytest.mark.parametrize("mode, dt", [(1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
+                                      (4, torch.bfloat16), (5, torch.bfloat16), (6, torch.bfloat16),
+                                      (2, torch.float32)])
+def test_activation_launch_quantises_the_spelling_exactly(mode, dt):
+    k = 512
+    gen = torch.Generator().manual_seed(mode)
+    # small integers times a power of two: the sum of squares is exact in any order, the mean (k = 2^9) too
+    h = (torch.randint(-7, 8, (3, k), generator=gen).float() * torch.tensor([[8.0], [2.0 ** -7], [1.0]])).to(dt)
+    nw = None if mode in (3, 6) else (1 + 0.3 * torch.randn(k, generator=gen)).to(dt)
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, 0xAB if dtype == torch.uint8 else float("nan"), dtype=dtype, device=device)
+
+    xq, xs = gf.prepare_frag_x(h, poisoned, False, part_order=False, norm=(nw, EPS, mode))
+    got = xq.view(torch.float8_e4m3fn).double() * xs.double().repeat_interleave(32, 1)
+    want = ref_fake_quant_fp8_1x32(_spelled_f32(h, nw, mode))
+    assert torch.equal(got, want), float((got - want).abs().max())
+    if mode in (1, 2, 4, 5) and dt != torch.float32:  # the neighbouring spelling (one bf16 rounding more or less)
+        # quantises differently here (in FP32 modes 1 and 2 are one computation)
+        other = {1: 2, 2: 1, 4: 5, 5: 4}[mode]
+        assert not torch.equal(ref_fake_quant_fp8_1x32(_spelled_f32(h, nw, other)), want)
