@@ -31,7 +31,7 @@ import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
 from dsv41.model.formats import fake_quant_fp8_1x32
 from test_pass_dispatch import quantize_fp8_block_for_test, ref_dequant_fp8_block, ref_fake_quant_fp8_1x32
 
-from dsv41.passes.testing import capture_graphs
+from dsv41.passes.testing import eager_and_compiled
 
 T, K, N = 2, 128, 96
 EPS = 1e-6
@@ -122,9 +122,7 @@ def _acts(n, seed):
 def _compile(model, inputs):
     import dsv41
 
-    with torch.no_grad(), capture_graphs() as graphs:
-        eager = model(*inputs)
-        out = torch.compile(model, backend="dsv41", dynamic=False, options={"debug": True})(*inputs)
+    eager, out, graphs = eager_and_compiled(model, inputs, {"debug": True})
     return eager, out, dsv41.last_report(), graphs
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
-from dsv41.passes.testing import capture_graphs, ops_after
+from dsv41.passes.testing import eager_and_compiled, ops_after
 from dsv41.ref.formats import dequantize_fp4_ue8m0_1x32, quantize_fp4_ue8m0_1x32
 
 ROT = 16
@@ -58,10 +58,7 @@ def inputs():
 def compiled(request):
     args = inputs()
     model = QueryWithClampedCopy(request.param)
-    torch._dynamo.reset()
-    with torch.no_grad(), capture_graphs() as graphs:
-        eager = model(*args)
-        out = torch.compile(model, backend="dsv41", dynamic=False)(*args)
+    eager, out, graphs = eager_and_compiled(model, args)
     return eager, out, ops_after(graphs[-1])
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import dsv41.kernels  # noqa: F401  registers the dsv41:: ops
-from dsv41.passes.testing import capture_graphs, ops_after
+from dsv41.passes.testing import eager_and_compiled, ops_after
 from dsv41.ref.formats import dequantize_fp4_ue8m0_1x32, e2m1_round, pack_e2m1, ue8m0_exponent, ue8m0_to_float
 from test_indexer_float32_queries import rotate  # noqa: E402  the same RoPE / key decode
 
@@ -72,10 +72,7 @@ def inputs():
 def compiled(request):
     args = inputs()
     model = FlooredQuery(request.param)
-    torch._dynamo.reset()
-    with torch.no_grad(), capture_graphs() as graphs:
-        eager = model(*args)
-        out = torch.compile(model, backend="dsv41", dynamic=False)(*args)
+    eager, out, graphs = eager_and_compiled(model, args)
     return args, eager, out, ops_after(graphs[-1])
 
 

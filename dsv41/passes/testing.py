@@ -218,6 +218,19 @@ def capture_graphs() -> Iterator[list[fx.GraphModule]]:
         yield graphs
 
 
+def eager_and_compiled(model, args: Sequence, options: dict | None = None) -> tuple:
+    """(eager outputs, dsv41-compiled outputs, the graphs as dsv41's families left them) of `model(*args)`: Dynamo
+    reset first, both under `torch.no_grad()`, compiled with `dynamic=False` and `options`, graphs captured with
+    `capture_graphs` (so the families run even where a cache would serve the graph). Raises whatever the model or
+    the compile raises."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    with torch.no_grad(), capture_graphs() as graphs:
+        eager = model(*args)
+        out = torch.compile(model, backend="dsv41", dynamic=False, options=options)(*args)
+    return eager, out, graphs
+
+
 def run_family(name: str, module, inputs: Sequence, *, also: Iterable[str] = (), dynamic: bool = False,
                fullgraph: bool = True) -> tuple[fx.GraphModule, PassRecord]:
     """Compile `module` with dsv41's backend running only family `name` (and its prerequisites), and return the
