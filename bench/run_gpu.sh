@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile attnplan
-#                                           tpbench h200 robust llama generic waitcheck prefill mhcfold router window
+#                                           tpbench h200 robust llama generic halfchain waitcheck prefill mhcfold router window
 #                                           collapse inplace qrope scorechain yround prologue
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
@@ -326,6 +326,15 @@ for s in $sections; do
           --new-tokens ${GENERIC_NEW_TOKENS:-128} --repeats 2 --no-warm-compile --backends $rows $opt \
           --json "$OUTDIR/generic_${fam}.json" 2>&1 | grep -v Warning | tail -7 | cut -c1-200
       done ;;
+    halfchain)
+      # Issue [generic], session 36: the half GEMV's GPU tests (each PDL prologue in a graph chain), then the Llama
+      # step's GEMV chain swept (bench/probes/half_chain_probe.py) and, with HALF_E2E=1, the model end to end with the
+      # tree's defaults and with the sweep's winners, one lease.
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q tests/test_kernels_gpu_half.py 2>&1 | tail -4 \
+        | tee "$OUTDIR/half_tests.log"
+      e2e=""; [ "${HALF_E2E:-1}" = 1 ] && e2e="--e2e"
+      timeout ${CHAIN_TIMEOUT:-420} python3 bench/probes/half_chain_probe.py --model ${GENERIC_MODEL:-llama-1b} $e2e \
+        ${CHAIN_FLAGS:-} --json "$OUTDIR/half_chain_${GENERIC_MODEL:-llama-1b}.json" 2>&1 | grep -v Warning | cut -c1-200 ;;
     prefill)
       # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against
       # the eager prefill, one lease: ttft_s / prefill_tok_s per row and the FLOP floor at the top level.

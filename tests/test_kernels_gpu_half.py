@@ -105,3 +105,45 @@ def test_qwen_biased_qkv_matches_float64(pdl):
     for y, w, b in zip(got, ws, bs):
         want = x.double() @ w.double().t() + b.double()
         assert torch.allclose(y.cpu().double(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("early", [0, 1, 2])
+def test_dependent_chain_in_a_graph_under_each_pdl_prologue(early, prefetch):
+    """Six launches, each reading the one before, replayed from a CUDA graph with the next launch let in early: a
+    program that read x before its predecessor had finished would see the NaN the outputs are poisoned with."""
+    kernels.set_pdl(True)
+    kernels.prepare_device(DEV)
+    gen = torch.Generator().manual_seed(11)
+    k, f = 1024, 2048
+    wg, wu = [(torch.randn(f, k, generator=gen) / k ** 0.5).bfloat16() for _ in range(2)]
+    wd = (torch.randn(k, f, generator=gen) / f ** 0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16()
+    x = (torch.randn(1, k, generator=gen) * 2).bfloat16().to(DEV)
+    dev = [t.to(DEV) for t in (wg, wu, wd, nw)]
+    over = dict(early_launch=early, l2_prefetch=prefetch)
+
+    def step():
+        outs, h = [], x
+        for _ in range(3):
+            a = hg.triton_linear_half_silu_mul(h, dev[0], dev[1], dev[3], 1e-5, 1, **over)
+            h = hg.triton_linear_half(a, dev[2], h, **over)
+            outs += [a, h]
+        return outs
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = step()
+    for o in outs:
+        o.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    h = x.cpu()
+    for i in range(3):
+        a, h_next = outs[2 * i].cpu(), outs[2 * i + 1].cpu()
+        xn, slack = R.rms_oracle(h, nw, 1e-5, 1)
+        R.check_swiglu(a, xn, wg, wu, slack)
+        R.check_linear(h_next, a, wd, h)
+        h = h_next

@@ -68,6 +68,11 @@ MAX_TRITON_M = 8
 MAX_WEIGHTS = 4
 #: The dtypes of x and the weights.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: Under PDL, when a program lets the next kernel launch (kernel EARLY_LAUNCH): 0 after its K loop, 1 after its
+#: first wait, 2 when it starts. Override per call with `early_launch=`.
+_EARLY_LAUNCH = 0
+#: Under PDL, whether a program asks L2 for its whole weight range before its wait. Override with `l2_prefetch=`.
+_L2_PREFETCH = True
 
 
 #: RMSNorm prologue spellings (`rms_norm_reference`), by the `norm_mode` argument of the ops.
@@ -232,10 +237,15 @@ def _half_gemv_kernel(
     COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, KP: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
 ):
     # Grid (tiles of every weight, K splits, m tiles). COUNT weights of one x (not PAIR): programs [0, P1) compute
     # weight 0, [P1, P2) weight 1, ...; unused slots repeat weight 0 and are never picked. PAIR: w0 is the gate and
     # w1 the up weight of the same rows; the program computes both and stores silu(gate) * up into y0.
+    # EARLY_LAUNCH (under PDL): 0 lets the next kernel launch after the K loop, 1 after this program's first wait
+    # (one kernel of look-ahead: the next one's weight prefetch overlaps this one's K loop), 2 when it starts.
+    if USE_PDL and EARLY_LAUNCH == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_g = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -274,6 +284,10 @@ def _half_gemv_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         rstd = row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP)
+    if USE_PDL and EARLY_LAUNCH == 1:
+        # Every later read may depend on the previous kernel: wait once here, then let the next kernel launch.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for it in range(K_ITERS):
         kk = k_lo + it * BLOCK_K + offs_k
         k_ok = kk < K
@@ -286,7 +300,7 @@ def _half_gemv_kernel(
         if PAIR:
             acc_up = _row_products(x_ptr, wu, acc_up, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, rstd, BLOCK_M,
                                    NORM, DT)
-    if USE_PDL:
+    if USE_PDL and EARLY_LAUNCH == 0:
         tl.extra.cuda.gdc_launch_dependents()
 
     mask = (offs_m[:, None] < M) & n_ok[None, :]
@@ -366,6 +380,13 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
     """Run the kernel for `weights` of one x (`pair`: the SwiGLU of weights[0], weights[1]; `norm` = (norm_weight,
     eps, norm_mode), checked by the caller); the outputs."""
     nw, eps, mode = norm
+    overrides = dict(overrides)
+    early = overrides.pop("early_launch", None)
+    early = _EARLY_LAUNCH if early is None else early
+    if early not in (0, 1, 2):
+        raise ValueError(f"early_launch={early!r} must be 0, 1 or 2")
+    prefetch = overrides.pop("l2_prefetch", None)
+    prefetch = _L2_PREFETCH if prefetch is None else bool(prefetch)
     k = x.shape[-1]
     require_launchable(_half_gemv_kernel, x.device, "triton_linear_half")
     lead = x.shape[:-1]
@@ -406,7 +427,7 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
                                   n_tiles * grid[2])
     pdl = use_pdl_for(_half_gemv_kernel, x.device) and not copied
     # cp.async.bulk.prefetch wants 16-byte aligned rows: every row start and the program's K offset.
-    aligned = all(w.data_ptr() % 16 == 0 and (w.stride(0) * 2) % 16 == 0 for w in weights)
+    aligned = prefetch and all(w.data_ptr() % 16 == 0 and (w.stride(0) * 2) % 16 == 0 for w in weights)
     pad = MAX_WEIGHTS - len(weights)
     ws = weights + [weights[0]] * pad
     yy = ys + [ys[0]] * (MAX_WEIGHTS - len(ys))
@@ -424,7 +445,7 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
         HAS_BIAS=biases is not None, SPLIT_POW2=plan["SPLIT_POW2"],
         K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
         KP=next_power_of_2(k) if mode else 1,
-        L2_PREFETCH=aligned, USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        L2_PREFETCH=aligned, USE_PDL=pdl, EARLY_LAUNCH=early, num_warps=plan["num_warps"], **extra)
     return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
 
 
@@ -432,7 +453,8 @@ def triton_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional
                        norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
                        bias: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
     """`reference_linear_half` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1); any M (rows tiled
-    by up to 8). `overrides` (block_n, block_k, k_iters, num_warps) replace the `half_plan` heuristic.
+    by up to 8). `overrides` (block_n, block_k, k_iters, num_warps; early_launch 0 / 1 / 2 and l2_prefetch, the PDL
+    prologue, module constants `_EARLY_LAUNCH` / `_L2_PREFETCH`) replace the `half_plan` heuristic.
     Raises: as `reference_linear_half`, and RuntimeError when the kernel cannot run on the device."""
     _check(x, [weight], residual)
     _check_norm(x, norm_weight, eps, norm_mode)

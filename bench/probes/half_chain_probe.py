@@ -1,0 +1,194 @@
+"""Probe (issue [generic], session 36): the Llama decode step's GEMVs as ONE chain, the way a step runs them.
+
+A Llama-shaped model's GEMVs (per layer: q/k/v with the RMSNorm prologue, o_proj + residual, gate/up + SwiGLU with
+the RMSNorm prologue, down_proj + residual; then the head with the final norm), each layer with its own weights,
+captured back to back in one CUDA graph with PDL (bench/kernels.py `_bench_graph`). So the weights never fit L2 and
+each GEMV follows a different GEMV, as in decode; the attention is left out (o_proj reads q instead). Rows:
+- `cublas`: the same projections as `F.linear` calls (no norms, SwiGLU or residuals): what cuBLAS alone takes;
+- stage 1: the `half_gemv` ops with their default plans under each PDL prologue (`early_launch` 0 / 1 / 2 x
+  `l2_prefetch` on / off, `dsv41/kernels/half_gemv.py`);
+- stage 2: with the best prologue, one op kind at a time through a list of plans (the others at their default);
+- `best`: every op kind at its best plan.
+Fractions are of the chain's weight bytes at the copy bandwidth measured in the same run.
+
+`--e2e`: then `run_llama_benchmark` of the model (prompt 512, 128 tokens, 2 repeats, families on): first the
+rows inductor-cudagraphs and dsv41 as the tree has them, then dsv41 with the winners patched in
+(`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH` and `half_plan`), so both dsv41 rows run on one lease.
+
+Usage: python3 bench/probes/half_chain_probe.py [--model llama-1b|llama-8b] [--json PATH] [--e2e] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]
+from kernels import _bench_graph, copy_bandwidth  # noqa: E402
+from dsv41.kernels import half_gemv as hg, prepare_device, set_pdl  # noqa: E402
+
+# layers, d_model, q heads, kv heads, head dim, ffn, vocab
+SHAPES = {"llama-1b": (16, 2048, 32, 8, 64, 8192, 128256), "llama-8b": (32, 4096, 32, 8, 128, 14336, 128256)}
+PLANS = [{}, {"block_n": 64}, {"block_n": 32}, {"block_n": 256}, {"block_k": 128}, {"block_n": 64, "block_k": 128},
+         {"block_n": 32, "block_k": 256}, {"k_iters": 1}, {"k_iters": 4}, {"k_iters": 8}, {"num_warps": 8},
+         {"block_n": 64, "k_iters": 8}, {"block_n": 32, "block_k": 128, "k_iters": 8}, {"num_warps": 2}]
+KINDS = ("qkv", "o", "gate_up", "down", "head")
+
+
+def _weights(shape, gen):
+    L, d, hq, hkv, hd, ffn, vocab = shape
+    w = lambda n, k: (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()  # noqa: E731
+    layers = [dict(q=w(hq * hd, d), k=w(hkv * hd, d), v=w(hkv * hd, d), o=w(d, hq * hd), g=w(ffn, d), u=w(ffn, d),
+                   down=w(d, ffn), n1=torch.ones(d, device="cuda").bfloat16(),
+                   n2=torch.ones(d, device="cuda").bfloat16()) for _ in range(L)]
+    head = dict(w=w(vocab, d), n=torch.ones(d, device="cuda").bfloat16())
+    return layers, head
+
+
+def _chain(layers, head, h0, plans):
+    """The step's GEMVs with per-kind overrides `plans[kind]` (dict)."""
+    def run():
+        h = h0
+        for ly in layers:
+            q, k, v = hg.triton_linear_half_multi(h, [ly["q"], ly["k"], ly["v"]], ly["n1"], 1e-5, 1, **plans["qkv"])
+            h = hg.triton_linear_half(q, ly["o"], h, **plans["o"])
+            a = hg.triton_linear_half_silu_mul(h, ly["g"], ly["u"], ly["n2"], 1e-5, 1, **plans["gate_up"])
+            h = hg.triton_linear_half(a, ly["down"], h, **plans["down"])
+        return hg.triton_linear_half(h, head["w"], None, head["n"], 1e-5, 1, **plans["head"])
+    return run
+
+
+def _cublas(layers, head, h0):
+    def run():
+        h = h0
+        for ly in layers:
+            q, _, _ = F.linear(h, ly["q"]), F.linear(h, ly["k"]), F.linear(h, ly["v"])
+            h = F.linear(q, ly["o"])
+            a = F.linear(h, ly["g"]) * F.linear(h, ly["u"])
+            h = F.linear(a, ly["down"])
+        return F.linear(h, head["w"])
+    return run
+
+
+def _time(fn, reps_ms, tries=3):
+    return min(_bench_graph([fn], reps_ms) for _ in range(tries))
+
+
+def sweep(model, reps_ms, quick):
+    shape = SHAPES[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers, head = _weights(shape, gen)
+    nbytes = sum(t.numel() * 2 for ly in layers for n, t in ly.items() if n not in ("n1", "n2")) + head["w"].numel() * 2
+    h0 = torch.randn(1, shape[1], device="cuda", generator=gen).bfloat16()
+    bw = copy_bandwidth(100)
+    floor = nbytes / bw
+    rows = []
+
+    def row(label, t, **kw):
+        rows.append(dict(variant=label, us=t * 1e6, frac=floor / t, **kw))
+        print(f"{model} {label:60s} {t * 1e6:9.1f} us  {100 * floor / t:5.1f} % of copy", flush=True)
+
+    print(f"{model}: {nbytes / 1e9:.3f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor * 1e6:.1f} us",
+          flush=True)
+    row("cublas F.linear chain", _time(_cublas(layers, head, h0), reps_ms))
+    best = None
+    for early in (0, 1, 2):
+        for pf in (True, False):
+            knobs = dict(early_launch=early, l2_prefetch=pf)
+            t = _time(_chain(layers, head, h0, {k: dict(knobs) for k in KINDS}), reps_ms)
+            row(f"default plans early_launch={early} l2_prefetch={pf}", t, stage=1, knobs=knobs)
+            if best is None or t < best[0]:
+                best = (t, knobs)
+    t0, knobs = best
+    chosen = {k: {} for k in KINDS}
+    plans = PLANS[:6] if quick else PLANS
+    for kind in KINDS:
+        top = (t0, {})
+        for p in plans[1:]:
+            trial = {k: dict(knobs, **chosen[k]) for k in KINDS}
+            trial[kind] = dict(knobs, **p)
+            try:
+                t = _time(_chain(layers, head, h0, trial), reps_ms, tries=2)
+            except Exception as exc:  # a plan this shape cannot take
+                print(f"{model} {kind} {p}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            row(f"{kind} {p}", t, stage=2, kind=kind, plan=p)
+            if t < top[0]:
+                top = (t, p)
+        chosen[kind] = top[1]
+        t0 = top[0]
+    t = _time(_chain(layers, head, h0, {k: dict(knobs, **chosen[k]) for k in KINDS}), reps_ms)
+    row("best " + json.dumps(chosen), t, stage=3, knobs=knobs, plans=chosen)
+    shapes = {"qkv": ((shape[2] + 2 * shape[3]) * shape[4], shape[1], False), "o": (shape[1], shape[2] * shape[4], False),
+              "gate_up": (shape[5], shape[1], True), "down": (shape[1], shape[5], False),
+              "head": (shape[6], shape[1], False)}
+    del layers, head
+    torch.cuda.empty_cache()
+    return dict(model=model, bytes=nbytes, copy_tb_s=bw / 1e12, floor_us=floor * 1e6, rows=rows, knobs=knobs,
+                plans=chosen, shapes=shapes)
+
+
+def patch(result):
+    """Make the winners the defaults of this process (half_gemv's module constants and a `half_plan` wrapper)."""
+    hg._EARLY_LAUNCH = result["knobs"]["early_launch"]
+    hg._L2_PREFETCH = result["knobs"]["l2_prefetch"]
+    base = hg.half_plan
+    by_shape = {tuple(v): result["plans"][k] for k, v in result["shapes"].items()}
+
+    def plan(m, n, k, *, pair=False, **over):
+        extra = by_shape.get((n, k, pair), {})
+        return base(m, n, k, pair=pair, **{**extra, **{a: b for a, b in over.items() if b is not None}})
+    hg.half_plan = plan
+
+
+def e2e(model):
+    from dsv41.bench_llama import run_llama_benchmark
+    out = {}
+    kw = dict(prompt_len=512, new_tokens=128, repeats=2, options={"gpu_unvalidated": True}, warm_compile=False)
+    for label, rows in (("tree", ["inductor-cudagraphs", "dsv41"]), ("patched", ["dsv41"])):
+        if label == "patched":
+            patch(e2e.result)
+        t = time.perf_counter()
+        r = run_llama_benchmark(model, backends=rows, **kw)
+        for name, b in r["backends"].items():
+            keep = {k: b.get(k) for k in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "max_rel_logit_err",
+                                          "compile_s", "note")}
+            out[f"{label}:{name}"] = keep
+            print(f"E2E {model} {label:8s} {name:22s} {keep['decode_tok_s']} roofline {keep['roofline_fraction']} "
+                  f"kernels {keep['kernels_per_step']} err {keep['max_rel_logit_err']}", flush=True)
+        out[f"{label}:roofline_tok_s"] = r["roofline_tok_s"]
+        print(f"E2E {label} took {time.perf_counter() - t:.0f} s", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--json")
+    ap.add_argument("--reps-ms", type=float, default=40.0)
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    set_pdl(True)
+    prepare_device(torch.device("cuda"))
+    res = sweep(a.model, a.reps_ms, a.quick)
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.e2e:
+        e2e.result = res
+        res["e2e"] = e2e(a.model)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
