@@ -276,7 +276,7 @@ def test_rmsnorm_prologue_builds_for_sm90_without_a_loop():
     ptrs = {n: "bf16" for n in ("x_ptr", "w0", "w1", "w2", "w3", "y0", "y1", "y2", "y3", "r_ptr", "nw_ptr")}
     ptrs.update(part_ptr="fp32", cnt_ptr="i32")
     consts = dict(COUNT=2, PAIR=True, RESIDUAL=False, SPLIT_K=1, SPLIT_POW2=1, K_ITERS=4, BLOCK_M=1, BLOCK_N=64,
-                  BLOCK_K=64, L2_PREFETCH=True, USE_PDL=True)
+                  BLOCK_K=64, L2_PREFETCH=True, USE_PDL=True, EARLY_LAUNCH=0, STAGES=1)
     loops = {}
     for norm in (0, 1):
         ttir = sm90_ttir(hg._half_gemv_kernel, ptrs, dict(consts, NORM=norm, KP=4096 if norm else 1),

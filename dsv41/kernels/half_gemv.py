@@ -237,7 +237,7 @@ def _half_gemv_kernel(
     COUNT: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_POW2: tl.constexpr, K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, KP: tl.constexpr, L2_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_LAUNCH: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Grid (tiles of every weight, K splits, m tiles). COUNT weights of one x (not PAIR): programs [0, P1) compute
     # weight 0, [P1, P2) weight 1, ...; unused slots repeat weight 0 and are never picked. PAIR: w0 is the gate and
@@ -284,17 +284,20 @@ def _half_gemv_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         rstd = row_rstd(x_ptr, offs_m, M, K, stride_xm, eps, KP)
-    if USE_PDL and EARLY_LAUNCH == 1:
-        # Every later read may depend on the previous kernel: wait once here, then let the next kernel launch.
+    # Waited once before the K loop (the norm's statistic, an early launch, or a pipelined loop, which must not hold
+    # a wait): otherwise each tile's wait follows its weight load, so the first load goes before the wait.
+    WAITED: tl.constexpr = NORM != 0 or EARLY_LAUNCH == 1 or STAGES > 1
+    if USE_PDL and NORM == 0 and WAITED:
         tl.extra.cuda.gdc_wait()
+    if USE_PDL and EARLY_LAUNCH == 1:
         tl.extra.cuda.gdc_launch_dependents()
-    for it in range(K_ITERS):
+    for it in tl.range(0, K_ITERS, num_stages=STAGES):
         kk = k_lo + it * BLOCK_K + offs_k
         k_ok = kk < K
         w = _weight_tile(w_ptr, offs_n, n_ok, kk, k_ok, stride_wn)
         if PAIR:
             wu = _weight_tile(w1, offs_n, n_ok, kk, k_ok, stride_wn)
-        if USE_PDL:
+        if USE_PDL and not WAITED:
             tl.extra.cuda.gdc_wait()  # x (and the residual) may come from the previous kernel
         acc = _row_products(x_ptr, w, acc, offs_m, kk, k_ok, pid_m, M, stride_xm, nw_ptr, rstd, BLOCK_M, NORM, DT)
         if PAIR:
@@ -387,6 +390,9 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
         raise ValueError(f"early_launch={early!r} must be 0, 1 or 2")
     prefetch = overrides.pop("l2_prefetch", None)
     prefetch = _L2_PREFETCH if prefetch is None else bool(prefetch)
+    stages = overrides.pop("stages", None) or 1
+    if not (isinstance(stages, int) and 1 <= stages <= 6):
+        raise ValueError(f"stages={stages!r} must be an int in 1..6 (software-pipeline depth of the K loop)")
     k = x.shape[-1]
     require_launchable(_half_gemv_kernel, x.device, "triton_linear_half")
     lead = x.shape[:-1]
@@ -445,7 +451,7 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
         HAS_BIAS=biases is not None, SPLIT_POW2=plan["SPLIT_POW2"],
         K_ITERS=plan["K_ITERS"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=bn, BLOCK_K=plan["BLOCK_K"],
         KP=next_power_of_2(k) if mode else 1,
-        L2_PREFETCH=aligned, USE_PDL=pdl, EARLY_LAUNCH=early, num_warps=plan["num_warps"], **extra)
+        L2_PREFETCH=aligned, USE_PDL=pdl, EARLY_LAUNCH=early, STAGES=stages, num_warps=plan["num_warps"], **extra)
     return [y.reshape(*lead, n) for y, n in zip(ys, widths)]
 
 
@@ -453,8 +459,9 @@ def triton_linear_half(x: torch.Tensor, weight: torch.Tensor, residual: Optional
                        norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, norm_mode: int = 0,
                        bias: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
     """`reference_linear_half` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1); any M (rows tiled
-    by up to 8). `overrides` (block_n, block_k, k_iters, num_warps; early_launch 0 / 1 / 2 and l2_prefetch, the PDL
-    prologue, module constants `_EARLY_LAUNCH` / `_L2_PREFETCH`) replace the `half_plan` heuristic.
+    by up to 8). `overrides` (block_n, block_k, k_iters, num_warps; stages, the K loop's software-pipeline depth;
+    early_launch 0 / 1 / 2 and l2_prefetch, the PDL prologue, module constants `_EARLY_LAUNCH` / `_L2_PREFETCH`)
+    replace the `half_plan` heuristic.
     Raises: as `reference_linear_half`, and RuntimeError when the kernel cannot run on the device."""
     _check(x, [weight], residual)
     _check_norm(x, norm_weight, eps, norm_mode)
