@@ -13,7 +13,8 @@ Fractions are of the chain's weight bytes at the copy bandwidth measured in the 
 
 `--e2e`: then `run_llama_benchmark` of the model (prompt 512, 128 tokens, 2 repeats, families on): first the
 rows inductor-cudagraphs and dsv41 as the tree has them, then dsv41 with the winners patched in
-(`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH` and `half_plan`), so both dsv41 rows run on one lease.
+(`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH` and `half_plan`), and when an early launch won, once more with rope_kv's
+and gqa_attention's early launch too, so every dsv41 row runs on one lease.
 
 Usage: python3 bench/probes/half_chain_probe.py [--model llama-1b|llama-8b] [--json PATH] [--e2e] [--quick]
 """
@@ -152,16 +153,23 @@ def e2e(model):
     from dsv41.bench_llama import run_llama_benchmark
     out = {}
     kw = dict(prompt_len=512, new_tokens=128, repeats=2, options={"gpu_unvalidated": True}, warm_compile=False)
-    for label, rows in (("tree", ["inductor-cudagraphs", "dsv41"]), ("patched", ["dsv41"])):
+    runs = [("tree", ["inductor-cudagraphs", "dsv41"]), ("patched", ["dsv41"])]
+    if e2e.result["knobs"]["early_launch"]:
+        runs.append(("patched+attn_early", ["dsv41"]))
+    for label, rows in runs:
         if label == "patched":
             patch(e2e.result)
+        if label == "patched+attn_early":
+            # rope_kv and gqa_attention let the next kernel launch right after their wait as well
+            from dsv41.kernels import gqa_attention, rope_kv
+            rope_kv._EARLY_LAUNCH = gqa_attention._EARLY_LAUNCH = True
         t = time.perf_counter()
         r = run_llama_benchmark(model, backends=rows, **kw)
         for name, b in r["backends"].items():
             keep = {k: b.get(k) for k in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "max_rel_logit_err",
                                           "compile_s", "note")}
             out[f"{label}:{name}"] = keep
-            print(f"E2E {model} {label:8s} {name:22s} {keep['decode_tok_s']} roofline {keep['roofline_fraction']} "
+            print(f"E2E {model} {label:18s} {name:20s} {keep['decode_tok_s']} roofline {keep['roofline_fraction']} "
                   f"kernels {keep['kernels_per_step']} err {keep['max_rel_logit_err']}", flush=True)
         out[f"{label}:roofline_tok_s"] = r["roofline_tok_s"]
         print(f"E2E {label} took {time.perf_counter() - t:.0f} s", flush=True)
