@@ -283,3 +283,26 @@ def test_rmsnorm_prologue_builds_for_sm90_without_a_loop():
                          scalar_types={"eps": "fp32"})
         loops[norm] = ttir.count("scf.for")
     assert loops == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("bad", [dict(early_launch=3), dict(early_launch=-1), dict(early_launch="1"),
+                                 dict(stages=0), dict(stages=7), dict(stages=2.5)])
+def test_pdl_prologue_and_pipeline_overrides_are_checked(bad):
+    """A sweep knob outside its range is refused by name before any launch, not passed to the compiler."""
+    x = torch.randn(1, 64).bfloat16()
+    w = torch.randn(32, 64).bfloat16()
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        hg.triton_linear_half(x, w, **bad)
+
+
+@interpreted
+@pytest.mark.parametrize("over", [dict(early_launch=1, l2_prefetch=False), dict(early_launch=2),
+                                  dict(stages=3, k_iters=4, block_k=32)])
+def test_overrides_keep_the_numbers(over, nan_outputs):
+    """Every knob only moves launches and loads: the product equals the float64 GEMV within bf16 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    w = (torch.randn(96, 256, generator=gen) / 16).bfloat16()
+    want = (x.double() @ w.double().T)
+    got = hg.triton_linear_half(x, w, **over).double()
+    assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-3), (got - want).abs().max()

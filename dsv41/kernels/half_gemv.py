@@ -386,11 +386,12 @@ def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dic
     overrides = dict(overrides)
     early = overrides.pop("early_launch", None)
     early = _EARLY_LAUNCH if early is None else early
-    if early not in (0, 1, 2):
+    if isinstance(early, bool) or early not in (0, 1, 2):
         raise ValueError(f"early_launch={early!r} must be 0, 1 or 2")
     prefetch = overrides.pop("l2_prefetch", None)
     prefetch = _L2_PREFETCH if prefetch is None else bool(prefetch)
-    stages = overrides.pop("stages", None) or 1
+    stages = overrides.pop("stages", None)
+    stages = 1 if stages is None else stages
     if not (isinstance(stages, int) and 1 <= stages <= 6):
         raise ValueError(f"stages={stages!r} must be an int in 1..6 (software-pipeline depth of the K loop)")
     k = x.shape[-1]
