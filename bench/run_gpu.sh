@@ -330,7 +330,7 @@ for s in $sections; do
       # Issue [generic], session 36: the half GEMV's GPU tests (each PDL prologue in a graph chain), then the Llama
       # step's GEMV chain swept (bench/probes/half_chain_probe.py) and, with HALF_E2E=1, the model end to end with the
       # tree's defaults and with the sweep's winners, one lease.
-      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q tests/test_kernels_gpu_half.py 2>&1 | tail -4 \
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q tests/test_kernels_gpu_half.py ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -4 \
         | tee "$OUTDIR/half_tests.log"
       e2e=""; [ "${HALF_E2E:-1}" = 1 ] && e2e="--e2e"
       timeout ${CHAIN_TIMEOUT:-420} python3 bench/probes/half_chain_probe.py --model ${GENERIC_MODEL:-llama-1b} $e2e \
