@@ -37,7 +37,7 @@ from dsv41.kernels import half_gemv as hg, prepare_device, set_pdl  # noqa: E402
 # layers, d_model, q heads, kv heads, head dim, ffn, vocab
 SHAPES = {"llama-1b": (16, 2048, 32, 8, 64, 8192, 128256), "llama-8b": (32, 4096, 32, 8, 128, 14336, 128256)}
 PLANS = [{}, {"block_n": 64}, {"block_k": 128}, {"block_n": 32, "block_k": 256}, {"k_iters": 1}, {"k_iters": 4},
-         {"k_iters": 8}, {"num_warps": 8}, {"k_iters": 8, "stages": 3}, {"block_n": 64, "k_iters": 16, "stages": 4}]
+         {"k_iters": 8}, {"block_n": 32, "block_k": 256, "k_iters": 8, "stages": 3}, {"k_iters": 8, "stages": 3}, {"block_n": 64, "k_iters": 16, "stages": 4}]
 KINDS = ("qkv", "o", "gate_up", "down", "head")
 
 
