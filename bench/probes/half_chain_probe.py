@@ -165,7 +165,7 @@ def e2e(model):
         r = run_llama_benchmark(model, backends=rows, **kw)
         for name, b in r["backends"].items():
             keep = {k: b.get(k) for k in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "max_rel_logit_err",
-                                          "compile_s", "note")}
+                                          "compile_s", "note", "step_gpu_busy_us", "step_span_us", "top_kernels_us")}
             out[f"{label}:{name}"] = keep
             print(f"E2E {model} {label:18s} {name:20s} {keep['decode_tok_s']} roofline {keep['roofline_fraction']} "
                   f"kernels {keep['kernels_per_step']} err {keep['max_rel_logit_err']}", flush=True)
