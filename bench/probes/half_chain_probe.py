@@ -37,7 +37,8 @@ from dsv41.kernels import half_gemv as hg, prepare_device, set_pdl  # noqa: E402
 # layers, d_model, q heads, kv heads, head dim, ffn, vocab
 SHAPES = {"llama-1b": (16, 2048, 32, 8, 64, 8192, 128256), "llama-8b": (32, 4096, 32, 8, 128, 14336, 128256)}
 PLANS = [{}, {"block_n": 64}, {"block_k": 128}, {"block_n": 32, "block_k": 256}, {"k_iters": 1}, {"k_iters": 4},
-         {"k_iters": 8}, {"block_n": 32, "block_k": 256, "k_iters": 8, "stages": 3}, {"k_iters": 8, "stages": 3}, {"block_n": 64, "k_iters": 16, "stages": 4}]
+         {"k_iters": 8}, {"block_n": 32, "block_k": 256, "k_iters": 8, "stages": 3}, {"k_iters": 8, "stages": 3},
+         {"block_n": 64, "k_iters": 16, "stages": 4}]
 KINDS = ("qkv", "o", "gate_up", "down", "head")
 
 
@@ -125,7 +126,8 @@ def sweep(model, reps_ms, quick):
         t0 = top[0]
     t = _time(_chain(layers, head, h0, {k: dict(knobs, **chosen[k]) for k in KINDS}), reps_ms)
     row("best " + json.dumps(chosen), t, stage=3, knobs=knobs, plans=chosen)
-    shapes = {"qkv": ((shape[2] + 2 * shape[3]) * shape[4], shape[1], False), "o": (shape[1], shape[2] * shape[4], False),
+    shapes = {"qkv": ((shape[2] + 2 * shape[3]) * shape[4], shape[1], False),
+              "o": (shape[1], shape[2] * shape[4], False),
               "gate_up": (shape[5], shape[1], True), "down": (shape[1], shape[5], False),
               "head": (shape[6], shape[1], False)}
     del layers, head
