@@ -149,7 +149,7 @@ def patch(result):
     hg.half_plan = plan
 
 
-def e2e(model):
+def e2e(model, save=lambda part: None):
     from dsv41.bench_llama import run_llama_benchmark
     out = {}
     kw = dict(prompt_len=512, new_tokens=128, repeats=2, options={"gpu_unvalidated": True}, warm_compile=False)
@@ -173,6 +173,7 @@ def e2e(model):
                   f"kernels {keep['kernels_per_step']} err {keep['max_rel_logit_err']}", flush=True)
         out[f"{label}:roofline_tok_s"] = r["roofline_tok_s"]
         print(f"E2E {label} took {time.perf_counter() - t:.0f} s", flush=True)
+        save(out)
     return out
 
 
@@ -193,10 +194,13 @@ def main():
             json.dump(res, f, indent=1)
     if a.e2e:
         e2e.result = res
-        res["e2e"] = e2e(a.model)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
+
+        def save(part):  # after every run: a timeout keeps what has finished
+            res["e2e"] = part
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(res, f, indent=1)
+        e2e(a.model, save)
 
 
 if __name__ == "__main__":
