@@ -257,14 +257,16 @@ def test_bad_arguments_are_named(call, kind, words):
         call()
 
 
-def test_plans_read_16_kib_tiles_and_pairs_halve_the_rows():
+def test_plans_read_16_kib_tiles_of_32_rows_and_cover_k():
+    """The measured default (session 36): 32 rows by 256 columns, 16 KiB of bf16, for single weights and pairs."""
     one = hg.half_plan(1, 2048, 2048)
     pair = hg.half_plan(1, 2048, 2048, pair=True)
-    assert one["BLOCK_K"] == 64 and one["BLOCK_N"] * one["BLOCK_K"] * 2 == 16384
-    assert pair["BLOCK_N"] * 2 == one["BLOCK_N"]
+    assert (one["BLOCK_N"], one["BLOCK_K"]) == (32, 256) and one["BLOCK_N"] * one["BLOCK_K"] * 2 == 16384
+    assert (pair["BLOCK_N"], pair["BLOCK_K"]) == (32, 256)
     for m, n, k in itertools.product((1, 4, 8), (64, 3072), (64, 8192)):
         p = hg.half_plan(m, n, k)
         assert p["SPLIT_K"] * p["K_ITERS"] * p["BLOCK_K"] >= k
+    assert hg.half_plan(1, 64, 64, block_n=128, block_k=64)["BLOCK_N"] == 128
 
 
 def test_rmsnorm_prologue_builds_for_sm90_without_a_loop():

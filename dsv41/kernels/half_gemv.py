@@ -72,7 +72,11 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: first wait, 2 when it starts. Override per call with `early_launch=`.
 _EARLY_LAUNCH = 0
 #: Under PDL, whether a program asks L2 for its whole weight range before its wait. Override with `l2_prefetch=`.
-_L2_PREFETCH = True
+#: Off: on an H100 it made a Llama-1B step's GEMV chain slower, 1,387 against 1,172 us (session 36, `half_plan`).
+_L2_PREFETCH = False
+#: Default tile (`half_plan`): rows, and columns of K per load.
+_BLOCK_N = 32
+_BLOCK_K = 256
 
 
 #: RMSNorm prologue spellings (`rms_norm_reference`), by the `norm_mode` argument of the ops.
@@ -362,20 +366,19 @@ def half_plan(m: int, n: int, k: int, *, pair: bool = False, block_n: int | None
               block_k: int | None = None, k_iters: int | None = None, num_warps: int | None = None) -> dict:
     """Launch parameters for x [m, k] and weights of `n` rows in all (their summed N; per weight for `pair`).
 
-    `upcast_gemv.upcast_plan` for a 2-byte weight (BLOCK_K 64: a [BLOCK_N, 64] tile is 16 KiB at BLOCK_N 128);
-    a `pair` program reads two tiles, so its BLOCK_N is halved (the plan of 2 n rows). Explicit arguments override
-    the heuristic. Returns the dict of `quant_gemv.gemv_plan` (BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K,
-    SPLIT_POW2, num_warps, grid).
+    `quant_gemv.gemv_plan`'s rules (`upcast_gemv.upcast_plan` for a 2-byte weight) with tiles of `_BLOCK_N` rows by
+    `_BLOCK_K` columns (16 KiB of bf16; a `pair` program reads one tile of each weight), and K_ITERS by the rule
+    there. Measured (bench/results/2026-12-07_h100_s36/, one H100, a Llama-1B step's GEMVs as one CUDA-graph
+    chain with PDL): 32 x 256 tiles came within 0.6 % of the best of ten plans at each kind of GEMV of the step
+    (q/k/v, o, gate/up, down, head); the best of each made the chain 1,074 us against 1,172 with the 128 x 64 tiles
+    (64 x 64 for pairs) before. `pair` changes nothing since (its rows were halved then). Explicit arguments override the heuristic. Returns the dict of `quant_gemv.gemv_plan`
+    (BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps, grid).
     Raises: ValueError as `upcast_plan` (block_n not a power of two, block_k not a power-of-two multiple of 32,
     k_iters < 1).
     """
     from .upcast_gemv import upcast_plan
-    plan = upcast_plan(m, 2 * n if pair else n, k, weight_bytes=2, block_n=block_n, block_k=block_k,
+    return upcast_plan(m, n, k, weight_bytes=2, block_n=block_n or _BLOCK_N, block_k=block_k or _BLOCK_K,
                        k_iters=k_iters, num_warps=num_warps)
-    if pair and block_n is None:
-        plan = upcast_plan(m, n, k, weight_bytes=2, block_n=max(plan["BLOCK_N"] // 2, 1), block_k=block_k,
-                           k_iters=k_iters, num_warps=num_warps)
-    return plan
 
 
 def _launch(x: torch.Tensor, weights: list, residual, pair: bool, overrides: dict, norm=(None, 0.0, 0),
