@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and benchmarks in one call (run on the lent H200 from the repository root):
 #   bash bench/run_gpu.sh [SECTION ...]     sections: tests regional kernels sweep grouped frag prefetch families eager backends toggles ablate dspark tp e2e ctx diag compile attnplan
-#                                           tpbench h200 robust llama generic halfchain waitcheck prefill mhcfold router window
+#                                           tpbench h200 robust llama generic halfchain llamafinal waitcheck prefill mhcfold router window
 #                                           collapse inplace qrope scorechain yround prologue
 #                                           (default: tests kernels eager backends)
 # JSON results land in $OUT (or bench/results/raw) and a short table is printed last.
@@ -335,6 +335,16 @@ for s in $sections; do
       e2e=""; [ "${HALF_E2E:-1}" = 1 ] && e2e="--e2e"
       timeout ${CHAIN_TIMEOUT:-420} python3 bench/probes/half_chain_probe.py --model ${GENERIC_MODEL:-llama-1b} $e2e \
         ${CHAIN_FLAGS:-} --json "$OUTDIR/half_chain_${GENERIC_MODEL:-llama-1b}.json" 2>&1 | grep -v Warning | cut -c1-200 ;;
+    llamafinal)
+      # Issue [generic], session 36: the half GEMV's GPU tests with the measured defaults, then Llama-1B (the step's
+      # GEMV chain with the defaults, the attention plans swept, end to end as the tree has it and with the best
+      # attention plan) and Llama-8B (chain and end to end), one lease.
+      timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py \
+        ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
+      timeout ${LLAMA1_TIMEOUT:-130} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
+        --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
+      timeout ${LLAMA8_TIMEOUT:-140} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --e2e \
+        --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)
       # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against
       # the eager prefill, one lease: ttft_s / prefill_tok_s per row and the FLOP floor at the top level.

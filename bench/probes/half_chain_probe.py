@@ -11,7 +11,7 @@ each GEMV follows a different GEMV, as in decode; the attention is left out (o_p
 - `best`: every op kind at its best plan.
 Fractions are of the chain's weight bytes at the copy bandwidth measured in the same run.
 
-`--e2e`: then `run_llama_benchmark` of the model (prompt 512, 128 tokens, 2 repeats, families on): first the
+`--e2e`: then `run_llama_benchmark` of the model (prompt 512, 128 tokens, 2 repeats, default options): first the
 rows inductor-cudagraphs and dsv41 as the tree has them, then dsv41 with the winners patched in
 (`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH` and `half_plan`), and when an early launch won, once more with rope_kv's
 and gqa_attention's early launch too, so every dsv41 row runs on one lease.
@@ -81,7 +81,7 @@ def _time(fn, reps_ms, tries=3):
     return min(_bench_graph([fn], reps_ms) for _ in range(tries))
 
 
-def sweep(model, reps_ms, quick):
+def sweep(model, reps_ms, quick, full=True):
     shape = SHAPES[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers, head = _weights(shape, gen)
@@ -98,6 +98,11 @@ def sweep(model, reps_ms, quick):
     print(f"{model}: {nbytes / 1e9:.3f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor * 1e6:.1f} us",
           flush=True)
     row("cublas F.linear chain", _time(_cublas(layers, head, h0), reps_ms))
+    if not full:  # the tree's defaults only
+        row("half_gemv defaults", _time(_chain(layers, head, h0, {k: {} for k in KINDS}), reps_ms), stage=0)
+        del layers, head
+        torch.cuda.empty_cache()
+        return dict(model=model, bytes=nbytes, copy_tb_s=bw / 1e12, floor_us=floor * 1e6, rows=rows, knobs=None)
     best = None
     for early in (0, 1, 2):
         for pf in (True, False):
@@ -136,9 +141,43 @@ def sweep(model, reps_ms, quick):
                 plans=chosen, shapes=shapes)
 
 
+def gqa_sweep(model, reps_ms, context=640):
+    """`gqa_decode_attention` at the model's decode shape (M = 1, a bool mask over a static cache of `context`
+    rows, one cache per layer), per plan; returns (rows, best overrides)."""
+    from dsv41.kernels import gqa_attention as ga
+    L, d, hq, hkv, hd = SHAPES[model][:5]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, hq, 1, hd, device="cuda", generator=gen).bfloat16()
+    caches = [(torch.randn(1, hkv, context, hd, device="cuda", generator=gen).bfloat16(),
+               torch.randn(1, hkv, context, hd, device="cuda", generator=gen).bfloat16()) for _ in range(L)]
+    mask = torch.zeros(1, 1, 1, context, dtype=torch.bool, device="cuda")
+    mask[..., :context - 64] = True
+    rows, best = [], None
+    for bs in (16, 32, 64, 128):
+        for sp in (None, 2, 4, 8, 16):
+            over = {"block_s": bs} if sp is None else {"block_s": bs, "splits": sp}
+            calls = [lambda k=k, v=v: ga.triton_gqa_decode_attention(q, k, v, mask, **over) for k, v in caches]
+            try:
+                t = min(_bench_graph(calls, reps_ms) for _ in range(2))
+            except Exception as exc:
+                print(f"gqa {over}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            rows.append(dict(plan=over, us=t * 1e6))
+            print(f"{model} gqa {json.dumps(over):32s} {t * 1e6:7.2f} us", flush=True)
+            if best is None or t < best[0]:
+                best = (t, over)
+    return rows, best[1]
+
+
 def patch(result):
     """Make the winners the defaults of this process (half_gemv's module constants, and a `_launch` wrapper that
     adds the winning plan of the call's shape to its overrides)."""
+    if result.get("gqa_best"):
+        from dsv41.kernels import gqa_attention as ga
+        base_plan, over = ga.gqa_plan, result["gqa_best"]
+        ga.gqa_plan = lambda b, hkv, s, **kw: base_plan(b, hkv, s, **{**over, **kw})
+    if not result.get("knobs"):
+        return
     hg._EARLY_LAUNCH = result["knobs"]["early_launch"]
     hg._L2_PREFETCH = result["knobs"]["l2_prefetch"]
     base = hg._launch
@@ -153,9 +192,11 @@ def patch(result):
 def e2e(model, save=lambda part: None):
     from dsv41.bench_llama import run_llama_benchmark
     out = {}
-    kw = dict(prompt_len=512, new_tokens=128, repeats=2, options={"gpu_unvalidated": True}, warm_compile=False)
-    runs = [("tree", ["inductor-cudagraphs", "dsv41"]), ("patched", ["dsv41"])]
-    if e2e.result["knobs"]["early_launch"]:
+    kw = dict(prompt_len=512, new_tokens=128, repeats=2, options=None, warm_compile=False)
+    runs = [("tree", ["inductor-cudagraphs", "dsv41"])]
+    if e2e.result.get("knobs") or e2e.result.get("gqa_best"):
+        runs.append(("patched", ["dsv41"]))
+    if (e2e.result.get("knobs") or {}).get("early_launch"):
         runs.append(("patched+attn_early", ["dsv41"]))
     for label, rows in runs:
         if label == "patched":
@@ -185,10 +226,14 @@ def main():
     ap.add_argument("--reps-ms", type=float, default=40.0)
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="only the cuBLAS chain and the tree's default plans")
+    ap.add_argument("--gqa", action="store_true", help="sweep the attention plans; the e2e patches the best")
     a = ap.parse_args()
     set_pdl(True)
     prepare_device(torch.device("cuda"))
-    res = sweep(a.model, a.reps_ms, a.quick)
+    res = sweep(a.model, a.reps_ms, a.quick, full=not a.no_sweep)
+    if a.gqa:
+        res["gqa_rows"], res["gqa_best"] = gqa_sweep(a.model, a.reps_ms)
     res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if a.json:
         with open(a.json, "w") as f:

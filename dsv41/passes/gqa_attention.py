@@ -71,15 +71,15 @@ SPEC = register_family(
                Role("mask", "broadcastable to [B, Hq, M, S]", "bool / additive")),
               "dsv41.kernels.gqa_attention:reference_gqa_decode_attention", ("G (query heads per KV head)",),
               ("a probe cache through the repeat region equals repeat_interleave(G, dim=1) of it",),
-              ("kv_layout", "sdpa_args"), gpu_validated=False),
+              ("kv_layout", "sdpa_args")),
         Chain("eager", "gqa_decode_attention", "bmm(probs, repeat(v)) whose probs are a softmax of bmm(q, "
               "repeat(k)^T), scaled and masked",
               (Role("q", "[B, Hq, M, D]", "bf16 / fp16 / fp32"), Role("k, v", "[B, Hkv, S, D]", "q's dtype"),
                Role("mask", "broadcastable to [B, Hq, M, S]", "bool / additive")),
               "dsv41.kernels.gqa_attention:reference_gqa_decode_attention", ("scale",),
               ("random q / caches with a random mask; the scale among the region's literals, their inverses and "
-               "1/sqrt(D)",), ("attention_values",), gpu_validated=False),
-    ), gpu_validated=False,
+               "1/sqrt(D)",), ("attention_values",)),
+    ),
     # order: independent of the other families (none emits or reads SDPA); last
     after=("half_gemv",),
 )

@@ -64,8 +64,8 @@ SPEC = register_family(
                Role("pos", "[S]", "int64"), Role("k_cache, v_cache", "[B, Hkv, T, D]", "k's dtype")),
               "dsv41.kernels.rope_kv:reference_rope_kv_store", ("layout", "which trig tensor is cos", "rounding"),
               ("random x, angles, caches and distinct positions through q's RoPE and both writes",),
-              ("rope_values", "cache_write", "order", "static_shapes"), gpu_validated=False),
-    ), gpu_validated=False,
+              ("rope_values", "cache_write", "order", "static_shapes")),
+    ),
     # order: after the projections are fused (their outputs are this op's inputs) and before gqa_attention, which
     # then reads the caches this op writes
     after=("half_gemv",), before=("gqa_attention",),
