@@ -234,7 +234,11 @@ def main():
     res = sweep(a.model, a.reps_ms, a.quick, full=not a.no_sweep)
     if a.gqa:
         res["gqa_rows"], res["gqa_best"] = gqa_sweep(a.model, a.reps_ms)
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    import datetime
+
+    import triton
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat())
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
