@@ -13,8 +13,8 @@ Fractions are of the chain's weight bytes at the copy bandwidth measured in the 
 
 `--e2e`: then `run_llama_benchmark` of the model (prompt 512, 128 tokens, 2 repeats, default options): first the
 rows inductor-cudagraphs and dsv41 as the tree has them, then dsv41 with the winners patched in
-(`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH` and `half_plan`), and when an early launch won, once more with rope_kv's
-and gqa_attention's early launch too, so every dsv41 row runs on one lease.
+(`half_gemv._EARLY_LAUNCH`, `_L2_PREFETCH`, each kind's plan; with `--gqa` the best attention plan), so every dsv41
+row runs on one lease. `--no-sweep`: only the cuBLAS chain and the tree's defaults, then the e2e as the tree has it.
 
 Usage: python3 bench/probes/half_chain_probe.py [--model llama-1b|llama-8b] [--json PATH] [--e2e] [--quick]
 """
@@ -196,15 +196,9 @@ def e2e(model, save=lambda part: None):
     runs = [("tree", ["inductor-cudagraphs", "dsv41"])]
     if e2e.result.get("knobs") or e2e.result.get("gqa_best"):
         runs.append(("patched", ["dsv41"]))
-    if (e2e.result.get("knobs") or {}).get("early_launch"):
-        runs.append(("patched+attn_early", ["dsv41"]))
     for label, rows in runs:
         if label == "patched":
             patch(e2e.result)
-        if label == "patched+attn_early":
-            # rope_kv and gqa_attention let the next kernel launch right after their wait as well
-            from dsv41.kernels import gqa_attention, rope_kv
-            rope_kv._EARLY_LAUNCH = gqa_attention._EARLY_LAUNCH = True
         t = time.perf_counter()
         r = run_llama_benchmark(model, backends=rows, **kw)
         for name, b in r["backends"].items():

@@ -48,8 +48,6 @@ __all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa
 #: Largest M (query rows per head) the CUDA implementation sends to the Triton kernel; above it, the reference.
 MAX_TRITON_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Under PDL, whether the next kernel may launch right after this one's wait (True) or after its work (False).
-_EARLY_LAUNCH = False
 
 
 def _check(q, k, v, mask) -> tuple[int, int]:
@@ -105,8 +103,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 sm_b, sm_h, sm_m, sm_s,
                 G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
-                MASK_BOOL: tl.constexpr, USE_PDL: tl.constexpr,
-                EARLY_LAUNCH: tl.constexpr = False):
+                MASK_BOOL: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
@@ -120,8 +117,6 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
     h = hk * G + g
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the cache rows of this step come from the previous kernels
-        if EARLY_LAUNCH:  # the next kernel may launch (and prefetch its weights) while this one runs
-            tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m_i = tl.full([RP], float("-inf"), tl.float32)
@@ -152,7 +147,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
         m_i = m_new
-    if USE_PDL and not EARLY_LAUNCH:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # Split sp's partial: [max, sum, acc...] per row, then the merge by the last split to arrive.
     W: tl.constexpr = DP + 2
@@ -242,7 +237,7 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        USE_PDL=pdl, EARLY_LAUNCH=_EARLY_LAUNCH, num_warps=4, **extra)
+        USE_PDL=pdl, num_warps=4, **extra)
     return out
 
 

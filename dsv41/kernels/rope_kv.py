@@ -47,8 +47,6 @@ __all__ = ["rope_kv_store", "reference_rope_kv_store", "triton_rope_kv_store", "
 #: layout code -> (name, trig width as a fraction of D)
 LAYOUTS = {0: ("interleaved", 2), 1: ("rotate_half", 2), 2: ("rotate_half_full", 1)}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Under PDL, whether the next kernel may launch right after this one's wait (True) or after its work (False).
-_EARLY_LAUNCH = False
 
 
 def _pairs(d: int, layout: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +155,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, c_ptr, s_ptr, pos_ptr, kc_ptr, vc_ptr, 
                     sq_b, sq_s, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
                     st_b, st_s, st_w, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t, so_b, so_s, so_h, so_d,
                     D: tl.constexpr, HALF_P2: tl.constexpr, LAYOUT: tl.constexpr, ROUND: tl.constexpr,
-                    DT: tl.constexpr, USE_PDL: tl.constexpr,
-                EARLY_LAUNCH: tl.constexpr = False):
+                    DT: tl.constexpr, USE_PDL: tl.constexpr):
     bs = tl.program_id(0)
     row = tl.program_id(1)
     b = bs // S
@@ -173,8 +170,6 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, c_ptr, s_ptr, pos_ptr, kc_ptr, vc_ptr, 
         p1 = i + D // 2
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q / k / v and the positions come from the previous kernels
-        if EARLY_LAUNCH:  # the next kernel may launch (and prefetch its weights) while this one runs
-            tl.extra.cuda.gdc_launch_dependents()
     p = tl.load(pos_ptr + s)
     pv = p + i * 0  # the position as a vector: the interpreter rejects a scalar in a mask
     okc = ok & (pv >= 0) & (pv < T)
@@ -221,7 +216,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, c_ptr, s_ptr, pos_ptr, kc_ptr, vc_ptr, 
         x1 = tl.load(src + p1 * sv_d, mask=ok, other=0.0)
         tl.store(dst + p0, x0, mask=okc)
         tl.store(dst + p1, x1, mask=okc)
-    if USE_PDL and not EARLY_LAUNCH:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -252,7 +247,7 @@ def triton_rope_kv_store(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Te
         s, h, hkv, k_cache.shape[2], *qq.stride(), *k.stride(), *v.stride(),
         *cos.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *so,
         D=d, HALF_P2=next_power_of_2(max(d // 2, 1)), LAYOUT=layout, ROUND=round_products, DT=_TL[k.dtype],
-        USE_PDL=pdl, EARLY_LAUNCH=_EARLY_LAUNCH, num_warps=1, **extra)
+        USE_PDL=pdl, num_warps=1, **extra)
     return out
 
 
