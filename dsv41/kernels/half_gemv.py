@@ -35,10 +35,11 @@ and multiplies them with up to BLOCK_M rows of x (FMA units: at M <= 8 the weigh
 cost). The K splits of one output tile combine through `_common.split_k_counters` (the last program to arrive
 sums the FP32 partials in split order: deterministic). Several weights of one x take consecutive ranges of the
 grid (`pick_operand`). The SwiGLU program reads the gate and the up tile of the same rows and merges both
-partials through one counter, so one program holds both sums for the epilogue. Under PDL the program asks L2 for
-its whole weight range (`prefetch_l2_rows`) and loads its first tile before `gdc_wait` (weights never come from
-the previous kernel; x and the residual may), and triggers its dependents after its K loop. Tile sizes follow
-`upcast_gemv.upcast_plan` (16 KiB of weight loads per tile); they have not been swept on a GPU for these ops.
+partials through one counter, so one program holds both sums for the epilogue. Under PDL the program loads its
+first tile before `gdc_wait` (weights never come from the previous kernel; x and the residual may) and lets the
+next kernel launch after its K loop. Two other PDL prologues are options that measured slower on an H100: an L2
+prefetch of the program's whole weight range before the wait (`_L2_PREFETCH`, `prefetch_l2_rows`) and an earlier
+launch of the next kernel (`_EARLY_LAUNCH`). Tiles: `half_plan` (swept on an H100 in session 36).
 """
 
 from __future__ import annotations
