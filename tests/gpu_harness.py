@@ -74,9 +74,9 @@ def tiny_cuda_reference(steps: int, prompt_len: int = 40):
     return model, prompt, generate(model, prompt, steps).tokens
 
 
-def assert_graph_replay_equals(step, want) -> None:
-    """Capture `step()` (a tuple of CUDA tensors) in a CUDA graph after one warm-up run on a side stream, fill its
-    outputs with NaN, replay it and assert every output equals `want` (same order) bit for bit."""
+def replay_poisoned(step):
+    """Capture `step()` (a sequence of CUDA tensors) in a CUDA graph after one warm-up run on a side stream, fill its
+    outputs with NaN, replay it and return the outputs (a read before a write shows as NaN)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -89,4 +89,10 @@ def assert_graph_replay_equals(step, want) -> None:
         o.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+    return out
+
+
+def assert_graph_replay_equals(step, want) -> None:
+    """`replay_poisoned(step)` and assert every output equals `want` (same order) bit for bit."""
+    out = replay_poisoned(step)
     assert len(out) == len(want) and all(torch.equal(o, r) for o, r in zip(out, want))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_harness import load_reference, skip_unless_compiled_gpu  # noqa: E402
+from gpu_harness import load_reference, replay_poisoned, skip_unless_compiled_gpu  # noqa: E402
 from interp_harness import poison_outputs  # noqa: E402
 
 skip_unless_compiled_gpu()
@@ -131,15 +131,7 @@ def test_dependent_chain_in_a_graph_under_each_pdl_prologue(early, prefetch):
             outs += [a, h]
         return outs
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = step()
-    for o in outs:
-        o.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    outs = replay_poisoned(step)
     h = x.cpu()
     for i in range(3):
         a, h_next = outs[2 * i].cpu(), outs[2 * i + 1].cpu()
