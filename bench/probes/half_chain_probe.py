@@ -82,6 +82,9 @@ def _time(fn, reps_ms, tries=3):
 
 
 def sweep(model, reps_ms, quick, full=True):
+    """Time the chain (module docstring): cuBLAS, then stage 1 to 3 (`full`), or the tree's defaults only. Returns
+    {model, bytes, copy_tb_s, floor_us, rows, knobs, plans, shapes}: knobs / plans are the winners (knobs None
+    without `full`), shapes each kind's (N, K, pair) as `half_gemv._launch` sees it."""
     shape = SHAPES[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers, head = _weights(shape, gen)
@@ -190,6 +193,8 @@ def patch(result):
 
 
 def e2e(model, save=lambda part: None):
+    """`run_llama_benchmark(model)` as the tree has it (rows inductor-cudagraphs, dsv41), then with `e2e.result`'s
+    winners patched in (`patch`). Returns {"label:row": kept fields}; `save(part)` after every run."""
     from dsv41.bench_llama import run_llama_benchmark
     out = {}
     kw = dict(prompt_len=512, new_tokens=128, repeats=2, options=None, warm_compile=False)
@@ -214,6 +219,7 @@ def e2e(model, save=lambda part: None):
 
 
 def main():
+    """Command line: module docstring."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--json")
