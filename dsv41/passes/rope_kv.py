@@ -202,6 +202,20 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
 
 
+
+def _share_wraps(graph: fx.Graph, wraps: set) -> None:
+    """Every layer's op gets `where(pos < 0, pos + T, pos)` of the same step positions: keep the first of equal ones
+    (graph order, so it comes before every reader) and point the others' readers at it. Without this, Inductor
+    launches one kernel per layer for the same three scalars (16 of 2.3 us in a Llama-1B step on an H100)."""
+    seen: dict = {}
+    for n in list(graph.nodes):
+        if n not in wraps:
+            continue
+        first = seen.setdefault((n.target, tuple(n.args)), n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
+
 class _Site:
     """One k write, its v write and the q RoPE found for them, with the k RoPE region."""
 
@@ -229,6 +243,7 @@ class RopeKvFamily(FusionFamily):
         key = order_key(graph)
         matches, misses = [], []
         rope_of: dict = {}
+        self._wraps: list = []
         for w in writes:
             rope_of[w] = _rope_source(cache_write_parts(w)[2], sourced)
         used: set = set()
@@ -273,6 +288,7 @@ class RopeKvFamily(FusionFamily):
                 used_q.add(site.yq)
             matches.append(rec)
         if matches:
+            _share_wraps(graph, set(self._wraps))
             finish_graph(graph)
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
 
@@ -423,6 +439,7 @@ class RopeKvFamily(FusionFamily):
         neg = add(aten.lt.Scalar, (pos, 0))
         wrapped = add(aten.add.Tensor, (pos, t))
         pos_in = add(aten.where.self, (neg, wrapped, pos))
+        self._wraps += [neg, wrapped, pos_in]
         layout, swap, rnd = choice
         cos, sin = (parts[1], parts[0]) if swap else (parts[0], parts[1])
         ct = tensor_val(cos).dtype
