@@ -372,8 +372,9 @@ def half_plan(m: int, n: int, k: int, *, pair: bool = False, block_n: int | None
     there. Measured (bench/results/2026-12-07_h100_s36/, one H100, a Llama-1B step's GEMVs as one CUDA-graph
     chain with PDL): 32 x 256 tiles came within 0.6 % of the best of ten plans at each kind of GEMV of the step
     (q/k/v, o, gate/up, down, head); the best of each made the chain 1,074 us against 1,172 with the 128 x 64 tiles
-    (64 x 64 for pairs) before. `pair` changes nothing since (its rows were halved then). Explicit arguments override the heuristic. Returns the dict of `quant_gemv.gemv_plan`
-    (BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps, grid).
+    (64 x 64 for pairs) before. `pair` no longer changes the plan (it halved the rows then); it stays for callers.
+    Explicit arguments override the heuristic. Returns the dict of `quant_gemv.gemv_plan` (BLOCK_M, BLOCK_N,
+    BLOCK_K, K_ITERS, SPLIT_K, SPLIT_POW2, num_warps, grid).
     Raises: ValueError as `upcast_plan` (block_n not a power of two, block_k not a power-of-two multiple of 32,
     k_iters < 1).
     """

@@ -202,7 +202,6 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
 
 
-
 def _share_wraps(graph: fx.Graph, wraps: set) -> None:
     """Every layer's op gets `where(pos < 0, pos + T, pos)` of the same step positions: keep the first of equal ones
     (graph order, so it comes before every reader) and point the others' readers at it. Without this, Inductor
@@ -215,6 +214,7 @@ def _share_wraps(graph: fx.Graph, wraps: set) -> None:
         if first is not n:
             n.replace_all_uses_with(first)
             graph.erase_node(n)
+
 
 class _Site:
     """One k write, its v write and the q RoPE found for them, with the k RoPE region."""
