@@ -65,6 +65,7 @@ CASES = [
     (1, 4, 4, 3, 70, 24, torch.float16, {"block_s": 16}),
     (2, 6, 2, 2, 5, 8, torch.float32, {}),
     (1, 8, 1, 1, 129, 32, torch.bfloat16, {"block_s": 16, "splits": 3}),
+    (1, 8, 2, 2, 45, 16, torch.float16, {"block_s": 8, "skip_masked": False, "num_warps": 2}),
 ]
 
 
@@ -92,6 +93,31 @@ def test_a_fully_masked_row_is_nan_and_scale_is_honoured(nan_outputs):
     got = ga.triton_gqa_decode_attention(q, k, v, mask, scale=0.3, splits=4, block_s=8)
     _close(got, attention64(q, k, v, mask, scale=0.3), v)
     assert torch.isnan(got[:, :, 1]).all() and not torch.isnan(got[:, :, 0]).any()
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_keys_masked_in_every_row_are_never_read(kind, nan_outputs):
+    """A static cache past its context: NaN in the K and V rows that no query row attends must not reach the output
+    (had the kernel read them, 0 * NaN poisons the weighted sum). A key that only some rows attend is still read."""
+    s, live = 50, 29
+    _, q, k, v = _qkv(1, 6, 3, 2, s, 16, torch.float32, 8)
+    keep = torch.zeros(1, 1, 2, s, dtype=torch.bool)
+    keep[..., 0, :live] = True
+    keep[..., 1, :live - 3] = True          # keys live-3 .. live-1 attended by row 0 only
+    want = attention64(q, k, v, keep)
+    k[:, :, live:], v[:, :, live:] = float("nan"), float("nan")
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    got = ga.triton_gqa_decode_attention(q, k, v, mask, block_s=8, splits=3)
+    _close(got, want, v[:, :, :live])
+
+
+def test_plan_rejects_bad_overrides():
+    with pytest.raises(ValueError, match="num_warps"):
+        ga.gqa_plan(1, 8, 64, num_warps=3)
+    with pytest.raises(ValueError, match="block_s"):
+        ga.gqa_plan(1, 8, 64, block_s=24)
+    assert ga.gqa_plan(1, 8, 64, skip_masked=False)["SKIP_MASKED"] is False
 
 
 def test_reference_is_sdpa_on_repeated_heads_and_contiguous():
@@ -123,7 +149,7 @@ def test_sm90_build_waits_before_its_first_load():
     from interp_harness import sm90_ttir
     ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", mask_ptr="i1", o_ptr="bf16", ws_ptr="fp32", cnt_ptr="i32")
     consts = dict(G=4, RP=4, DP=64, BLOCK_S=32, S_ITERS=4, SPLITS=8, SPLITS_P2=8, MASK=True, MASK_BOOL=True,
-                  USE_PDL=True)
+                  SKIP_MASKED=True, USE_PDL=True)
     ptx = sm90_ttir(ga._gqa_kernel, ptrs, consts, stage="ptx", num_warps=4, scalar_types={"scale": "fp32"})
     lines = [ln.strip() for ln in ptx.splitlines()]
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)

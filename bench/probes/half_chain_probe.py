@@ -156,19 +156,27 @@ def gqa_sweep(model, reps_ms, context=640):
     mask = torch.zeros(1, 1, 1, context, dtype=torch.bool, device="cuda")
     mask[..., :context - 64] = True
     rows, best = [], None
+
+    def one(over):
+        nonlocal best
+        calls = [lambda k=k, v=v: ga.triton_gqa_decode_attention(q, k, v, mask, **over) for k, v in caches]
+        try:
+            t = min(_bench_graph(calls, reps_ms) for _ in range(2))
+        except Exception as exc:
+            print(f"gqa {over}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            return
+        rows.append(dict(plan=over, us_per_layer=t * 1e6))
+        print(f"{model} gqa {json.dumps(over):48s} {t * 1e6:7.2f} us/layer", flush=True)
+        if best is None or t < best[0]:
+            best = (t, over)
+
+    one({"skip_masked": False})  # the kernel before session 37
     for bs in (16, 32, 64, 128):
         for sp in (None, 2, 4, 8, 16):
-            over = {"block_s": bs} if sp is None else {"block_s": bs, "splits": sp}
-            calls = [lambda k=k, v=v: ga.triton_gqa_decode_attention(q, k, v, mask, **over) for k, v in caches]
-            try:
-                t = min(_bench_graph(calls, reps_ms) for _ in range(2))
-            except Exception as exc:
-                print(f"gqa {over}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-                continue
-            rows.append(dict(plan=over, us=t * 1e6))
-            print(f"{model} gqa {json.dumps(over):32s} {t * 1e6:7.2f} us", flush=True)
-            if best is None or t < best[0]:
-                best = (t, over)
+            one({"block_s": bs} if sp is None else {"block_s": bs, "splits": sp})
+    top = dict(best[1])
+    for nw in (1, 2, 8):
+        one({**top, "num_warps": nw})
     return rows, best[1]
 
 

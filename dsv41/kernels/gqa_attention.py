@@ -21,7 +21,8 @@ reference.
 
 Kernel. Program (b, kv head, sequence split) holds the G * M query rows of its KV head; per BLOCK_S keys it loads
 the K and V tiles once, computes the [G M, BLOCK_S] scores with FP32 products, adds the mask, and keeps an online
-softmax (running max, sum, FP32 accumulator). Each split writes its (max, sum, accumulator) to a workspace; the
+softmax (running max, sum, FP32 accumulator). Keys the mask hides from all its rows are not loaded (a static
+cache's positions past the context cost no bytes). Each split writes its (max, sum, accumulator) to a workspace; the
 last split of a (b, kv head) to arrive (arrival counter, acquire/release) merges them in split order
 (deterministic) and writes the output rounded once to q's dtype. Under PDL a program waits for the previous
 kernel before its first load and lets the next kernel launch once its loop is done. A row whose every key is masked gives NaN, as
@@ -103,7 +104,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 sm_b, sm_h, sm_m, sm_s,
                 G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
-                MASK_BOOL: tl.constexpr, USE_PDL: tl.constexpr):
+                MASK_BOOL: tl.constexpr, SKIP_MASKED: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
@@ -126,16 +127,26 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
     for it in range(S_ITERS):
         s = (sp * S_ITERS + it) * BLOCK_S + ss
         s_ok = s < S
-        kt = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + dd[None, :],
-                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
-                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        kv_ok = s_ok
         if MASK:
             mv = tl.load(mask_ptr + b * sm_b + h[:, None] * sm_h + m[:, None] * sm_m + s[None, :] * sm_s,
                          mask=r_ok[:, None] & s_ok[None, :], other=0)
             if MASK_BOOL:
-                sc = tl.where(mv != 0, sc, float("-inf"))
+                keep = mv != 0
+            else:
+                keep = mv.to(tl.float32) > float("-inf")
+            if SKIP_MASKED:
+                # A key no query row attends is never read: a static cache's positions past the context are masked
+                # in every row, and their bytes are most of what a decode step would otherwise waste.
+                kv_ok = s_ok & (tl.max(keep.to(tl.int32), axis=0) > 0)
+        kt = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + dd[None, :],
+                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
+                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        if MASK:
+            if MASK_BOOL:
+                sc = tl.where(keep, sc, float("-inf"))
             else:
                 sc = sc + mv.to(tl.float32)
         sc = tl.where(s_ok[None, :], sc, float("-inf"))
@@ -183,13 +194,18 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: int | None = None,
-             sm_count: int = 132) -> dict:
+             num_warps: int | None = None, skip_masked: bool | None = None, sm_count: int = 132) -> dict:
     """Launch parameters: BLOCK_S keys per iteration (default 32), SPLITS sequence splits (default: enough that
-    b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split; grid (b hkv,
-    splits). Raises ValueError for a block_s that is not a power of two or splits < 1."""
+    b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split, num_warps
+    (default 4), SKIP_MASKED (default True: a key that the mask hides from every query row of a program is not
+    read); grid (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
+    num_warps that is not 1, 2, 4 or 8."""
     block_s = block_s or 32
     if block_s & (block_s - 1) or block_s < 1:
         raise ValueError(f"block_s={block_s} must be a power of two")
+    num_warps = 4 if num_warps is None else num_warps
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     tiles = max(1, -(-s // block_s))
     if splits is None:
         splits = max(1, min(tiles, -(-2 * sm_count // max(b * hkv, 1))))
@@ -199,6 +215,7 @@ def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: in
     iters = -(-tiles // splits)
     splits = -(-tiles // iters)
     return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=next_power_of_2(splits), S_ITERS=iters,
+                SKIP_MASKED=True if skip_masked is None else bool(skip_masked), num_warps=num_warps,
                 grid=(b * hkv, splits))
 
 
@@ -206,7 +223,7 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                                 **overrides) -> torch.Tensor:
     """`reference_gqa_decode_attention` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1);
-    `overrides` (block_s, splits) replace the `gqa_plan` heuristic. Raises as the reference, plus RuntimeError when
+    `overrides` (block_s, splits, num_warps, skip_masked) replace the `gqa_plan` heuristic. Raises as the reference, plus RuntimeError when
     the kernel cannot run on the device and ValueError for D > 256."""
     g, s = _check(q, k, v, mask)
     require_launchable(_gqa_kernel, q.device, "triton_gqa_decode_attention")
@@ -237,7 +254,7 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        USE_PDL=pdl, num_warps=4, **extra)
+        SKIP_MASKED=plan["SKIP_MASKED"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
     return out
 
 
