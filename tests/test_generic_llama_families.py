@@ -29,6 +29,7 @@ def _fused(graphs) -> dict:
         counts = ops_after(gm)
         for name in ("dsv41.linear_half", "dsv41.linear_half_multi", "dsv41.linear_half_silu_mul", "aten.mm",
                      "dsv41.gqa_decode_attention", "aten.clone", "dsv41.rope_kv_store", "aten.view_as_complex",
+                     "dsv41.rope_gqa_decode_attention",
                      "aten.cat", "aten.addmm"):
             out[name] = out.get(name, 0) + counts[name]
     return out
@@ -77,10 +78,11 @@ def test_zoo_llamas_fuse_every_projection_in_bf16(spelling):
     # The attention reads the cache's KV heads once (gqa_attention): no repeated copy of the cache is made, whether
     # the model calls SDPA (gpt-fast) or writes the attention out with matmul and softmax (the transformers-style zoo)
     # (the one clone left in the transformers-style zoo is its rotary embedding's [1, S, D/2] angle table)
-    assert ops["dsv41.gqa_decode_attention"] == layers and ops["aten.clone"] == (0 if spelling == "gpt-fast" else 1), ops
-    # RoPE of q and k and both cache writes: one op per layer (complex multiply in gpt-fast, rotate_half in bf16 in
-    # the transformers-style zoo)
-    assert ops["dsv41.rope_kv_store"] == layers, ops
+    assert ops["aten.clone"] == (0 if spelling == "gpt-fast" else 1), ops
+    # RoPE of q and k, both cache writes and the attention: one op per layer (complex multiply in gpt-fast,
+    # rotate_half in bf16 in the transformers-style zoo); neither half is left on its own
+    assert ops["dsv41.rope_gqa_decode_attention"] == layers, ops
+    assert ops["dsv41.rope_kv_store"] == 0 and ops["dsv41.gqa_decode_attention"] == 0, ops
     # q's RoPE rides in the same op: no complex multiply (gpt-fast) and no rotate_half cat (transformers) is left
     assert ops["aten.view_as_complex"] == 0 and ops["aten.cat"] == 0, ops
     assert _close(got, want) < 0.05
@@ -107,9 +109,9 @@ def test_transformers_llama_fuses_in_bf16():
     want, got, ops = _run(model, call)
     assert ops["aten.mm"] == 0, ops
     assert ops["dsv41.linear_half_silu_mul"] == 2 and ops["dsv41.linear_half_multi"] == 2, ops
-    assert ops["dsv41.gqa_decode_attention"] == 2 and ops["dsv41.rope_kv_store"] == 2, ops
+    assert ops["dsv41.rope_gqa_decode_attention"] == 2 and ops["dsv41.rope_kv_store"] == 0, ops
     model.load_state_dict(state)
     cache.reset()
-    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv", "gqa_attention", "rope_kv"]})
+    want_off, got_off, ops_off = _run(model, call, {"disable": ["half_gemv", "gqa_attention", "rope_kv", "rope_gqa"]})
     assert ops_off["dsv41.linear_half"] == 0 and torch.equal(want, want_off)
     assert _close(got, want) <= _close(got_off, want) + 0.01

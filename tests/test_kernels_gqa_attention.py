@@ -149,7 +149,7 @@ def test_sm90_build_waits_before_its_first_load():
     from interp_harness import sm90_ttir
     ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", mask_ptr="i1", o_ptr="bf16", ws_ptr="fp32", cnt_ptr="i32")
     consts = dict(G=4, RP=4, DP=64, BLOCK_S=32, S_ITERS=4, SPLITS=8, SPLITS_P2=8, MASK=True, MASK_BOOL=True,
-                  SKIP_MASKED=True, USE_PDL=True)
+                  SKIP_MASKED=True, ROPE=False, LAYOUT=0, ROUND=False, MP=1, USE_PDL=True)
     ptx = sm90_ttir(ga._gqa_kernel, ptrs, consts, stage="ptx", num_warps=4, scalar_types={"scale": "fp32"})
     lines = [ln.strip() for ln in ptx.splitlines()]
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)

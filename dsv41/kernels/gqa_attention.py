@@ -98,13 +98,48 @@ def reference_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @triton.jit
+def _rope_rows(base, trig, dd, ok, c_ptr, s_ptr, st_w, D, LAYOUT: tl.constexpr, ROUND: tl.constexpr,
+               DT: tl.constexpr):
+    """RoPE of rows x[r, d] = base[r][d] (d < D, `ok` [R, DP] the live elements) by the angles at c_ptr / s_ptr +
+    trig[r] + index * st_w, as `rope_kv`'s kernel computes them (layouts and rounding of dsv41/kernels/rope_kv.py),
+    rounded to DT; returns fp32 [R, DP]."""
+    half = D // 2
+    if LAYOUT == 0:
+        first = (dd % 2) == 0
+        partner = tl.where(first, dd + 1, dd - 1)
+        ti = dd // 2
+    else:
+        first = dd < half
+        partner = tl.where(first, dd + half, dd - half)
+        if LAYOUT == 1:
+            ti = tl.where(first, dd, dd - half)
+        else:
+            ti = dd
+    x = tl.load(base[:, None] + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(base[:, None] + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + trig[:, None] + ti[None, :] * st_w, mask=ok, other=0.0).to(tl.float32)
+    sn = tl.load(s_ptr + trig[:, None] + ti[None, :] * st_w, mask=ok, other=0.0).to(tl.float32)
+    if ROUND:
+        # eager in x's dtype: each product rounded, then the sum (the angles already in that dtype)
+        xc = round_to(x * c, DT)
+        ps = round_to(xp * sn, DT)
+        o = tl.where(first[None, :], xc - ps, xc + ps)
+    else:
+        o = tl.where(first[None, :], x * c - xp * sn, xp * sn + x * c)
+    return round_to(o, DT)
+
+
+@triton.jit
 def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
+                kn_ptr, vn_ptr, c_ptr, s_ptr, pos_ptr,
                 HKV, M, S, D, scale,
                 sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_m,
                 sm_b, sm_h, sm_m, sm_s,
+                skn_b, skn_m, skn_h, svn_b, svn_m, svn_h, st_b, st_m, st_w,
                 G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
-                MASK_BOOL: tl.constexpr, SKIP_MASKED: tl.constexpr, USE_PDL: tl.constexpr):
+                MASK_BOOL: tl.constexpr, SKIP_MASKED: tl.constexpr, ROPE: tl.constexpr, LAYOUT: tl.constexpr,
+                ROUND: tl.constexpr, MP: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
@@ -118,8 +153,32 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
     h = hk * G + g
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the cache rows of this step come from the previous kernels
-    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    if ROPE:
+        # q arrives unrotated; the step's new K and V rows are rotated / copied here, written to the caches by
+        # the last split, and stand in for the cache rows at their positions in every split (another split may
+        # read a row before it is written; the interpreter runs the splits in order, so its tests see that case).
+        q = _rope_rows(q_ptr + b * sq_b + h * sq_h + m * sq_m, b * st_b + m * st_m, dd,
+                       r_ok[:, None] & d_ok[None, :], c_ptr, s_ptr, st_w, D, LAYOUT, ROUND, DT)
+        jj = tl.arange(0, MP)
+        j_ok = jj < M
+        p = tl.load(pos_ptr + jj, mask=j_ok, other=-1)
+        # Two new tokens at one position: the later one is the row the cache keeps (index_put's order on CPU).
+        later = tl.max(((p[None, :] == p[:, None]) & (jj[None, :] > jj[:, None]) & j_ok[None, :]).to(tl.int32),
+                       axis=1) > 0
+        live = j_ok & (p >= 0) & (p < S) & (later == 0)
+        jd_ok = j_ok[:, None] & d_ok[None, :]
+        krow = _rope_rows(kn_ptr + b * skn_b + jj * skn_m + hk * skn_h, b * st_b + jj * st_m, dd, jd_ok, c_ptr,
+                          s_ptr, st_w, D, LAYOUT, ROUND, DT)
+        vrow = tl.load(vn_ptr + b * svn_b + jj[:, None] * svn_m + hk * svn_h + dd[None, :], mask=jd_ok, other=0.0)
+        if sp == SPLITS - 1:
+            w_ok = live[:, None] & d_ok[None, :]
+            tl.store(k_ptr + b * sk_b + hk * sk_h + p[:, None] * sk_s + dd[None, :], krow.to(DT), mask=w_ok)
+            tl.store(v_ptr + b * sv_b + hk * sv_h + p[:, None] * sv_s + dd[None, :], vrow, mask=w_ok)
+        vrow = vrow.to(tl.float32)
+    else:
+        q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
@@ -143,6 +202,11 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                      mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
                      mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if ROPE:
+            eq = (s[:, None] == p[None, :]) & live[None, :]   # [BLOCK_S, MP]: key s is new token j's row
+            hit = tl.max(eq.to(tl.int32), axis=1) > 0
+            kt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], krow[None, :, :], 0.0), axis=1), kt)
+            vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :], 0.0), axis=1), vt)
         sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
         if MASK:
             if MASK_BOOL:
@@ -182,7 +246,6 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         den = tl.sum(wj * lj, axis=0)
         num = tl.sum(wj[:, :, None] * aj, axis=0)
         out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked, as SDPA gives
-        DT: tl.constexpr = o_ptr.dtype.element_ty
         tl.store(o_ptr + b * so_b + h[:, None] * so_h + m[:, None] * so_m + dd[None, :],
                  round_to(out, DT).to(DT), mask=r_ok[:, None] & d_ok[None, :])
         tl.atomic_xchg(cnt_ptr + pid, 0)
@@ -223,15 +286,26 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                                 **overrides) -> torch.Tensor:
     """`reference_gqa_decode_attention` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1);
-    `overrides` (block_s, splits, num_warps, skip_masked) replace the `gqa_plan` heuristic. Raises as the reference, plus RuntimeError when
-    the kernel cannot run on the device and ValueError for D > 256."""
-    g, s = _check(q, k, v, mask)
+    `overrides` (block_s, splits, num_warps, skip_masked) replace the `gqa_plan` heuristic. Raises as the
+    reference, plus RuntimeError when the kernel cannot run on the device and ValueError for D > 256."""
+    _check(q, k, v, mask)
     require_launchable(_gqa_kernel, q.device, "triton_gqa_decode_attention")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return launch_gqa(q, k, v, mask, scale, overrides)
+
+
+def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: Optional[float], overrides: dict, rope: Optional[dict] = None) -> torch.Tensor:
+    """One `_gqa_kernel` launch on checked arguments whose last dims are contiguous: q [B, Hq, M, D] (with `rope`,
+    the unrotated q seen as [B, Hq, M, D], e.g. a transpose of [B, M, Hq, D]), k / v [B, Hkv, S, D] (with `rope`,
+    the caches the new rows are written to). `rope` = dict(k, v [B, M, Hkv, D] (last dim contiguous), cos, sin
+    [B, M, W], pos int64 [M], layout, round_products) as `rope_kv_store` takes them. Returns the output
+    [B, Hq, M, D] in q's dtype. Raises ValueError for D > 256 or a plan override it rejects."""
     b, hq, m, d = q.shape
     if d > 256:
         raise ValueError(f"head dim {d} > 256 is not taken by the kernel")
-    hkv = k.shape[1]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
     out = _empty((b, hq, m, d), q.dtype, q.device)
     if out.numel() == 0:
         return out
@@ -249,12 +323,21 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         ms = [st if sz > 1 else 0 for st, sz in zip(mask4.stride(), mask4.shape)]
     else:
         mask4, ms = q, [0, 0, 0, 0]
+    if rope is not None:
+        kn, vn, cos = rope["k"], rope["v"], rope["cos"]
+        rargs = (kn, vn, cos, rope["sin"], rope["pos"])
+        rstrides = (*kn.stride()[:3], *vn.stride()[:3], *cos.stride())
+        rconst = dict(ROPE=True, LAYOUT=int(rope["layout"]), ROUND=bool(rope["round_products"]),
+                      MP=next_power_of_2(m))
+    else:
+        rargs, rstrides = (q, q, q, q, q), (0,) * 9
+        rconst = dict(ROPE=False, LAYOUT=0, ROUND=False, MP=1)
     _gqa_kernel[plan["grid"]](
-        q, k, v, mask4, out, ws, cnt, hkv, m, s, d, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
+        q, k, v, mask4, out, ws, cnt, *rargs, hkv, m, s, d, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms, *rstrides,
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        SKIP_MASKED=plan["SKIP_MASKED"], USE_PDL=pdl, num_warps=plan["num_warps"], **extra)
+        SKIP_MASKED=plan["SKIP_MASKED"], USE_PDL=pdl, num_warps=plan["num_warps"], **rconst, **extra)
     return out
 
 
