@@ -336,13 +336,13 @@ for s in $sections; do
       timeout ${CHAIN_TIMEOUT:-420} python3 bench/probes/half_chain_probe.py --model ${GENERIC_MODEL:-llama-1b} $e2e \
         ${CHAIN_FLAGS:-} --json "$OUTDIR/half_chain_${GENERIC_MODEL:-llama-1b}.json" 2>&1 | grep -v Warning | cut -c1-200 ;;
     llamafinal)
-      # Issue [generic], session 36: the half GEMV's GPU tests with the measured defaults, then Llama-1B (the step's
-      # GEMV chain with the defaults, the attention plans swept, end to end as the tree has it and with the best
-      # attention plan) and Llama-8B (chain and end to end), one lease.
+      # Issue [generic], sessions 36-37: the half GEMV's and the attention's GPU tests, then Llama-1B (the step's
+      # GEMV chain with the defaults, the attention plans swept, end to end as the tree has it, with the best
+      # attention plan, and with the gated rope_gqa family on) and Llama-8B (chain and end to end), one lease.
       timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py \
         ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
-      timeout ${LLAMA1_TIMEOUT:-130} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
-        --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
+      timeout ${LLAMA1_TIMEOUT:-170} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
+        --ungate rope_gqa --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
       timeout ${LLAMA8_TIMEOUT:-140} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --e2e \
         --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)

@@ -42,3 +42,26 @@ def test_llama_shapes_match_float64(hq, hkv, d, s, m, masking, pdl):
         mask = torch.where(torch.arange(s) < valid, 0.0, float("-inf")).to(torch.bfloat16)[None, None, None]
     got = ga.triton_gqa_decode_attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda())
     R._close(got.cpu(), R.attention64(q, k, v, mask if masking == "bool" else mask.float()), v)
+
+
+RG = load_reference("test_kernels_rope_gqa")
+
+
+@pytest.mark.parametrize("d, t, m, layout", [(64, 640, 1, 0), (128, 1024, 1, 1), (64, 333, 4, 2)])
+def test_rope_prologue_at_llama_shapes(d, t, m, layout, pdl):
+    """dsv41::rope_gqa_decode_attention: the new rows land in the caches and the output matches float64, with the
+    new positions in a split other than the last (the writer), so another split must use them in place."""
+    from dsv41.kernels import rope_gqa as rg
+    pos = list(range(100, 100 + m))
+    q, k, v, cos, sin, pos_t, kc, vc = RG._case(1, 32, 8, m, t, d, layout, torch.bfloat16, t, pos)
+    mask = (torch.arange(t) < pos[-1] + 1).expand(1, 1, m, t).clone()
+    want, kc_want, vc_want = RG._expected(q, k, v, cos, sin, pos_t, kc, vc, layout, mask, d ** -0.5, torch.bfloat16)
+    kc_d, vc_d = kc.cuda(), vc.cuda()
+    got = rg.triton_rope_gqa_decode_attention(q.cuda(), k.cuda(), v.cuda(), cos.cuda(), sin.cuda(), pos_t.cuda(),
+                                              kc_d, vc_d, layout, False, mask.cuda())
+    torch.cuda.synchronize()
+    for have, ref in ((kc_d.cpu(), kc_want), (vc_d.cpu(), vc_want)):
+        diff = (have.double() - ref.double()).abs()
+        assert (diff <= torch.finfo(torch.bfloat16).eps * ref.double().abs() + 1e-6).all()
+    err = (got.cpu().double() - want).abs().max().item()
+    assert err <= 2 ** -6 * vc_want.double().abs().max().item(), err

@@ -82,7 +82,7 @@ def _expected(q, k, v, cos, sin, pos, kc, vc, layout, mask, scale, dtype):
 
 # (B, Hq, Hkv, M, T, D, layout, dtype, positions, overrides)
 CASES = [
-    (1, 8, 2, 1, 40, 16, 0, torch.float32, [33], {"block_s": 8}),
+    (1, 8, 2, 1, 40, 16, 0, torch.float32, [13], {"block_s": 8, "splits": 2}),   # 3 tiles a split
     (1, 8, 2, 1, 40, 16, 1, torch.bfloat16, [5], {"block_s": 8, "splits": 5}),
     (2, 4, 1, 3, 24, 8, 2, torch.float32, [20, 21, 22], {"block_s": 4}),
     (1, 6, 3, 3, 30, 12, 1, torch.float16, [9, 9, -1], {"block_s": 8}),   # two tokens at 9; one skipped

@@ -210,11 +210,14 @@ def e2e(model, save=lambda part: None):
     runs = [("tree", ["inductor-cudagraphs", "dsv41"])]
     if e2e.result.get("knobs") or e2e.result.get("gqa_best"):
         runs.append(("patched", ["dsv41"]))
+    for fam in e2e.families:  # families gated on CUDA until measured here (`gpu_unvalidated`), on the patched tree
+        runs.append((f"+{fam}", ["dsv41"]))
     for label, rows in runs:
         if label == "patched":
             patch(e2e.result)
         t = time.perf_counter()
-        r = run_llama_benchmark(model, backends=rows, **kw)
+        opts = {"gpu_unvalidated": [label[1:]]} if label.startswith("+") else None
+        r = run_llama_benchmark(model, backends=rows, **{**kw, "options": opts})
         for name, b in r["backends"].items():
             keep = {k: b.get(k) for k in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "max_rel_logit_err",
                                           "compile_s", "note", "step_gpu_busy_us", "step_span_us", "top_kernels_us")}
@@ -237,6 +240,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="only the cuBLAS chain and the tree's default plans")
     ap.add_argument("--gqa", action="store_true", help="sweep the attention plans; the e2e patches the best")
+    ap.add_argument("--ungate", action="append", default=[], help="an e2e run more with this gated family on")
     a = ap.parse_args()
     set_pdl(True)
     prepare_device(torch.device("cuda"))
@@ -252,7 +256,7 @@ def main():
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     if a.e2e:
-        e2e.result = res
+        e2e.result, e2e.families = res, a.ungate
 
         def save(part):  # after every run: a timeout keeps what has finished
             res["e2e"] = part

@@ -161,20 +161,20 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         q = _rope_rows(q_ptr + b * sq_b + h * sq_h + m * sq_m, b * st_b + m * st_m, dd,
                        r_ok[:, None] & d_ok[None, :], c_ptr, s_ptr, st_w, D, LAYOUT, ROUND, DT)
         jj = tl.arange(0, MP)
-        j_ok = jj < M
-        p = tl.load(pos_ptr + jj, mask=j_ok, other=-1)
+        jn_ok = jj < M
+        pn = tl.load(pos_ptr + jj, mask=jn_ok, other=-1)
         # Two new tokens at one position: the later one is the row the cache keeps (index_put's order on CPU).
-        later = tl.max(((p[None, :] == p[:, None]) & (jj[None, :] > jj[:, None]) & j_ok[None, :]).to(tl.int32),
+        later = tl.max(((pn[None, :] == pn[:, None]) & (jj[None, :] > jj[:, None]) & jn_ok[None, :]).to(tl.int32),
                        axis=1) > 0
-        live = j_ok & (p >= 0) & (p < S) & (later == 0)
-        jd_ok = j_ok[:, None] & d_ok[None, :]
+        live = jn_ok & (pn >= 0) & (pn < S) & (later == 0)
+        jd_ok = jn_ok[:, None] & d_ok[None, :]
         krow = _rope_rows(kn_ptr + b * skn_b + jj * skn_m + hk * skn_h, b * st_b + jj * st_m, dd, jd_ok, c_ptr,
                           s_ptr, st_w, D, LAYOUT, ROUND, DT)
         vrow = tl.load(vn_ptr + b * svn_b + jj[:, None] * svn_m + hk * svn_h + dd[None, :], mask=jd_ok, other=0.0)
         if sp == SPLITS - 1:
             w_ok = live[:, None] & d_ok[None, :]
-            tl.store(k_ptr + b * sk_b + hk * sk_h + p[:, None] * sk_s + dd[None, :], krow.to(DT), mask=w_ok)
-            tl.store(v_ptr + b * sv_b + hk * sv_h + p[:, None] * sv_s + dd[None, :], vrow, mask=w_ok)
+            tl.store(k_ptr + b * sk_b + hk * sk_h + pn[:, None] * sk_s + dd[None, :], krow.to(DT), mask=w_ok)
+            tl.store(v_ptr + b * sv_b + hk * sv_h + pn[:, None] * sv_s + dd[None, :], vrow, mask=w_ok)
         vrow = vrow.to(tl.float32)
     else:
         q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
@@ -203,7 +203,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
                      mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         if ROPE:
-            eq = (s[:, None] == p[None, :]) & live[None, :]   # [BLOCK_S, MP]: key s is new token j's row
+            eq = (s[:, None] == pn[None, :]) & live[None, :]   # [BLOCK_S, MP]: key s is new token j's row
             hit = tl.max(eq.to(tl.int32), axis=1) > 0
             kt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], krow[None, :, :], 0.0), axis=1), kt)
             vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :], 0.0), axis=1), vt)
