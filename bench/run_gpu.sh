@@ -343,8 +343,8 @@ for s in $sections; do
         ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
       timeout ${LLAMA1_TIMEOUT:-170} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
         --ungate rope_gqa --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
-      timeout ${LLAMA8_TIMEOUT:-140} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --e2e \
-        --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
+      timeout ${LLAMA8_TIMEOUT:-220} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --gqa --e2e \
+        --ungate rope_gqa --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)
       # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against
       # the eager prefill, one lease: ttft_s / prefill_tok_s per row and the FLOP floor at the top level.

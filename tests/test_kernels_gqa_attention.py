@@ -143,15 +143,17 @@ def test_bad_arguments_are_named(bad, kind, words):
         ga.reference_gqa_decode_attention(*bad(q, k, v))
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["attention", "rope_prologue"])
-def test_sm90_build_waits_before_its_first_load(rope):
+@pytest.mark.parametrize("rope, dot", [(False, False), (False, True), (True, True)],
+                         ids=["attention", "attention_dot", "rope_prologue_dot"])
+def test_sm90_build_waits_before_its_first_load(rope, dot):
     """Built offline for sm_90 with PDL: no global load before griddepcontrol.wait (q, the new K / V rows and the
     cache rows of the step come from the previous kernels), and the next kernel is released once."""
     from interp_harness import sm90_ttir
     ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", mask_ptr="i1", o_ptr="bf16", ws_ptr="fp32", cnt_ptr="i32",
                 kn_ptr="bf16", vn_ptr="bf16", c_ptr="fp32", s_ptr="fp32", pos_ptr="i64")
-    consts = dict(G=4, RP=4, DP=64, BLOCK_S=32, S_ITERS=4, SPLITS=8, SPLITS_P2=8, MASK=True, MASK_BOOL=True,
-                  SKIP_MASKED=True, ROPE=rope, LAYOUT=1, ROUND=False, MP=1, USE_PDL=True)
+    consts = dict(G=4, RP=16 if dot else 4, DP=64, BLOCK_S=32, S_ITERS=4, SPLITS=8, SPLITS_P2=8, MASK=True,
+                  MASK_BOOL=True, SKIP_MASKED=True, ROPE=rope, LAYOUT=1, ROUND=False, MP=1, RW=4, DOT=dot,
+                  DOT_F32=False, USE_PDL=True)
     ptx = sm90_ttir(ga._gqa_kernel, ptrs, consts, stage="ptx", num_warps=4, scalar_types={"scale": "fp32"})
     lines = [ln.strip() for ln in ptx.splitlines()]
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)

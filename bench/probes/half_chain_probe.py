@@ -170,9 +170,10 @@ def gqa_sweep(model, reps_ms, context=640):
         if best is None or t < best[0]:
             best = (t, over)
 
-    one({"skip_masked": False})  # the kernel before session 37
+    one({"skip_masked": False, "dot": False})  # the kernel before session 37
+    one({"dot": False})
     for bs in (16, 32, 64, 128):
-        for sp in (None, 2, 4, 8, 16):
+        for sp in (None, 4, 8, 16):
             one({"block_s": bs} if sp is None else {"block_s": bs, "splits": sp})
     top = dict(best[1])
     one({**top, "skip_masked": False})  # the mask's load before the cache's is one more round trip

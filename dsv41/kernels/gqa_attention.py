@@ -40,8 +40,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable,
-                      round_to, split_k_counters, use_pdl_for)
+from ._common import (check_same_device, check_tensor, is_interpreted, next_power_of_2, register_cuda,
+                      require_launchable, round_to, split_k_counters, use_pdl_for)
 
 __all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa_decode_attention",
            "gqa_plan", "MAX_TRITON_M"]
@@ -139,12 +139,13 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 G: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
                 MASK_BOOL: tl.constexpr, SKIP_MASKED: tl.constexpr, ROPE: tl.constexpr, LAYOUT: tl.constexpr,
-                ROUND: tl.constexpr, MP: tl.constexpr, USE_PDL: tl.constexpr):
+                ROUND: tl.constexpr, MP: tl.constexpr, RW: tl.constexpr, DOT: tl.constexpr,
+                DOT_F32: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
     hk = pid % HKV
-    r = tl.arange(0, RP)     # query row r = g * M + m of this KV head
+    r = tl.arange(0, RP)     # query row r = g * M + m of this KV head (RP >= RW = next_power_of_2(G M): DOT pads)
     g = r // M
     m = r % M
     r_ok = r < G * M
@@ -179,6 +180,11 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
     else:
         q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    KT: tl.constexpr = k_ptr.dtype.element_ty
+    if DOT:
+        # q holds values of the cache's dtype (loaded, or rotated and rounded): exact in it, so the tensor-core
+        # products are the FP32 products of the other path
+        qd = q.to(KT)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
@@ -199,15 +205,23 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 # in every row, and their bytes are most of what a decode step would otherwise waste.
                 kv_ok = s_ok & (tl.max(keep.to(tl.int32), axis=0) > 0)
         kt = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + dd[None, :],
-                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
-                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         if ROPE:
             eq = (s[:, None] == pn[None, :]) & live[None, :]   # [BLOCK_S, MP]: key s is new token j's row
             hit = tl.max(eq.to(tl.int32), axis=1) > 0
-            kt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], krow[None, :, :], 0.0), axis=1), kt)
-            vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :], 0.0), axis=1), vt)
-        sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+            kt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], krow[None, :, :], 0.0), axis=1).to(KT), kt)
+            vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :], 0.0), axis=1).to(KT), vt)
+        if DOT_F32:
+            # the interpreter's bf16 dot is wrong (Triton 3.9): the same exact products in FP32
+            sc = tl.dot(qd.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee") * scale
+        elif DOT:
+            sc = tl.dot(qd, tl.trans(kt)) * scale
+        else:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+            sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
         if MASK:
             if MASK_BOOL:
                 sc = tl.where(keep, sc, float("-inf"))
@@ -220,25 +234,41 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         alpha = tl.exp(m_i - shift)
         p = tl.exp(sc - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+        if DOT:
+            # p split into two values of the cache's dtype (about 16 significant bits together): the tensor-core
+            # product stays within ~2^-17 of the FP32 one
+            p_hi = p.to(KT)
+            p_lo = (p - p_hi.to(tl.float32)).to(KT)
+            if DOT_F32:
+                vf = vt.to(tl.float32)
+                acc = (acc * alpha[:, None] + tl.dot(p_hi.to(tl.float32), vf, input_precision="ieee")
+                       + tl.dot(p_lo.to(tl.float32), vf, input_precision="ieee"))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p_hi, vt) + tl.dot(p_lo, vt)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
         m_i = m_new
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # Split sp's partial: [max, sum, acc...] per row, then the merge by the last split to arrive.
     W: tl.constexpr = DP + 2
-    base = ws_ptr + (pid * SPLITS + sp).to(tl.int64) * (RP * W)
-    tl.store(base + r * W, m_i)
-    tl.store(base + r * W + 1, l_i)
-    tl.store(base + r[:, None] * W + 2 + dd[None, :], acc)
+    base = ws_ptr + (pid * SPLITS + sp).to(tl.int64) * (RW * W)
+    w_r = r < RW
+    tl.store(base + r * W, m_i, mask=w_r)
+    tl.store(base + r * W + 1, l_i, mask=w_r)
+    tl.store(base + r[:, None] * W + 2 + dd[None, :], acc, mask=w_r[:, None])
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
     if arrived == SPLITS - 1:
         j = tl.arange(0, SPLITS_P2)
         j_ok = j < SPLITS
-        pb = ws_ptr + (pid * SPLITS + j).to(tl.int64) * (RP * W)
-        mj = tl.load(pb[:, None] + r[None, :] * W, mask=j_ok[:, None], other=float("-inf"), cache_modifier=".cg")
-        lj = tl.load(pb[:, None] + r[None, :] * W + 1, mask=j_ok[:, None], other=0.0, cache_modifier=".cg")
-        aj = tl.load(pb[:, None, None] + r[None, :, None] * W + 2 + dd[None, None, :], mask=j_ok[:, None, None],
+        rr = tl.arange(0, RW)
+        hr = hk * G + rr // M
+        mr = rr % M
+        pb = ws_ptr + (pid * SPLITS + j).to(tl.int64) * (RW * W)
+        mj = tl.load(pb[:, None] + rr[None, :] * W, mask=j_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        lj = tl.load(pb[:, None] + rr[None, :] * W + 1, mask=j_ok[:, None], other=0.0, cache_modifier=".cg")
+        aj = tl.load(pb[:, None, None] + rr[None, :, None] * W + 2 + dd[None, None, :], mask=j_ok[:, None, None],
                      other=0.0, cache_modifier=".cg")
         mx = tl.max(mj, axis=0)
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
@@ -246,8 +276,8 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         den = tl.sum(wj * lj, axis=0)
         num = tl.sum(wj[:, :, None] * aj, axis=0)
         out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked, as SDPA gives
-        tl.store(o_ptr + b * so_b + h[:, None] * so_h + m[:, None] * so_m + dd[None, :],
-                 round_to(out, DT).to(DT), mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptr + b * so_b + hr[:, None] * so_h + mr[:, None] * so_m + dd[None, :],
+                 round_to(out, DT).to(DT), mask=(rr < G * M)[:, None] & d_ok[None, :])
         tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
@@ -257,11 +287,13 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: int | None = None,
-             num_warps: int | None = None, skip_masked: bool | None = None, sm_count: int = 132) -> dict:
+             num_warps: int | None = None, skip_masked: bool | None = None, dot: bool | None = None,
+             sm_count: int = 132) -> dict:
     """Launch parameters: BLOCK_S keys per iteration (default 32), SPLITS sequence splits (default: enough that
     b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split, num_warps
     (default 4), SKIP_MASKED (default True: a key that the mask hides from every query row of a program is not
-    read); grid (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
+    read), DOT (default True: scores and the weighted sum on tensor cores for bf16 / fp16, where BLOCK_S and the
+    head dim are at least 16); grid (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
     num_warps that is not 1, 2, 4 or 8."""
     block_s = block_s or 32
     if block_s & (block_s - 1) or block_s < 1:
@@ -279,6 +311,7 @@ def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: in
     splits = -(-tiles // iters)
     return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=next_power_of_2(splits), S_ITERS=iters,
                 SKIP_MASKED=True if skip_masked is None else bool(skip_masked), num_warps=num_warps,
+                DOT=True if dot is None else bool(dot),
                 grid=(b * hkv, splits))
 
 
@@ -313,8 +346,10 @@ def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
         return out.fill_(float("nan"))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     plan = gqa_plan(b, hkv, s, **overrides)
-    rp, dp = next_power_of_2(g * m), next_power_of_2(d)
-    ws = _empty((b * hkv * plan["SPLITS"] * rp * (dp + 2),), torch.float32, q.device)
+    rw, dp = next_power_of_2(g * m), next_power_of_2(d)
+    dot = plan["DOT"] and q.dtype != torch.float32 and plan["BLOCK_S"] >= 16 and dp >= 16
+    rp = max(rw, 16) if dot else rw
+    ws = _empty((b * hkv * plan["SPLITS"] * rw * (dp + 2),), torch.float32, q.device)
     cnt = split_k_counters(q.device, b * hkv)
     pdl = use_pdl_for(_gqa_kernel, q.device)
     extra = {"launch_pdl": True} if pdl else {}
@@ -337,7 +372,9 @@ def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms, *rstrides,
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        SKIP_MASKED=plan["SKIP_MASKED"], USE_PDL=pdl, num_warps=plan["num_warps"], **rconst, **extra)
+        SKIP_MASKED=plan["SKIP_MASKED"], RW=rw, DOT=dot,
+        DOT_F32=dot and q.dtype == torch.bfloat16 and is_interpreted(_gqa_kernel), USE_PDL=pdl, num_warps=plan["num_warps"], **rconst,
+        **extra)
     return out
 
 
