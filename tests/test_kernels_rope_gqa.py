@@ -73,6 +73,7 @@ def _expected(q, k, v, cos, sin, pos, kc, vc, layout, mask, scale, dtype):
     kc, vc = kc.clone(), vc.clone()
     kr = rotate64(k, cos, sin, layout).to(dtype)
     for j, p in enumerate(pos.tolist()):  # in token order: the later token at one position wins
+        p = p + kc.shape[2] if p < 0 else p   # index_put's wrap
         if 0 <= p < kc.shape[2]:
             kc[:, :, p] = kr[:, j]
             vc[:, :, p] = v[:, j]
@@ -85,7 +86,8 @@ CASES = [
     (1, 8, 2, 1, 40, 16, 0, torch.float32, [13], {"block_s": 8, "splits": 2}),   # 3 tiles a split
     (1, 8, 2, 1, 40, 16, 1, torch.bfloat16, [5], {"block_s": 8, "splits": 5}),
     (2, 4, 1, 3, 24, 8, 2, torch.float32, [20, 21, 22], {"block_s": 4}),
-    (1, 6, 3, 3, 30, 12, 1, torch.float16, [9, 9, -1], {"block_s": 8}),   # two tokens at 9; one skipped
+    (1, 6, 3, 3, 30, 12, 1, torch.float16, [9, 9, -1], {"block_s": 8}),   # two tokens at 9; -1 is row 29
+    (1, 4, 2, 3, 20, 16, 0, torch.bfloat16, [19, -20, 20], {"block_s": 16}),  # -20 is row 0; 20 skipped
     (1, 4, 2, 2, 32, 16, 0, torch.bfloat16, [31, 3], {"block_s": 16, "skip_masked": False}),
 ]
 
@@ -96,7 +98,7 @@ def test_output_and_caches_match_float64(case, nan_outputs):
     b, hq, hkv, m, t, d, layout, dtype, pos, over = case
     q, k, v, cos, sin, pos_t, kc, vc = _case(b, hq, hkv, m, t, d, layout, dtype, t + m, pos)
     # each token attends the cache up to the last position written, as a causal decode would
-    limit = max(pos) + 1
+    limit = max(p for p in pos if p < t) + 1
     mask = (torch.arange(t) < limit).expand(1, 1, m, t).clone()
     scale = 1 / math.sqrt(d)
     want, kc_want, vc_want = _expected(q, k, v, cos, sin, pos_t, kc, vc, layout, mask, scale, dtype)

@@ -162,6 +162,25 @@ def test_no_q_and_out_of_range_positions_write_nothing_else_on_the_kernel():
     _no_q_and_out_of_range_positions_write_nothing_else(rk.triton_rope_kv_store)
 
 
+def _negative_positions_count_from_the_end(impl):
+    """As `cache[:, :, pos] = x` does: -1 is row T - 1; -17 is outside [-T, T) for T = 16, so nothing is written."""
+    _, k, v = _qkv(1, 2, 2, 2, 8, torch.float32, seed=9)
+    ang = _angles(1, 2, 8)
+    pos = torch.tensor([-17, -1])
+    out, kc, vc, kc0, vc0 = _run(impl, None, k, v, ang.cos().float(), ang.sin().float(), pos, 0, False)
+    assert torch.equal(vc[:, :, 15], v[:, 1]) and torch.equal(vc[:, :, :15], vc0[:, :, :15])
+    assert torch.equal(kc[:, :, :15], kc0[:, :, :15]) and not torch.equal(kc[:, :, 15], kc0[:, :, 15])
+
+
+def test_negative_positions_count_from_the_end_on_the_reference():
+    _negative_positions_count_from_the_end(rk.reference_rope_kv_store)
+
+
+@interpreted
+def test_negative_positions_count_from_the_end_on_the_kernel():
+    _negative_positions_count_from_the_end(rk.triton_rope_kv_store)
+
+
 def test_bad_arguments_name_the_argument():
     q, k, v = _qkv(1, 1, 4, 2, 16, torch.float32)
     ang = _angles(1, 1, 16)

@@ -164,6 +164,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         jj = tl.arange(0, MP)
         jn_ok = jj < M
         pn = tl.load(pos_ptr + jj, mask=jn_ok, other=-1)
+        pn = tl.where(pn < 0, pn + S, pn)  # index_put's wrap of a negative position, as rope_kv_store wraps it
         # Two new tokens at one position: the later one is the row the cache keeps (index_put's order on CPU).
         later = tl.max(((pn[None, :] == pn[:, None]) & (jj[None, :] > jj[:, None]) & jn_ok[None, :]).to(tl.int32),
                        axis=1) > 0

@@ -11,8 +11,9 @@ Op (`dsv41::rope_kv_store(q, k, v, cos, sin, pos, k_cache!, v_cache!, layout, ro
     q        [B, S, H, D] bf16 / fp16 / fp32, or None (then q_rot is an empty [0] tensor)
     k, v     [B, S, Hkv, D], q's dtype
     cos, sin [B, S, W] fp32, or the dtype of k with `round_products` (any strides; stride 0 broadcasts)
-    pos      int64 [S]: the cache position of each of the S new tokens, in [0, T) (negative or larger positions
-             are skipped: the caller wraps negative ones as `index_put` does)
+    pos      int64 [S]: the cache position of each of the S new tokens; a negative one counts from the end
+             (pos + T), as `index_put` wraps it; one outside [-T, T) is skipped (the op wraps, so a compiled graph
+             needs no kernel of its own for it)
     k_cache, v_cache [B, Hkv, T, D], k's dtype, written in place:
              k_cache[b, h, pos[s]] = rope(k)[b, s, h];  v_cache[b, h, pos[s]] = v[b, s, h]
     layout   0: interleaved pairs (2i, 2i+1), W = D/2 (Meta's reference Llama, gpt-fast, `view_as_complex`);
@@ -134,11 +135,13 @@ def _empty_strided(shape, stride, dtype, device) -> torch.Tensor:
 def reference_rope_kv_store(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             layout: int, round_products: bool, q_out_stride: list) -> torch.Tensor:
-    """The op in plain PyTorch (module docstring): writes k_cache / v_cache in place at the positions in [0, T)
-    and returns q_rot (an empty [0] fp32 tensor when q is None). Raises TypeError / ValueError naming the
+    """The op in plain PyTorch (module docstring): writes k_cache / v_cache in place at the positions in [-T, T)
+    (negative ones wrapped to pos + T) and returns q_rot (an empty [0] fp32 tensor when q is None). Raises TypeError / ValueError naming the
     argument for wrong dtypes or shapes."""
     _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride)
-    ok = (pos >= 0) & (pos < k_cache.shape[2])
+    t = k_cache.shape[2]
+    pos = torch.where(pos < 0, pos + t, pos)
+    ok = (pos >= 0) & (pos < t)
     kr = rope_apply_reference(k, cos, sin, layout, round_products)
     idx = pos[ok]
     k_cache[:, :, idx] = kr[:, ok].transpose(1, 2)
@@ -171,6 +174,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, c_ptr, s_ptr, pos_ptr, kc_ptr, vc_ptr, 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q / k / v and the positions come from the previous kernels
     p = tl.load(pos_ptr + s)
+    p = tl.where(p < 0, p + T, p)  # index_put's wrap of a negative position
     pv = p + i * 0  # the position as a vector: the interpreter rejects a scalar in a mask
     okc = ok & (pv >= 0) & (pv < T)
     if row < H + HKV:

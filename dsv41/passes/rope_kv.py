@@ -202,20 +202,6 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
 
 
-def _share_wraps(graph: fx.Graph, wraps: set) -> None:
-    """Every layer's op gets `where(pos < 0, pos + T, pos)` of the same step positions: keep the first of equal ones
-    (graph order, so it comes before every reader) and point the others' readers at it. Without this, Inductor
-    launches one kernel per layer for the same three scalars (16 of 2.3 us in a Llama-1B step on an H100)."""
-    seen: dict = {}
-    for n in list(graph.nodes):
-        if n not in wraps:
-            continue
-        first = seen.setdefault((n.target, tuple(n.args)), n)
-        if first is not n:
-            n.replace_all_uses_with(first)
-            graph.erase_node(n)
-
-
 class _Site:
     """One k write, its v write and the q RoPE found for them, with the k RoPE region."""
 
@@ -243,7 +229,6 @@ class RopeKvFamily(FusionFamily):
         key = order_key(graph)
         matches, misses = [], []
         rope_of: dict = {}
-        self._wraps: list = []
         for w in writes:
             rope_of[w] = _rope_source(cache_write_parts(w)[2], sourced)
         used: set = set()
@@ -288,7 +273,6 @@ class RopeKvFamily(FusionFamily):
                 used_q.add(site.yq)
             matches.append(rec)
         if matches:
-            _share_wraps(graph, set(self._wraps))
             finish_graph(graph)
         return PassRecord(self.name, True, tuple(matches), tuple(misses))
 
@@ -436,10 +420,6 @@ class RopeKvFamily(FusionFamily):
             return undo(("rope_values", "the region reads x and angle tensors but agrees with no layout of "
                                         "rope_kv_store (interleaved, rotate-half, rotate-half with full-width angles; "
                                         "whole head dim, +angle) on probes"))
-        neg = add(aten.lt.Scalar, (pos, 0))
-        wrapped = add(aten.add.Tensor, (pos, t))
-        pos_in = add(aten.where.self, (neg, wrapped, pos))
-        self._wraps += [neg, wrapped, pos_in]
         layout, swap, rnd = choice
         cos, sin = (parts[1], parts[0]) if swap else (parts[0], parts[1])
         ct = tensor_val(cos).dtype
@@ -451,7 +431,7 @@ class RopeKvFamily(FusionFamily):
             ys = list(tensor_val(site.yq).stride())
             q_stride = [int(ys[i]) for i in perm_q]
         af = insert_node(graph, anchor, torch.ops.higher_order.auto_functionalized, (op,), dict(
-            q=q_c, k=k_c, v=v_c, cos=cos, sin=sin, pos=pos_in, k_cache=cache_k, v_cache=cache_v, layout=layout,
+            q=q_c, k=k_c, v=v_c, cos=cos, sin=sin, pos=pos, k_cache=cache_k, v_cache=cache_v, layout=layout,
             round_products=rnd, q_out_stride=q_stride), like=site.wk)
         q_new = insert_node(graph, anchor, operator.getitem, (af, 0), like=site.wk)
         kc_new = insert_node(graph, anchor, operator.getitem, (af, 1), like=site.wk)
