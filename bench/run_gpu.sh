@@ -339,12 +339,14 @@ for s in $sections; do
       # Issue [generic], sessions 36-37: the half GEMV's and the attention's GPU tests, then Llama-1B (the step's
       # GEMV chain with the defaults, the attention plans swept, end to end as the tree has it, with the best
       # attention plan, and with the gated rope_gqa family on) and Llama-8B (chain and end to end), one lease.
-      timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py \
+      # LLAMA_FLAGS (e.g. --skip-chain) and LLAMA8_ROWS (the 8B first e2e run's rows) trim a short lease.
+      timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q ${LLAMA_TEST_FILES:-tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py} \
         ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
       timeout ${LLAMA1_TIMEOUT:-170} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
-        --ungate rope_gqa --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
+        --ungate rope_gqa ${LLAMA_FLAGS:-} --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
       timeout ${LLAMA8_TIMEOUT:-220} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --gqa --e2e \
-        --ungate rope_gqa --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
+        --ungate rope_gqa ${LLAMA_FLAGS:-} --tree-rows ${LLAMA8_ROWS:-inductor-cudagraphs,dsv41} \
+        --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)
       # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against
       # the eager prefill, one lease: ttft_s / prefill_tok_s per row and the FLOP floor at the top level.

@@ -208,7 +208,7 @@ def e2e(model, save=lambda part: None):
     from dsv41.bench_llama import run_llama_benchmark
     out = {}
     kw = dict(prompt_len=512, new_tokens=128, repeats=2, options=None, warm_compile=False)
-    runs = [("tree", ["inductor-cudagraphs", "dsv41"])]
+    runs = [("tree", e2e.tree_rows)]
     if e2e.result.get("knobs") or e2e.result.get("gqa_best"):
         runs.append(("patched", ["dsv41"]))
     for fam in e2e.families:  # families gated on CUDA until measured here (`gpu_unvalidated`), on the patched tree
@@ -242,10 +242,12 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="only the cuBLAS chain and the tree's default plans")
     ap.add_argument("--gqa", action="store_true", help="sweep the attention plans; the e2e patches the best")
     ap.add_argument("--ungate", action="append", default=[], help="an e2e run more with this gated family on")
+    ap.add_argument("--skip-chain", action="store_true", help="no GEMV chain timing (the e2e and --gqa only)")
+    ap.add_argument("--tree-rows", default="inductor-cudagraphs,dsv41", help="rows of the e2e's first run")
     a = ap.parse_args()
     set_pdl(True)
     prepare_device(torch.device("cuda"))
-    res = sweep(a.model, a.reps_ms, a.quick, full=not a.no_sweep)
+    res = {"model": a.model} if a.skip_chain else sweep(a.model, a.reps_ms, a.quick, full=not a.no_sweep)
     if a.gqa:
         res["gqa_rows"], res["gqa_best"] = gqa_sweep(a.model, a.reps_ms)
     import datetime
@@ -257,7 +259,7 @@ def main():
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     if a.e2e:
-        e2e.result, e2e.families = res, a.ungate
+        e2e.result, e2e.families, e2e.tree_rows = res, a.ungate, a.tree_rows.split(",")
 
         def save(part):  # after every run: a timeout keeps what has finished
             res["e2e"] = part
