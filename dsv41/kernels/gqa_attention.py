@@ -98,11 +98,11 @@ def reference_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @triton.jit
-def _rope_rows(base, trig, dd, ok, c_ptr, s_ptr, st_w, D, LAYOUT: tl.constexpr, ROUND: tl.constexpr,
-               DT: tl.constexpr):
-    """RoPE of rows x[r, d] = base[r][d] (d < D, `ok` [R, DP] the live elements) by the angles at c_ptr / s_ptr +
-    trig[r] + index * st_w, as `rope_kv`'s kernel computes them (layouts and rounding of dsv41/kernels/rope_kv.py),
-    rounded to DT; returns fp32 [R, DP]."""
+def _rope_load(base, trig, dd, ok, c_ptr, s_ptr, st_w, D, LAYOUT: tl.constexpr):
+    """The loads of a RoPE of rows x[r, d] = base[r][d] (d < D, `ok` [R, DP] the live elements) by the angles at
+    c_ptr / s_ptr + trig[r] + index * st_w (layouts of dsv41/kernels/rope_kv.py): (x, its pair partner, cos, sin),
+    fp32 [R, DP] each. Apart from `_rope_apply`, so that the cache tile's loads are issued before the rotation
+    waits for these."""
     half = D // 2
     if LAYOUT == 0:
         first = (dd % 2) == 0
@@ -119,6 +119,17 @@ def _rope_rows(base, trig, dd, ok, c_ptr, s_ptr, st_w, D, LAYOUT: tl.constexpr, 
     xp = tl.load(base[:, None] + partner[None, :], mask=ok, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + trig[:, None] + ti[None, :] * st_w, mask=ok, other=0.0).to(tl.float32)
     sn = tl.load(s_ptr + trig[:, None] + ti[None, :] * st_w, mask=ok, other=0.0).to(tl.float32)
+    return x, xp, c, sn
+
+
+@triton.jit
+def _rope_apply(x, xp, c, sn, dd, D, LAYOUT: tl.constexpr, ROUND: tl.constexpr, DT: tl.constexpr):
+    """The rotation of `_rope_load`'s values as `rope_kv`'s kernel computes it (rounding of
+    dsv41/kernels/rope_kv.py), rounded to DT; fp32 [R, DP]."""
+    if LAYOUT == 0:
+        first = (dd % 2) == 0
+    else:
+        first = dd < D // 2
     if ROUND:
         # eager in x's dtype: each product rounded, then the sum (the angles already in that dtype)
         xc = round_to(x * c, DT)
@@ -159,33 +170,26 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         # q arrives unrotated; the step's new K and V rows are rotated / copied here, written to the caches by
         # the last split, and stand in for the cache rows at their positions in every split (another split may
         # read a row before it is written; the interpreter runs the splits in order, so its tests see that case).
-        q = _rope_rows(q_ptr + b * sq_b + h * sq_h + m * sq_m, b * st_b + m * st_m, dd,
-                       r_ok[:, None] & d_ok[None, :], c_ptr, s_ptr, st_w, D, LAYOUT, ROUND, DT)
+        # Only their loads come here: the rotations follow the first cache tile's loads, which so are not one
+        # round trip later.
+        qx, qxp, qc, qsn = _rope_load(q_ptr + b * sq_b + h * sq_h + m * sq_m, b * st_b + m * st_m, dd,
+                                      r_ok[:, None] & d_ok[None, :], c_ptr, s_ptr, st_w, D, LAYOUT)
         jj = tl.arange(0, MP)
         jn_ok = jj < M
+        jd_ok = jn_ok[:, None] & d_ok[None, :]
+        kx, kxp, kc, ksn = _rope_load(kn_ptr + b * skn_b + jj * skn_m + hk * skn_h, b * st_b + jj * st_m, dd,
+                                      jd_ok, c_ptr, s_ptr, st_w, D, LAYOUT)
+        vrow = tl.load(vn_ptr + b * svn_b + jj[:, None] * svn_m + hk * svn_h + dd[None, :], mask=jd_ok, other=0.0)
         pn = tl.load(pos_ptr + jj, mask=jn_ok, other=-1)
         pn = tl.where(pn < 0, pn + S, pn)  # index_put's wrap of a negative position, as rope_kv_store wraps it
         # Two new tokens at one position: the later one is the row the cache keeps (index_put's order on CPU).
         later = tl.max(((pn[None, :] == pn[:, None]) & (jj[None, :] > jj[:, None]) & jn_ok[None, :]).to(tl.int32),
                        axis=1) > 0
         live = jn_ok & (pn >= 0) & (pn < S) & (later == 0)
-        jd_ok = jn_ok[:, None] & d_ok[None, :]
-        krow = _rope_rows(kn_ptr + b * skn_b + jj * skn_m + hk * skn_h, b * st_b + jj * st_m, dd, jd_ok, c_ptr,
-                          s_ptr, st_w, D, LAYOUT, ROUND, DT)
-        vrow = tl.load(vn_ptr + b * svn_b + jj[:, None] * svn_m + hk * svn_h + dd[None, :], mask=jd_ok, other=0.0)
-        if sp == SPLITS - 1:
-            w_ok = live[:, None] & d_ok[None, :]
-            tl.store(k_ptr + b * sk_b + hk * sk_h + pn[:, None] * sk_s + dd[None, :], krow.to(DT), mask=w_ok)
-            tl.store(v_ptr + b * sv_b + hk * sv_h + pn[:, None] * sv_s + dd[None, :], vrow, mask=w_ok)
-        vrow = vrow.to(tl.float32)
     else:
         q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + m[:, None] * sq_m + dd[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     KT: tl.constexpr = k_ptr.dtype.element_ty
-    if DOT:
-        # q holds values of the cache's dtype (loaded, or rotated and rounded): exact in it, so the tensor-core
-        # products are the FP32 products of the other path
-        qd = q.to(KT)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
@@ -210,10 +214,17 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         vt = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + dd[None, :],
                      mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         if ROPE:
+            q = _rope_apply(qx, qxp, qc, qsn, dd, D, LAYOUT, ROUND, DT)
+            krow = _rope_apply(kx, kxp, kc, ksn, dd, D, LAYOUT, ROUND, DT)
             eq = (s[:, None] == pn[None, :]) & live[None, :]   # [BLOCK_S, MP]: key s is new token j's row
             hit = tl.max(eq.to(tl.int32), axis=1) > 0
             kt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], krow[None, :, :], 0.0), axis=1).to(KT), kt)
-            vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :], 0.0), axis=1).to(KT), vt)
+            vt = tl.where(hit[:, None], tl.sum(tl.where(eq[:, :, None], vrow[None, :, :].to(tl.float32), 0.0),
+                                               axis=1).to(KT), vt)
+        if DOT:
+            # q holds values of the cache's dtype (loaded, or rotated and rounded): exact in it, so the tensor-core
+            # products are the FP32 products of the other path
+            qd = q.to(KT)
         if DOT_F32:
             # the interpreter's bf16 dot is wrong (Triton 3.9): the same exact products in FP32
             sc = tl.dot(qd.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee") * scale
@@ -251,6 +262,12 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         m_i = m_new
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if ROPE:
+        if sp == SPLITS - 1:
+            krow = _rope_apply(kx, kxp, kc, ksn, dd, D, LAYOUT, ROUND, DT)
+            w_ok = live[:, None] & d_ok[None, :]
+            tl.store(k_ptr + b * sk_b + hk * sk_h + pn[:, None] * sk_s + dd[None, :], krow.to(DT), mask=w_ok)
+            tl.store(v_ptr + b * sv_b + hk * sv_h + pn[:, None] * sv_s + dd[None, :], vrow, mask=w_ok)
     # Split sp's partial: [max, sum, acc...] per row, then the merge by the last split to arrive.
     W: tl.constexpr = DP + 2
     base = ws_ptr + (pid * SPLITS + sp).to(tl.int64) * (RW * W)
