@@ -344,7 +344,7 @@ for s in $sections; do
         ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
       timeout ${LLAMA1_TIMEOUT:-170} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
         --ungate rope_gqa ${LLAMA_FLAGS:-} --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
-      timeout ${LLAMA8_TIMEOUT:-220} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep --gqa --e2e \
+      timeout ${LLAMA8_TIMEOUT:-220} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep ${LLAMA8_GQA---gqa} --e2e \
         --ungate rope_gqa ${LLAMA_FLAGS:-} --tree-rows ${LLAMA8_ROWS:-inductor-cudagraphs,dsv41} \
         --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)
