@@ -33,14 +33,15 @@ def pdl(request):
 
 @pytest.mark.parametrize("hq, hkv, d, s, m", [(32, 8, 64, 768, 1), (32, 8, 128, 4096, 1), (32, 8, 64, 333, 6)])
 @pytest.mark.parametrize("masking", ["bool", "additive"])
-def test_llama_shapes_match_float64(hq, hkv, d, s, m, masking, pdl):
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+def test_llama_shapes_match_float64(hq, hkv, d, s, m, masking, dot, pdl):
     _, q, k, v = R._qkv(1, hq, hkv, m, s, d, torch.bfloat16, s)
     valid = s - 17
     if masking == "bool":
         mask = (torch.arange(s)[None, :] < valid)[None, None].expand(1, 1, m, s)
     else:
         mask = torch.where(torch.arange(s) < valid, 0.0, float("-inf")).to(torch.bfloat16)[None, None, None]
-    got = ga.triton_gqa_decode_attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda())
+    got = ga.triton_gqa_decode_attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda(), dot=dot)
     R._close(got.cpu(), R.attention64(q, k, v, mask if masking == "bool" else mask.float()), v)
 
 
@@ -48,7 +49,8 @@ RG = load_reference("test_kernels_rope_gqa")
 
 
 @pytest.mark.parametrize("d, t, m, layout", [(64, 640, 1, 0), (128, 1024, 1, 1), (64, 333, 4, 2)])
-def test_rope_prologue_at_llama_shapes(d, t, m, layout, pdl):
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+def test_rope_prologue_at_llama_shapes(d, t, m, layout, dot, pdl):
     """dsv41::rope_gqa_decode_attention: the new rows land in the caches and the output matches float64, with the
     new positions in a split other than the last (the writer), so another split must use them in place."""
     from dsv41.kernels import rope_gqa as rg
@@ -58,7 +60,7 @@ def test_rope_prologue_at_llama_shapes(d, t, m, layout, pdl):
     want, kc_want, vc_want = RG._expected(q, k, v, cos, sin, pos_t, kc, vc, layout, mask, d ** -0.5, torch.bfloat16)
     kc_d, vc_d = kc.cuda(), vc.cuda()
     got = rg.triton_rope_gqa_decode_attention(q.cuda(), k.cuda(), v.cuda(), cos.cuda(), sin.cuda(), pos_t.cuda(),
-                                              kc_d, vc_d, layout, False, mask.cuda())
+                                              kc_d, vc_d, layout, False, mask.cuda(), dot=dot)
     torch.cuda.synchronize()
     for have, ref in ((kc_d.cpu(), kc_want), (vc_d.cpu(), vc_want)):
         diff = (have.double() - ref.double()).abs()

@@ -72,8 +72,10 @@ CASES = [
 @interpreted
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-hq{c[1]}-hkv{c[2]}-m{c[3]}-s{c[4]}-d{c[5]}")
 @pytest.mark.parametrize("masking", ["none", "bool", "additive"])
-def test_matches_float64(case, masking, nan_outputs):
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+def test_matches_float64(case, masking, dot, nan_outputs):
     b, hq, hkv, m, s, d, dt, over = case
+    over = {**over, "dot": dot}  # the tensor-core path where the shapes allow it (bf16 / fp16, 16+ keys and dims)
     gen, q, k, v = _qkv(b, hq, hkv, m, s, d, dt, s + d)
     mask = None
     if masking == "bool":  # a causal-style prefix per row, broadcast over batch and heads

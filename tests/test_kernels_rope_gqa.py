@@ -94,8 +94,10 @@ CASES = [
 
 @interpreted
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"l{c[6]}-m{c[3]}-{str(c[7])[6:]}-pos{c[8]}")
-def test_output_and_caches_match_float64(case, nan_outputs):
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+def test_output_and_caches_match_float64(case, dot, nan_outputs):
     b, hq, hkv, m, t, d, layout, dtype, pos, over = case
+    over = {**over, "dot": dot}
     q, k, v, cos, sin, pos_t, kc, vc = _case(b, hq, hkv, m, t, d, layout, dtype, t + m, pos)
     # each token attends the cache up to the last position written, as a causal decode would
     limit = max(p for p in pos if p < t) + 1

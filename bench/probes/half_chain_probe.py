@@ -174,7 +174,7 @@ def gqa_sweep(model, reps_ms, context=640):
     one({"dot": False})
     for bs in (16, 32, 64, 128):
         for sp in (None, 4, 8, 16):
-            one({"block_s": bs} if sp is None else {"block_s": bs, "splits": sp})
+            one({"block_s": bs, "dot": True} if sp is None else {"block_s": bs, "splits": sp, "dot": True})
     top = dict(best[1])
     one({**top, "skip_masked": False})  # the mask's load before the cache's is one more round trip
     for nw in (1, 2, 8):

@@ -49,6 +49,10 @@ __all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa
 #: Largest M (query rows per head) the CUDA implementation sends to the Triton kernel; above it, the reference.
 MAX_TRITON_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Whether `gqa_plan` picks the tensor-core path (`DOT`) by default. Off: it has run only under the interpreter
+#: (session 37 lost its GPU lease); on an H100 the FP32 [rows, keys, head dim] products cost about 3.6 us per 32-key
+#: tile at Llama-1B's shape, which is what the path replaces. `bench/probes/half_chain_probe.py --gqa` sweeps both.
+_DOT = False
 
 
 def _check(q, k, v, mask) -> tuple[int, int]:
@@ -310,7 +314,7 @@ def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: in
     """Launch parameters: BLOCK_S keys per iteration (default 32), SPLITS sequence splits (default: enough that
     b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split, num_warps
     (default 4), SKIP_MASKED (default True: a key that the mask hides from every query row of a program is not
-    read), DOT (default True: scores and the weighted sum on tensor cores for bf16 / fp16, where BLOCK_S and the
+    read), DOT (default `_DOT`: scores and the weighted sum on tensor cores for bf16 / fp16, where BLOCK_S and the
     head dim are at least 16); grid (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
     num_warps that is not 1, 2, 4 or 8."""
     block_s = block_s or 32
@@ -329,7 +333,7 @@ def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: in
     splits = -(-tiles // iters)
     return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=next_power_of_2(splits), S_ITERS=iters,
                 SKIP_MASKED=True if skip_masked is None else bool(skip_masked), num_warps=num_warps,
-                DOT=True if dot is None else bool(dot),
+                DOT=_DOT if dot is None else bool(dot),
                 grid=(b * hkv, splits))
 
 
