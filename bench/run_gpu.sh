@@ -340,12 +340,12 @@ for s in $sections; do
       # GEMV chain with the defaults, the attention plans swept, end to end as the tree has it, with the best
       # attention plan, and with the gated rope_gqa family on) and Llama-8B (chain and end to end), one lease.
       # LLAMA_FLAGS (e.g. --skip-chain) and LLAMA8_ROWS (the 8B first e2e run's rows) trim a short lease.
-      timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q ${LLAMA_TEST_FILES:-tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py} \
+      timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q ${LLAMA_TEST_FILES:-tests/test_kernels_gpu_half.py tests/test_kernels_gpu_gqa.py tests/test_kernels_gpu_row_argmax.py tests/test_kernels_gpu_rope_kv.py} \
         ${HALF_TESTS_K:+-k "$HALF_TESTS_K"} 2>&1 | tail -3 | tee "$OUTDIR/llama_tests.log"
       timeout ${LLAMA1_TIMEOUT:-170} python3 bench/probes/half_chain_probe.py --model llama-1b --no-sweep --gqa --e2e \
-        --ungate rope_gqa ${LLAMA_FLAGS:-} --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
+        --ungate rope_gqa --ungate rope_gqa,row_argmax ${LLAMA_FLAGS:-} --json "$OUTDIR/final_llama_1b.json" 2>&1 | grep -v Warning | cut -c1-180
       timeout ${LLAMA8_TIMEOUT:-220} python3 bench/probes/half_chain_probe.py --model llama-8b --no-sweep ${LLAMA8_GQA---gqa} --e2e \
-        --ungate rope_gqa ${LLAMA_FLAGS:-} --tree-rows ${LLAMA8_ROWS:-inductor-cudagraphs,dsv41} \
+        --ungate rope_gqa,row_argmax ${LLAMA_FLAGS:-} --tree-rows ${LLAMA8_ROWS:-inductor-cudagraphs,dsv41} \
         --json "$OUTDIR/final_llama_8b.json" 2>&1 | grep -v Warning | cut -c1-180 ;;
     prefill)
       # Issue [prefill]: rows prefilling through their compiled model in fixed chunks (--compiled-prefill) against

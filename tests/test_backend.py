@@ -235,7 +235,7 @@ def test_normalize_removes_value_preserving_detours_only():
 def test_families_run_in_the_documented_order():
     import dsv41
 
-    assert FAMILY_ORDER == ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer", "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention", "rope_gqa")
+    assert FAMILY_ORDER == ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer", "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention", "rope_gqa", "row_argmax")
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(_FP8Linear(), backend="dsv41")(torch.randn(1, 64))

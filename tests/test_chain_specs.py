@@ -24,7 +24,7 @@ def test_every_family_has_a_spec_whose_name_is_its_key():
 
 def test_manager_lists_are_read_from_the_specs():
     specs = [manager.FAMILIES[n].spec for n in manager.FAMILY_ORDER]
-    assert manager.FAMILY_ORDER[0] == "normalize" and manager.FAMILY_ORDER[-1] == "rope_gqa"
+    assert manager.FAMILY_ORDER[0] == "normalize" and manager.FAMILY_ORDER[-1] == "row_argmax"
     assert manager.REWRITE_FAMILIES == ("normalize",)
     assert manager._FUSED_OPS == fused_ops(specs)
     # every op a family emits is declared: the kernels register exactly these dsv41 linear / fused ops
@@ -80,7 +80,7 @@ def test_report_patterns_prints_every_chain(capsys):
 #: added as only its spec file, kernel file and tests); the declarations' after / before must give it.
 _ORDER = ("normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer",
           "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention",
-          "rope_gqa")
+          "rope_gqa", "row_argmax")
 
 
 def test_the_declarations_give_the_pass_order_exactly():

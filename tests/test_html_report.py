@@ -128,7 +128,7 @@ def test_page_is_a_complete_document_with_inline_css_and_no_scripts():
 def test_family_table_has_one_row_per_family_with_counts_by_hand():
     t = _page().table("family", "on", "matches", "nodes replaced", "near-misses", "findings")
     rows = {r[0]: r for r in t["rows"]}
-    assert set(rows) == {"normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer", "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention", "rope_gqa", EVIL_FAMILY}
+    assert set(rows) == {"normalize", "c2_compressor", "rope_fp4", "mhc", "engram", "mhc_fold", "moe", "sparse_attention", "indexer", "small_ops", "upcast_linear", "dispatch", "grouped_pair", "sibling_gemv", "half_gemv", "rope_kv", "gqa_attention", "rope_gqa", "row_argmax", EVIL_FAMILY}
     # dispatch: 2 matches x 2 nodes, 1 finding; bytes at B=L=1: (1000+5000)*2 = 12 kB -> (100+600)*2 = 1.4 kB
     assert rows["dispatch"][1:6] == ["on", "2", "4", "0", "1"]
     assert rows["dispatch"][6] == "12.00 kB -> 1.40 kB"

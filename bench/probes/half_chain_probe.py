@@ -217,7 +217,7 @@ def e2e(model, save=lambda part: None):
         if label == "patched":
             patch(e2e.result)
         t = time.perf_counter()
-        opts = {"gpu_unvalidated": [label[1:]]} if label.startswith("+") else None
+        opts = {"gpu_unvalidated": label[1:].split(",")} if label.startswith("+") else None
         r = run_llama_benchmark(model, backends=rows, **{**kw, "options": opts})
         for name, b in r["backends"].items():
             keep = {k: b.get(k) for k in ("decode_tok_s", "roofline_fraction", "kernels_per_step", "max_rel_logit_err",
@@ -241,7 +241,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="only the cuBLAS chain and the tree's default plans")
     ap.add_argument("--gqa", action="store_true", help="sweep the attention plans; the e2e patches the best")
-    ap.add_argument("--ungate", action="append", default=[], help="an e2e run more with this gated family on")
+    ap.add_argument("--ungate", action="append", default=[], help="an e2e run more with these gated families on (comma-separated)")
     ap.add_argument("--skip-chain", action="store_true", help="no GEMV chain timing (the e2e and --gqa only)")
     ap.add_argument("--tree-rows", default="inductor-cudagraphs,dsv41", help="rows of the e2e's first run")
     a = ap.parse_args()
