@@ -158,6 +158,7 @@ def gqa_sweep(model, reps_ms, context=640):
     rows, best = [], None
 
     def one(over):
+        """Time one plan (`gqa_plan` overrides) over every layer's cache; keep the row and the best."""
         nonlocal best
         calls = [lambda k=k, v=v: ga.triton_gqa_decode_attention(q, k, v, mask, **over) for k, v in caches]
         try:
