@@ -155,7 +155,7 @@ def test_sm90_build_waits_before_its_first_load(rope, dot):
                 kn_ptr="bf16", vn_ptr="bf16", c_ptr="fp32", s_ptr="fp32", pos_ptr="i64")
     consts = dict(G=4, RP=16 if dot else 4, DP=64, BLOCK_S=32, S_ITERS=4, SPLITS=8, SPLITS_P2=8, MASK=True,
                   MASK_BOOL=True, SKIP_MASKED=True, ROPE=rope, LAYOUT=1, ROUND=False, MP=1, RW=4, DOT=dot,
-                  DOT_F32=False, USE_PDL=True)
+                  DOT_F32=False, JC=4, USE_PDL=True)
     ptx = sm90_ttir(ga._gqa_kernel, ptrs, consts, stage="ptx", num_warps=4, scalar_types={"scale": "fp32"})
     lines = [ln.strip() for ln in ptx.splitlines()]
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)

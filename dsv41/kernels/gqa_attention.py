@@ -155,7 +155,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
                 S_ITERS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, MASK: tl.constexpr,
                 MASK_BOOL: tl.constexpr, SKIP_MASKED: tl.constexpr, ROPE: tl.constexpr, LAYOUT: tl.constexpr,
                 ROUND: tl.constexpr, MP: tl.constexpr, RW: tl.constexpr, DOT: tl.constexpr,
-                DOT_F32: tl.constexpr, USE_PDL: tl.constexpr):
+                DOT_F32: tl.constexpr, JC: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)   # b * HKV + kv head
     sp = tl.program_id(1)    # sequence split
     b = pid // HKV
@@ -290,13 +290,21 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         pb = ws_ptr + (pid * SPLITS + j).to(tl.int64) * (RW * W)
         mj = tl.load(pb[:, None] + rr[None, :] * W, mask=j_ok[:, None], other=float("-inf"), cache_modifier=".cg")
         lj = tl.load(pb[:, None] + rr[None, :] * W + 1, mask=j_ok[:, None], other=0.0, cache_modifier=".cg")
-        aj = tl.load(pb[:, None, None] + rr[None, :, None] * W + 2 + dd[None, None, :], mask=j_ok[:, None, None],
-                     other=0.0, cache_modifier=".cg")
         mx = tl.max(mj, axis=0)
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
         wj = tl.exp(mj - mxs[None, :])
         den = tl.sum(wj * lj, axis=0)
-        num = tl.sum(wj[:, :, None] * aj, axis=0)
+        # the accumulators JC splits at a time (a fixed order: deterministic): all SPLITS_P2 x RW x DP at once is
+        # 128 FP32 registers a thread at Llama-8B's shape
+        num = tl.zeros([RW, DP], tl.float32)
+        for c in tl.static_range(SPLITS_P2 // JC):
+            jc = c * JC + tl.arange(0, JC)
+            jc_ok = jc < SPLITS
+            pc = ws_ptr + (pid * SPLITS + jc).to(tl.int64) * (RW * W)
+            mc = tl.load(pc[:, None] + rr[None, :] * W, mask=jc_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+            ac = tl.load(pc[:, None, None] + rr[None, :, None] * W + 2 + dd[None, None, :], mask=jc_ok[:, None, None],
+                         other=0.0, cache_modifier=".cg")
+            num += tl.sum(tl.exp(mc - mxs[None, :])[:, :, None] * ac, axis=0)
         out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked, as SDPA gives
         tl.store(o_ptr + b * so_b + hr[:, None] * so_h + mr[:, None] * so_m + dd[None, :],
                  round_to(out, DT).to(DT), mask=(rr < G * M)[:, None] & d_ok[None, :])
@@ -395,7 +403,8 @@ def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         SKIP_MASKED=plan["SKIP_MASKED"], RW=rw, DOT=dot,
-        DOT_F32=dot and q.dtype == torch.bfloat16 and is_interpreted(_gqa_kernel), USE_PDL=pdl, num_warps=plan["num_warps"], **rconst,
+        DOT_F32=dot and q.dtype == torch.bfloat16 and is_interpreted(_gqa_kernel), JC=min(4, plan["SPLITS_P2"]),
+        USE_PDL=pdl, num_warps=plan["num_warps"], **rconst,
         **extra)
     return out
 
