@@ -66,6 +66,7 @@ CASES = [
     (2, 6, 2, 2, 5, 8, torch.float32, {}),
     (1, 8, 1, 1, 129, 32, torch.bfloat16, {"block_s": 16, "splits": 3}),
     (1, 8, 2, 2, 45, 16, torch.float16, {"block_s": 8, "skip_masked": False, "num_warps": 2}),
+    (1, 4, 2, 1, 90, 16, torch.bfloat16, {"block_s": 8, "merge_chunk": 2}),   # 12 splits merged 2 at a time
 ]
 
 
@@ -119,6 +120,8 @@ def test_plan_rejects_bad_overrides():
         ga.gqa_plan(1, 8, 64, num_warps=3)
     with pytest.raises(ValueError, match="block_s"):
         ga.gqa_plan(1, 8, 64, block_s=24)
+    with pytest.raises(ValueError, match="merge_chunk"):
+        ga.gqa_plan(1, 8, 64, merge_chunk=3)
     assert ga.gqa_plan(1, 8, 64, skip_masked=False)["SKIP_MASKED"] is False
 
 

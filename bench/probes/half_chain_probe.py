@@ -178,6 +178,7 @@ def gqa_sweep(model, reps_ms, context=640):
             one({"block_s": bs, "dot": True} if sp is None else {"block_s": bs, "splits": sp, "dot": True})
     top = dict(best[1])
     one({**top, "skip_masked": False})  # the mask's load before the cache's is one more round trip
+    one({**top, "merge_chunk": 4})
     for nw in (1, 2, 8):
         one({**top, "num_warps": nw})
     return rows, best[1]

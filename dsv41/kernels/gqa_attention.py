@@ -294,8 +294,8 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
         wj = tl.exp(mj - mxs[None, :])
         den = tl.sum(wj * lj, axis=0)
-        # the accumulators JC splits at a time (a fixed order: deterministic): all SPLITS_P2 x RW x DP at once is
-        # 128 FP32 registers a thread at Llama-8B's shape
+        # the accumulators JC splits at a time (a fixed order: deterministic); all SPLITS_P2 x RW x DP at once is
+        # 128 FP32 registers a thread at Llama-8B's shape (`gqa_plan(merge_chunk=)`)
         num = tl.zeros([RW, DP], tl.float32)
         for c in tl.static_range(SPLITS_P2 // JC):
             jc = c * JC + tl.arange(0, JC)
@@ -318,12 +318,14 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: int | None = None,
              num_warps: int | None = None, skip_masked: bool | None = None, dot: bool | None = None,
-             sm_count: int = 132) -> dict:
+             merge_chunk: int | None = None, sm_count: int = 132) -> dict:
     """Launch parameters: BLOCK_S keys per iteration (default 32), SPLITS sequence splits (default: enough that
     b x hkv x splits programs give about 2 per SM, each at least one BLOCK_S), S_ITERS per split, num_warps
     (default 4), SKIP_MASKED (default True: a key that the mask hides from every query row of a program is not
     read), DOT (default `_DOT`: scores and the weighted sum on tensor cores for bf16 / fp16, where BLOCK_S and the
-    head dim are at least 16); grid (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
+    head dim are at least 16), JC (`merge_chunk`: splits the merge sums at a time, a power of two; default all of
+    them at once, as GPU-measured; 4 keeps the merge's registers small at Llama-8B's shape, not yet measured); grid
+    (b hkv, splits). Raises ValueError for a block_s that is not a power of two, splits < 1 or a
     num_warps that is not 1, 2, 4 or 8."""
     block_s = block_s or 32
     if block_s & (block_s - 1) or block_s < 1:
@@ -339,7 +341,10 @@ def gqa_plan(b: int, hkv: int, s: int, *, block_s: int | None = None, splits: in
     splits = min(splits, tiles)
     iters = -(-tiles // splits)
     splits = -(-tiles // iters)
-    return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=next_power_of_2(splits), S_ITERS=iters,
+    p2 = next_power_of_2(splits)
+    if merge_chunk is not None and (merge_chunk < 1 or merge_chunk & (merge_chunk - 1)):
+        raise ValueError(f"merge_chunk={merge_chunk} must be a power of two")
+    return dict(BLOCK_S=block_s, SPLITS=splits, SPLITS_P2=p2, S_ITERS=iters, JC=min(merge_chunk or p2, p2),
                 SKIP_MASKED=True if skip_masked is None else bool(skip_masked), num_warps=num_warps,
                 DOT=_DOT if dot is None else bool(dot),
                 grid=(b * hkv, splits))
@@ -403,7 +408,7 @@ def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
         G=g, RP=rp, DP=dp, BLOCK_S=plan["BLOCK_S"], S_ITERS=plan["S_ITERS"], SPLITS=plan["SPLITS"],
         SPLITS_P2=plan["SPLITS_P2"], MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         SKIP_MASKED=plan["SKIP_MASKED"], RW=rw, DOT=dot,
-        DOT_F32=dot and q.dtype == torch.bfloat16 and is_interpreted(_gqa_kernel), JC=min(4, plan["SPLITS_P2"]),
+        DOT_F32=dot and q.dtype == torch.bfloat16 and is_interpreted(_gqa_kernel), JC=plan["JC"],
         USE_PDL=pdl, num_warps=plan["num_warps"], **rconst,
         **extra)
     return out
