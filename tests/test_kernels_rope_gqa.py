@@ -155,3 +155,17 @@ def test_bad_arguments_are_named(mutate, words):
                 mask=None, scale=None)
     with pytest.raises((TypeError, ValueError), match=words):
         rg.reference_rope_gqa_decode_attention(**mutate(args))
+
+
+@interpreted
+def test_sin_laid_out_unlike_cos_and_strided_positions(nan_outputs):
+    """The kernel reads both angle tensors with one set of strides and positions as contiguous: the launcher must
+    hand it such copies (found by a break attempt: sin transposed in memory, pos a column of a 2-D tensor)."""
+    q, k, v, cos, sin, pos, kc, vc = _case(2, 4, 2, 2, 16, 8, 0, torch.float32, 21, [3, 4])
+    sin_t = sin.transpose(0, 2).contiguous().transpose(0, 2)
+    pos_col = torch.tensor([[3, 99], [4, 98]])[:, 0]
+    mask = torch.ones(1, 1, 2, 16, dtype=torch.bool)
+    want, kc_want, _ = _expected(q, k, v, cos, sin, pos, kc, vc, 0, mask, 8 ** -0.5, torch.float32)
+    got = rg.triton_rope_gqa_decode_attention(q, k, v, cos, sin_t, pos_col, kc, vc, 0, False, mask, block_s=4)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    assert torch.allclose(kc.double(), kc_want.double(), atol=1e-6)

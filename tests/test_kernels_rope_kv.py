@@ -181,6 +181,21 @@ def test_negative_positions_count_from_the_end_on_the_kernel():
     _negative_positions_count_from_the_end(rk.triton_rope_kv_store)
 
 
+@interpreted
+def test_sin_laid_out_unlike_cos_and_strided_positions_on_the_kernel():
+    """Same values as the reference gets, other layouts: sin transposed in memory, pos a strided column."""
+    q, k, v = _qkv(2, 2, 2, 2, 8, torch.float32, seed=12)
+    ang = _angles(2, 2, 8)
+    cos, sin = ang.cos().float(), ang.sin().float()
+    sin_t = sin.transpose(0, 2).contiguous().transpose(0, 2)
+    pos = torch.tensor([5, 6])
+    pos_col = torch.tensor([[5, 99], [6, 98]])[:, 0]
+    want = _run(rk.reference_rope_kv_store, q, k, v, cos, sin, pos, 0, False)
+    got = _run(rk.triton_rope_kv_store, q, k, v, cos, sin_t, pos_col, 0, False)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
 def test_bad_arguments_name_the_argument():
     q, k, v = _qkv(1, 1, 4, 2, 16, torch.float32)
     ang = _angles(1, 1, 16)

@@ -25,8 +25,9 @@ softmax (running max, sum, FP32 accumulator). Keys the mask hides from all its r
 cache's positions past the context cost no bytes). Each split writes its (max, sum, accumulator) to a workspace; the
 last split of a (b, kv head) to arrive (arrival counter, acquire/release) merges them in split order
 (deterministic) and writes the output rounded once to q's dtype. Under PDL a program waits for the previous
-kernel before its first load and lets the next kernel launch once its loop is done. A row whose every key is masked gives NaN, as
-SDPA does. Numerics: FP32 throughout, one rounding at the end; SDPA's kernels also compute in FP32 (a different
+kernel before its first load and lets the next kernel launch once its loop is done. A row whose every key is masked
+gives NaN (softmax over no keys; SDPA gives NaN or 0 there by version and backend: torch 2.13's CPU kernel, this
+op's reference, gives 0). Numerics: FP32 throughout, one rounding at the end; SDPA's kernels also compute in FP32 (a different
 summation order: differences of an ulp of q's dtype).
 """
 
@@ -305,7 +306,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, ws_ptr, cnt_ptr,
             ac = tl.load(pc[:, None, None] + rr[None, :, None] * W + 2 + dd[None, None, :], mask=jc_ok[:, None, None],
                          other=0.0, cache_modifier=".cg")
             num += tl.sum(tl.exp(mc - mxs[None, :])[:, :, None] * ac, axis=0)
-        out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked, as SDPA gives
+        out = num / den[:, None]  # 0 / 0 = NaN for a row whose every key is masked (module docstring)
         tl.store(o_ptr + b * so_b + hr[:, None] * so_h + mr[:, None] * so_m + dd[None, :],
                  round_to(out, DT).to(DT), mask=(rr < G * M)[:, None] & d_ok[None, :])
         tl.atomic_xchg(cnt_ptr + pid, 0)
@@ -377,7 +378,7 @@ def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
     out = _empty((b, hq, m, d), q.dtype, q.device)
     if out.numel() == 0:
         return out
-    if s == 0:  # softmax over no keys: NaN, as SDPA gives
+    if s == 0:  # softmax over no keys: NaN (module docstring)
         return out.fill_(float("nan"))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     plan = gqa_plan(b, hkv, s, **overrides)

@@ -32,7 +32,7 @@ import torch
 from ._common import register_cuda, require_launchable
 from .gqa_attention import MAX_TRITON_M, _check as _check_attention, _gqa_kernel, launch_gqa, \
     reference_gqa_decode_attention
-from .rope_kv import _check as _check_rope, reference_rope_kv_store
+from .rope_kv import _check as _check_rope, reference_rope_kv_store, same_layout_trig
 
 __all__ = ["rope_gqa_decode_attention", "reference_rope_gqa_decode_attention", "triton_rope_gqa_decode_attention"]
 
@@ -86,6 +86,7 @@ def triton_rope_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
     if q.shape[-1] % 2:
         raise ValueError(f"head dim {q.shape[-1]} is odd: RoPE rotates pairs")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin, pos = same_layout_trig(cos, sin, pos)
     rope = dict(k=k, v=v, cos=cos, sin=sin, pos=pos, layout=layout, round_products=round_products)
     return launch_gqa(q.transpose(1, 2), k_cache, v_cache, mask, scale, overrides, rope=rope)
 

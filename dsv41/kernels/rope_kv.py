@@ -43,11 +43,23 @@ import triton.language as tl
 from ._common import (check_same_device, check_tensor, next_power_of_2, register_cuda, require_launchable,
                       round_to, use_pdl_for)
 
-__all__ = ["rope_kv_store", "reference_rope_kv_store", "triton_rope_kv_store", "rope_apply_reference", "LAYOUTS"]
+__all__ = ["rope_kv_store", "reference_rope_kv_store", "triton_rope_kv_store", "rope_apply_reference", "LAYOUTS",
+           "same_layout_trig"]
 
 #: layout code -> (name, trig width as a fraction of D)
 LAYOUTS = {0: ("interleaved", 2), 1: ("rotate_half", 2), 2: ("rotate_half_full", 1)}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def same_layout_trig(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> tuple:
+    """(cos, sin, pos) as the kernels read them: one set of strides for both angle tensors (the kernels take
+    cos's), and contiguous positions. Copies only what breaks that (cos and sin of different layouts become
+    contiguous, as does a strided pos); returns the inputs themselves otherwise."""
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if pos.numel() > 1 and pos.stride(0) != 1:
+        pos = pos.contiguous()
+    return cos, sin, pos
 
 
 def _pairs(d: int, layout: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +249,7 @@ def triton_rope_kv_store(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Te
     require_launchable(_rope_kv_kernel, k.device, "triton_rope_kv_store")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dim (stride 1)")
+    cos, sin, pos = same_layout_trig(cos, sin, pos)
     b, s, hkv, d = k.shape
     out = _q_out(q, q_out_stride, k.device)
     h = 0 if q is None else q.shape[2]

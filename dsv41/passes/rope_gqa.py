@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .engine import (Chain, ChainFamily, Role, Site, concrete_shape, insert_node, positions, register_family,
-                     tensor_val, token_rows)
+                     resolve_replaced, tensor_val, token_rows)
 from .records import NearMiss, SourceLocation
 
 __all__ = ["RopeGqaFamily", "SPEC"]
@@ -115,7 +115,9 @@ def _rewrite(graph: fx.Graph, site: Site, op, replaced: dict) -> dict:
     site.inputs_of = {n: list(n.all_input_nodes) for n in site.region}
     att = site.anchor
     names = ("q", "k", "v", "cos", "sin", "pos", "k_cache", "v_cache", "layout", "round_products", "mask", "scale")
-    af = insert_node(graph, att, _AF, (op,), dict(zip(names, site.args)), like=att)
+    # an earlier site's rewrite may have replaced a node this one reads (two writes of one cache in a graph)
+    args = [resolve_replaced(a, replaced) for a in site.args]
+    af = insert_node(graph, att, _AF, (op,), dict(zip(names, args)), like=att)
     done = {}
     for i, old in enumerate(site.outputs):
         new = insert_node(graph, att, operator.getitem, (af, i), like=old)
