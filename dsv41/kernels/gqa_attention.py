@@ -45,7 +45,7 @@ from ._common import (check_same_device, check_tensor, is_interpreted, next_powe
                       require_launchable, round_to, split_k_counters, use_pdl_for)
 
 __all__ = ["gqa_decode_attention", "reference_gqa_decode_attention", "triton_gqa_decode_attention",
-           "gqa_plan", "MAX_TRITON_M"]
+           "gqa_plan", "launch_gqa", "check_gqa_args", "MAX_TRITON_M"]
 
 #: Largest M (query rows per head) the CUDA implementation sends to the Triton kernel; above it, the reference.
 MAX_TRITON_M = 8
@@ -56,8 +56,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DOT = False
 
 
-def _check(q, k, v, mask) -> tuple[int, int]:
-    """Validate shapes and dtypes; return (G, S). Errors name the argument at fault."""
+def check_gqa_args(q, k, v, mask) -> tuple[int, int]:
+    """Validate `gqa_decode_attention`'s arguments (shapes in the module docstring); return (G, S).
+
+    Raises: TypeError for a dtype the op does not take, ValueError for shapes that do not fit, each naming the
+    argument at fault."""
     check_tensor("q", q, dtypes=_DTYPES, ndim=4)
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, dtypes=(q.dtype,), ndim=4)
@@ -94,7 +97,7 @@ def reference_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Raises: TypeError for a dtype the op does not take, ValueError for shapes that do not fit (named).
     Source: Ainslie et al. 2023, "GQA"; torch.nn.functional.scaled_dot_product_attention.
     """
-    g, _ = _check(q, k, v, mask)
+    g, _ = check_gqa_args(q, k, v, mask)
     kk = k.repeat_interleave(g, dim=1)
     vv = v.repeat_interleave(g, dim=1)
     # Contiguous like the Triton path's output and the fake's: SDPA's own CPU output is laid out [B, M, H, D]
@@ -357,19 +360,21 @@ def triton_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """`reference_gqa_decode_attention` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1);
     `overrides` (block_s, splits, num_warps, skip_masked) replace the `gqa_plan` heuristic. Raises as the
     reference, plus RuntimeError when the kernel cannot run on the device and ValueError for D > 256."""
-    _check(q, k, v, mask)
-    require_launchable(_gqa_kernel, q.device, "triton_gqa_decode_attention")
+    check_gqa_args(q, k, v, mask)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return launch_gqa(q, k, v, mask, scale, overrides)
+    return launch_gqa(q, k, v, mask, scale, overrides, caller="triton_gqa_decode_attention")
 
 
 def launch_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-               scale: Optional[float], overrides: dict, rope: Optional[dict] = None) -> torch.Tensor:
+               scale: Optional[float], overrides: dict, rope: Optional[dict] = None,
+               caller: str = "launch_gqa") -> torch.Tensor:
     """One `_gqa_kernel` launch on checked arguments whose last dims are contiguous: q [B, Hq, M, D] (with `rope`,
     the unrotated q seen as [B, Hq, M, D], e.g. a transpose of [B, M, Hq, D]), k / v [B, Hkv, S, D] (with `rope`,
     the caches the new rows are written to). `rope` = dict(k, v [B, M, Hkv, D] (last dim contiguous), cos, sin
     [B, M, W], pos int64 [M], layout, round_products) as `rope_kv_store` takes them. Returns the output
-    [B, Hq, M, D] in q's dtype. Raises ValueError for D > 256 or a plan override it rejects."""
+    [B, Hq, M, D] in q's dtype. Raises ValueError for D > 256 or a plan override it rejects, RuntimeError (naming
+    `caller`) when the kernel cannot run on q's device."""
+    require_launchable(_gqa_kernel, q.device, caller)
     b, hq, m, d = q.shape
     if d > 256:
         raise ValueError(f"head dim {d} > 256 is not taken by the kernel")

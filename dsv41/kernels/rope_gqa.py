@@ -29,10 +29,9 @@ from typing import Optional
 
 import torch
 
-from ._common import register_cuda, require_launchable
-from .gqa_attention import MAX_TRITON_M, _check as _check_attention, _gqa_kernel, launch_gqa, \
-    reference_gqa_decode_attention
-from .rope_kv import _check as _check_rope, reference_rope_kv_store, same_layout_trig
+from ._common import register_cuda
+from .gqa_attention import MAX_TRITON_M, check_gqa_args, launch_gqa, reference_gqa_decode_attention
+from .rope_kv import check_rope_kv_args, reference_rope_kv_store, same_layout_trig
 
 __all__ = ["rope_gqa_decode_attention", "reference_rope_gqa_decode_attention", "triton_rope_gqa_decode_attention"]
 
@@ -49,8 +48,8 @@ def _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, mask) -> None:
     """Both ops' argument checks (errors name the argument), plus q's presence (this op attends with it)."""
     if q is None:
         raise ValueError("q is None: rope_gqa_decode_attention attends with the rotated q")
-    _check_rope(q, k, v, cos, sin, pos, k_cache, v_cache, layout, _contiguous_strides(q.shape))
-    _check_attention(q.transpose(1, 2), k_cache, v_cache, mask)
+    check_rope_kv_args(q, k, v, cos, sin, pos, k_cache, v_cache, layout, _contiguous_strides(q.shape))
+    check_gqa_args(q.transpose(1, 2), k_cache, v_cache, mask)
 
 
 def reference_rope_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -80,7 +79,6 @@ def triton_rope_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
     `overrides` as `gqa_plan` takes them. Raises as the reference, plus RuntimeError when the kernel cannot run on
     the device and ValueError for D > 256, an odd D or caches whose last dim is not contiguous."""
     _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, mask)
-    require_launchable(_gqa_kernel, q.device, "triton_rope_gqa_decode_attention")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dim (stride 1)")
     if q.shape[-1] % 2:
@@ -88,7 +86,8 @@ def triton_rope_gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos, sin, pos = same_layout_trig(cos, sin, pos)
     rope = dict(k=k, v=v, cos=cos, sin=sin, pos=pos, layout=layout, round_products=round_products)
-    return launch_gqa(q.transpose(1, 2), k_cache, v_cache, mask, scale, overrides, rope=rope)
+    return launch_gqa(q.transpose(1, 2), k_cache, v_cache, mask, scale, overrides, rope=rope,
+                      caller="triton_rope_gqa_decode_attention")
 
 
 @torch.library.custom_op("dsv41::rope_gqa_decode_attention", mutates_args=("k_cache", "v_cache"),

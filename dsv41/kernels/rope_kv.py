@@ -44,7 +44,7 @@ from ._common import (check_same_device, check_tensor, next_power_of_2, register
                       round_to, use_pdl_for)
 
 __all__ = ["rope_kv_store", "reference_rope_kv_store", "triton_rope_kv_store", "rope_apply_reference", "LAYOUTS",
-           "same_layout_trig"]
+           "same_layout_trig", "check_rope_kv_args"]
 
 #: layout code -> (name, trig width as a fraction of D)
 LAYOUTS = {0: ("interleaved", 2), 1: ("rotate_half", 2), 2: ("rotate_half_full", 1)}
@@ -99,7 +99,7 @@ def rope_apply_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return out
 
 
-def _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride) -> None:
+def check_rope_kv_args(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride) -> None:
     """Validate shapes and dtypes; errors name the argument at fault."""
     check_tensor("k", k, dtypes=_DTYPES, ndim=4)
     check_tensor("v", v, dtypes=(k.dtype,), ndim=4)
@@ -150,7 +150,7 @@ def reference_rope_kv_store(q: Optional[torch.Tensor], k: torch.Tensor, v: torch
     """The op in plain PyTorch (module docstring): writes k_cache / v_cache in place at the positions in [-T, T)
     (negative ones wrapped to pos + T) and returns q_rot (an empty [0] fp32 tensor when q is None). Raises TypeError / ValueError naming the
     argument for wrong dtypes or shapes."""
-    _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride)
+    check_rope_kv_args(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride)
     t = k_cache.shape[2]
     pos = torch.where(pos < 0, pos + t, pos)
     ok = (pos >= 0) & (pos < t)
@@ -245,7 +245,7 @@ def triton_rope_kv_store(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Te
     """`reference_rope_kv_store` on the Triton kernel (interpreted on CPU under TRITON_INTERPRET=1). Raises as the
     reference, plus RuntimeError when the kernel cannot run on the device and ValueError for caches whose last dim
     is not contiguous."""
-    _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride)
+    check_rope_kv_args(q, k, v, cos, sin, pos, k_cache, v_cache, layout, q_out_stride)
     require_launchable(_rope_kv_kernel, k.device, "triton_rope_kv_store")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dim (stride 1)")
