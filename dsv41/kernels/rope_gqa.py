@@ -37,11 +37,8 @@ __all__ = ["rope_gqa_decode_attention", "reference_rope_gqa_decode_attention", "
 
 
 def _contiguous_strides(shape) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return out[::-1]
+    """The strides of a contiguous tensor of `shape` (what the reference's rotated q is laid out as)."""
+    return list(torch.empty(shape, device="meta").stride())
 
 
 def _check(q, k, v, cos, sin, pos, k_cache, v_cache, layout, mask) -> None:
