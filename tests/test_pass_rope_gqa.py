@@ -65,7 +65,8 @@ def test_blocks(how, fused, left):
     assert ops["dsv41.rope_kv_store"] == left and ops["dsv41.gqa_decode_attention"] == left, ops
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert torch.allclose(comp_mod.kc, eager_mod.kc, atol=1e-6) and torch.allclose(comp_mod.vc, eager_mod.vc)
+    records = [r for gr in dsv41.last_report().graphs for r in gr.records if r.family == "rope_gqa"]
+    assert sum(len(r.matches) for r in records) == fused     # the report shows each fusion
     if left:
-        misses = [m for gr in dsv41.last_report().graphs for r in gr.records if r.family == "rope_gqa"
-                  for m in r.near_misses]
+        misses = [m for r in records for m in r.near_misses]
         assert any(m.check == "q_readers" for m in misses), misses

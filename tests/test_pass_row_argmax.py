@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import dsv41
 from dsv41.passes.testing import eager_and_compiled, ops_after
 
 
@@ -48,3 +49,6 @@ def test_spellings(how, vocab, rows, fused):
     want, got, graphs = eager_and_compiled(mod, (h,))
     assert sum(ops_after(g)["dsv41.row_argmax"] for g in graphs) == int(fused)
     assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    matches = [m for gr in dsv41.last_report().graphs for r in gr.records if r.family == "row_argmax"
+               for m in r.matches]
+    assert len(matches) == int(fused) and all(m.op == "dsv41::row_argmax" for m in matches)
